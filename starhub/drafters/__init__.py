@@ -1,0 +1,38 @@
+"""Drafters by name: ``ngram`` (prompt lookup) and ``model`` (an independent causal LM)."""
+
+from __future__ import annotations
+
+from starhub.drafters.base import DraftContext, Drafter, TreeShape
+
+DRAFTERS = ("ngram", "model")
+
+__all__ = ["DRAFTERS", "DraftContext", "Drafter", "TreeShape", "make_drafter", "parse_draft"]
+
+
+def parse_draft(spec: str) -> tuple[str, int | None]:
+    """``self`` | ``self:layers=K`` | a model spec -> (model spec or 'self', layers)."""
+    if spec == "self":
+        return "self", None
+    if spec.startswith("self:"):
+        key, _, value = spec[5:].partition("=")
+        if key != "layers" or not value.isdigit():
+            raise ValueError(f"bad draft spec '{spec}': expected self:layers=K")
+        return "self", int(value)
+    return spec, None
+
+
+def make_drafter(kind: str, draft: str = "self:layers=8", model: str = "default") -> Drafter:
+    """Build a drafter; ``model`` is the target's model spec, used by ``--draft self``."""
+    if kind == "ngram":
+        from starhub.drafters.ngram import NgramDrafter
+
+        return NgramDrafter()
+    if kind == "model":
+        from starhub.drafters.model import ModelDrafter
+        from starhub.models import load_model
+
+        source, layers = parse_draft(draft)
+        spec = model if source == "self" else source
+        draft_model, tokenizer = load_model(spec, layers=layers)
+        return ModelDrafter(draft_model, tokenizer, label=draft)
+    raise ValueError(f"unknown drafter '{kind}'; choose from {', '.join(DRAFTERS)}")

@@ -1,0 +1,49 @@
+"""What the hub needs from a drafter, and the per-session state every drafter sees."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from starhub.protocol import Hello
+from starhub.tree import DraftTree
+
+
+@dataclass
+class TreeShape:
+    depth: int = 5
+    topk: int = 4
+    max_nodes: int = 24
+    support: int = 16
+
+
+@dataclass
+class DraftContext:
+    """One session as its drafter sees it: committed ids, features, sampling settings."""
+
+    tokens: list[int]
+    temperature: float = 0.0
+    generator: torch.Generator | None = None
+    features: list[torch.Tensor] = field(default_factory=list)
+    state: Any = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+class Drafter(ABC):
+    name: str = ""
+    feature_layers: list[int] = []
+    """Hidden states a target must send: [] none, [-1] the final one, else layer indices."""
+
+    @abstractmethod
+    def propose(self, ctx: DraftContext, shape: TreeShape) -> DraftTree:
+        """Draft a tree after ``ctx.tokens``; may read and update ``ctx.state``."""
+
+    def check_target(self, hello: Hello) -> str | None:
+        """Why this drafter cannot serve the target that sent ``hello``, or None."""
+        return None

@@ -1,0 +1,89 @@
+"""An independent causal LM as drafter: the target's own weights, a truncation, or any LM
+with the target's tokenizer. Each session keeps a KV cache of its committed tokens; tree
+expansion appends to it under a tree mask and is cropped away after the round."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from starhub.drafters.base import DraftContext, Drafter, TreeShape
+from starhub.kvcache import crop_to
+from starhub.models import tokenizer_fingerprint
+from starhub.protocol import Hello
+from starhub.tree import DraftTree, build_greedy_tree, build_sampled_tree
+
+
+@dataclass
+class _Cache:
+    kv: DynamicCache
+    cached: int = 0
+
+
+class ModelDrafter(Drafter):
+    name = "model"
+
+    def __init__(self, model: PreTrainedModel, tokenizer=None, label: str = "model"):
+        self.model = model
+        self.label = label
+        self.vocab_size = model.config.vocab_size
+        self.fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else ""
+
+    def check_target(self, hello: Hello) -> str | None:
+        if hello.vocab_size != self.vocab_size:
+            return (f"draft model '{self.label}' has vocab size {self.vocab_size}, "
+                    f"the target has {hello.vocab_size}")
+        if self.fingerprint and hello.tokenizer_fp and hello.tokenizer_fp != self.fingerprint:
+            return f"draft model '{self.label}' uses a different tokenizer than the target"
+        return None
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, shape: TreeShape) -> DraftTree:
+        if ctx.state is None:
+            ctx.state = _Cache(DynamicCache(config=self.model.config))
+        state: _Cache = ctx.state
+        if state.cached >= len(ctx.tokens):
+            crop_to(state.kv, len(ctx.tokens) - 1)
+            state.cached = len(ctx.tokens) - 1
+        base = len(ctx.tokens)
+        pending = torch.tensor([ctx.tokens[state.cached:]], dtype=torch.long)
+        root_logits = self.model(pending, past_key_values=state.kv, use_cache=True).logits[0, -1]
+        state.cached = base
+        expand = _TreeExpansion(self.model, state.kv, base)
+        if ctx.greedy:
+            tree = build_greedy_tree(root_logits, expand, shape.depth, shape.topk, shape.max_nodes)
+        else:
+            tree = build_sampled_tree(root_logits, expand, shape.depth, shape.topk,
+                                      shape.max_nodes, ctx.temperature, shape.support,
+                                      ctx.generator)
+        crop_to(state.kv, base)
+        return tree
+
+
+class _TreeExpansion:
+    """Feeds frontier nodes into the cache after the committed prefix, under a tree mask."""
+
+    def __init__(self, model: PreTrainedModel, kv: DynamicCache, base: int):
+        self.model, self.kv, self.base = model, kv, base
+        self.slot: dict[int, int] = {}
+        self.ancestors: dict[int, list[int]] = {-1: []}
+
+    def __call__(self, ids: Sequence[int], tokens: Sequence[int],
+                 parents: Sequence[int]) -> torch.Tensor:
+        start = self.kv.get_seq_length()
+        m = len(ids)
+        mask = torch.zeros(m, start + m, dtype=torch.bool)
+        mask[:, : self.base] = True
+        positions = []
+        for row, (node, parent) in enumerate(zip(ids, parents, strict=True)):
+            self.slot[node] = start + row
+            self.ancestors[node] = self.ancestors[parent] + [start + row]
+            mask[row, self.ancestors[node]] = True
+            positions.append(self.base + len(self.ancestors[node]) - 1)
+        out = self.model(torch.tensor([list(tokens)], dtype=torch.long),
+                         position_ids=torch.tensor([positions]),
+                         attention_mask=mask[None, None], past_key_values=self.kv, use_cache=True)
+        return out.logits[0]

@@ -1,0 +1,73 @@
+"""Start hubs and targets as real processes on loopback, for the CLI, benchmark and tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+READY = "STARHUB READY "
+
+
+@dataclass
+class HubProcess:
+    proc: subprocess.Popen
+    address: str
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> HubProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def child_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    return env
+
+
+def spawn_hub(args: list[str], threads: int = 1, timeout_s: float = 180.0,
+              log_file=None) -> HubProcess:
+    """Run ``starhub hub ARGS`` on an ephemeral port and wait until it serves."""
+    cmd = [sys.executable, "-m", "starhub", "hub", "--bind", "tcp://127.0.0.1:0",
+           "--threads", str(threads), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
+                            env=child_env(threads))
+    found: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            if line.startswith(READY) and not found:
+                found.append(line[len(READY):].strip())
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not found:
+        if proc.poll() is not None:
+            raise RuntimeError(f"hub exited with code {proc.returncode} before serving: "
+                               f"{' '.join(cmd)}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TimeoutError(f"hub did not start within {timeout_s:.0f}s")
+        time.sleep(0.05)
+    return HubProcess(proc, found[0])
+
+
+def target_command(hub: str, prompts: str, out: str, threads: int = 1,
+                   extra: list[str] | None = None) -> list[str]:
+    return [sys.executable, "-m", "starhub", "target", "--hub", hub, "--prompts", prompts,
+            "--out", out, "--threads", str(threads), *(extra or [])]

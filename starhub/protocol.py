@@ -1,0 +1,301 @@
+"""Protocol v1 messages: small typed dataclasses with strict, declarative validation.
+
+Every message travels as one multipart ZeroMQ message (see ``transport``). The header
+fields of each dataclass are checked against their annotations; array fields are checked
+for dtype and rank, then each message's ``check`` enforces the lengths that must agree.
+Nothing received is trusted until ``validate`` has passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+VERSION = 1
+MAX_TREE_NODES = 1024
+MAX_TOKENS = 1 << 20
+
+
+class ErrorCode(enum.IntEnum):
+    BAD_FRAME = 1
+    BAD_VERSION = 2
+    BAD_TYPE = 3
+    BAD_FIELD = 4
+    TOO_LARGE = 5
+    UNKNOWN_TAG = 6
+    NOT_OWNER = 7
+    NO_HELLO = 8
+    REJECTED = 9
+    INTERNAL = 10
+    STALE = 11
+
+
+class ProtocolError(Exception):
+    """A message that cannot be accepted; ``code`` goes back to the peer in an ERROR."""
+
+    def __init__(self, code: ErrorCode, message: str, tag: int = 0, ref: int = 0):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.tag = tag
+        self.ref = ref
+
+
+def array(dtype: str | tuple[str, ...], ndim: int, optional: bool = False) -> Any:
+    """Declare an array field: the header describes it, a frame of its own carries it."""
+    dtypes = (dtype,) if isinstance(dtype, str) else dtype
+    meta = {"array": True, "dtypes": dtypes, "ndim": ndim, "optional": optional}
+    if optional:
+        return field(default=None, metadata=meta)
+    return field(default_factory=lambda: np.zeros((0,) * ndim, dtypes[0]), metadata=meta)
+
+
+FEATURE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass
+class Message:
+    TYPE: ClassVar[str] = ""
+    tag: int = 0
+    seq: int = 0
+
+    def check(self) -> None:
+        """Cross-field consistency; raise ProtocolError(BAD_FIELD) on violation."""
+
+    def fail(self, message: str) -> typing.NoReturn:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{self.TYPE}: {message}", tag=self.tag,
+                            ref=getattr(self, "ref", 0))
+
+
+@dataclass
+class Hello(Message):
+    """A target announces itself; the hub checks that it can draft for this model."""
+
+    TYPE: ClassVar[str] = "HELLO"
+    name: str = ""
+    vocab_size: int = 0
+    tokenizer_fp: str = ""
+    hidden_size: int = 0
+    num_layers: int = 0
+
+    def check(self) -> None:
+        if self.vocab_size <= 0:
+            self.fail("vocab_size must be positive")
+
+
+@dataclass
+class Welcome(Message):
+    """The hub's answer to HELLO: what it drafts and which features it needs."""
+
+    TYPE: ClassVar[str] = "WELCOME"
+    drafter: str = ""
+    feature_layers: list[int] = field(default_factory=list)
+    depth: int = 0
+    topk: int = 0
+    max_nodes: int = 0
+    ttl_s: float = 0.0
+    max_message_bytes: int = 0
+
+
+@dataclass
+class Reject(Message):
+    TYPE: ClassVar[str] = "REJECT"
+    code: int = 0
+    reason: str = ""
+
+
+@dataclass
+class Open(Message):
+    """Start a session. ``tokens`` is the prompt plus the first token the target chose.
+
+    ``features`` holds one row per prompt token, so row i pairs with token i+1.
+    """
+
+    TYPE: ClassVar[str] = "OPEN"
+    ref: int = 0
+    prompt_len: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    tokens: np.ndarray = array("int32", 1)
+    features: np.ndarray | None = array(FEATURE_DTYPES, 2, optional=True)
+
+    def check(self) -> None:
+        n = len(self.tokens)
+        if n < 1 or n > MAX_TOKENS:
+            self.fail(f"tokens must hold 1..{MAX_TOKENS} ids, got {n}")
+        if not 0 < self.prompt_len < n + 1:
+            self.fail(f"prompt_len {self.prompt_len} out of range for {n} tokens")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            self.fail("temperature must be >= 0 and top_p in (0, 1]")
+        if self.features is not None and self.features.shape[0] != n - 1:
+            self.fail(f"features need {n - 1} rows (one per token before the last), "
+                      f"got {self.features.shape[0]}")
+
+
+@dataclass
+class Propose(Message):
+    """A draft tree. ``parents[i]`` is -1 for children of the last committed token.
+
+    Siblings appear in the order they were drawn; for sampling, row 0 of ``dist_*`` is the
+    draft distribution at the root and row i+1 the one at node i.
+    """
+
+    TYPE: ClassVar[str] = "PROPOSE"
+    ref: int = 0
+    tokens: np.ndarray = array("int32", 1)
+    parents: np.ndarray = array("int32", 1)
+    dist_ids: np.ndarray | None = array("int32", 2, optional=True)
+    dist_probs: np.ndarray | None = array("float32", 2, optional=True)
+
+    def check(self) -> None:
+        n = len(self.tokens)
+        if n > MAX_TREE_NODES:
+            self.fail(f"{n} nodes exceed the limit of {MAX_TREE_NODES}")
+        if len(self.parents) != n:
+            self.fail(f"parents has {len(self.parents)} entries for {n} tokens")
+        if n and np.any((self.parents < -1) | (self.parents >= np.arange(n))):
+            self.fail("every parent index must be -1 or an earlier node")
+        if (self.dist_ids is None) != (self.dist_probs is None):
+            self.fail("dist_ids and dist_probs come together")
+        if self.dist_ids is not None:
+            if self.dist_ids.shape != self.dist_probs.shape or self.dist_ids.shape[0] != n + 1:
+                self.fail(f"dist arrays must both be [{n + 1}, k]")
+            if not np.all(np.isfinite(self.dist_probs)) or np.any(self.dist_probs < 0):
+                self.fail("dist_probs must be finite and non-negative")
+
+
+@dataclass
+class Commit(Message):
+    """The tokens a round added: accepted tree nodes then the bonus token.
+
+    ``features`` carries one row per new token, for the token before it and the accepted
+    ones: the bonus token's own feature is not known until the next verification.
+    """
+
+    TYPE: ClassVar[str] = "COMMIT"
+    accepted: int = 0
+    tokens: np.ndarray = array("int32", 1)
+    features: np.ndarray | None = array(FEATURE_DTYPES, 2, optional=True)
+
+    def check(self) -> None:
+        n = len(self.tokens)
+        if not 1 <= n <= MAX_TREE_NODES + 1:
+            self.fail(f"tokens must hold 1..{MAX_TREE_NODES + 1} ids, got {n}")
+        if self.accepted != n - 1:
+            self.fail(f"accepted={self.accepted} disagrees with {n} tokens")
+        if self.features is not None and self.features.shape[0] != n:
+            self.fail(f"features need {n} rows, got {self.features.shape[0]}")
+
+
+@dataclass
+class Close(Message):
+    TYPE: ClassVar[str] = "CLOSE"
+
+
+@dataclass
+class Error(Message):
+    TYPE: ClassVar[str] = "ERROR"
+    ref: int = 0
+    code: int = 0
+    message: str = ""
+
+
+@dataclass
+class Ping(Message):
+    TYPE: ClassVar[str] = "PING"
+    nonce: int = 0
+
+
+@dataclass
+class Pong(Message):
+    TYPE: ClassVar[str] = "PONG"
+    nonce: int = 0
+
+
+@dataclass
+class Stats(Message):
+    """Ask for (empty ``body``) or deliver (filled ``body``) the hub's metrics snapshot."""
+
+    TYPE: ClassVar[str] = "STATS"
+    body: dict = field(default_factory=dict)
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (Hello, Welcome, Reject, Open, Propose, Commit, Close, Error, Ping, Pong, Stats)
+}
+
+_SCALARS = {int: (int,), float: (int, float), str: (str,), bool: (bool,), dict: (dict,)}
+_INT_RANGE = (-(1 << 63), (1 << 64) - 1)
+_MAX_STR = 4096
+
+
+def array_fields(cls: type[Message]) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("array")]
+
+
+def header_fields(cls: type[Message]) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if not f.metadata.get("array")]
+
+
+def _check_scalar(msg_type: str, name: str, hint: Any, value: Any) -> Any:
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list) or len(value) > 1024:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{msg_type}.{name} must be a short list")
+        return [_check_scalar(msg_type, name, item, v) for v in value]
+    allowed = _SCALARS[hint]
+    if isinstance(value, bool) and hint is not bool or not isinstance(value, allowed):
+        raise ProtocolError(ErrorCode.BAD_FIELD,
+                            f"{msg_type}.{name} must be {hint.__name__}, "
+                            f"got {type(value).__name__}")
+    if hint is int and not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{msg_type}.{name} out of range")
+    if hint is str and len(value) > _MAX_STR:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{msg_type}.{name} longer than {_MAX_STR}")
+    return float(value) if hint is float else value
+
+
+def build(cls: type[Message], header: dict, arrays: dict[str, np.ndarray]) -> Message:
+    """Construct a message from decoded parts, validating every field."""
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in header_fields(cls):
+        if f.name not in header:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE} is missing field '{f.name}'",
+                                tag=_int_or0(header.get("tag")))
+        kwargs[f.name] = _check_scalar(cls.TYPE, f.name, hints[f.name], header[f.name])
+    for f in array_fields(cls):
+        arr = arrays.get(f.name)
+        meta = f.metadata
+        if arr is None:
+            if not meta["optional"]:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE} is missing array '{f.name}'",
+                                    tag=kwargs.get("tag", 0))
+        elif arr.dtype.name not in meta["dtypes"] and not _is_bf16(arr, meta["dtypes"]):
+            raise ProtocolError(ErrorCode.BAD_FIELD,
+                                f"{cls.TYPE}.{f.name} must be {'/'.join(meta['dtypes'])}")
+        elif arr.ndim != meta["ndim"]:
+            raise ProtocolError(ErrorCode.BAD_FIELD,
+                                f"{cls.TYPE}.{f.name} must have {meta['ndim']} dimensions")
+        kwargs[f.name] = arr
+    extra = set(arrays) - {f.name for f in array_fields(cls)}
+    if extra:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE} has unknown arrays {sorted(extra)}")
+    msg = cls(**kwargs)
+    msg.check()
+    return msg
+
+
+def _is_bf16(arr: np.ndarray, dtypes: tuple[str, ...]) -> bool:
+    return "bfloat16" in dtypes and getattr(arr, "is_bf16", False)
+
+
+def _int_or0(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

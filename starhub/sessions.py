@@ -1,0 +1,81 @@
+"""Per-session state on the hub, indexed by tag, each tag bound to the peer that opened it."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from starhub.drafters.base import DraftContext
+from starhub.protocol import ErrorCode, Open, ProtocolError
+
+
+@dataclass
+class Session:
+    tag: int
+    owner: bytes
+    ctx: DraftContext
+    prompt_len: int
+    last_seen: float = field(default_factory=time.monotonic)
+    seq: int = 0
+    busy: bool = False
+    last_tree_size: int = 0
+    """Nodes in the PROPOSE awaiting this session's COMMIT; COMMITs must not exceed it."""
+
+
+@dataclass
+class Peer:
+    identity: bytes
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    sessions: set[int] = field(default_factory=set)
+
+
+class SessionTable:
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self.sessions: dict[int, Session] = {}
+        self.peers: dict[bytes, Peer] = {}
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def open(self, owner: bytes, msg: Open, features: list[torch.Tensor]) -> Session:
+        tag = secrets.randbits(62) or 1
+        while tag in self.sessions:
+            tag = secrets.randbits(62) or 1
+        generator = torch.Generator().manual_seed(msg.seed ^ tag)
+        ctx = DraftContext(tokens=msg.tokens.tolist(), temperature=msg.temperature,
+                           generator=generator, features=features)
+        session = Session(tag=tag, owner=owner, ctx=ctx, prompt_len=msg.prompt_len)
+        self.sessions[tag] = session
+        if owner in self.peers:
+            self.peers[owner].sessions.add(tag)
+        return session
+
+    def get(self, tag: int, owner: bytes, ref: int = 0) -> Session:
+        """The session for ``tag``; a tag used by anyone but its owner is an error."""
+        session = self.sessions.get(tag)
+        if session is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_TAG, f"no open session with tag {tag}",
+                                tag=tag, ref=ref)
+        if session.owner != owner:
+            raise ProtocolError(ErrorCode.NOT_OWNER, f"tag {tag} belongs to another peer",
+                                tag=tag, ref=ref)
+        session.last_seen = time.monotonic()
+        return session
+
+    def close(self, tag: int) -> Session | None:
+        session = self.sessions.pop(tag, None)
+        if session is not None and session.owner in self.peers:
+            self.peers[session.owner].sessions.discard(tag)
+        return session
+
+    def expired(self, now: float | None = None) -> list[int]:
+        now = time.monotonic() if now is None else now
+        return [t for t, s in self.sessions.items()
+                if not s.busy and now - s.last_seen > self.ttl_s]

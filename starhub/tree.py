@@ -1,0 +1,185 @@
+"""Draft trees: the shape both sides agree on, and the two ways a drafter grows one.
+
+A tree's root is the last committed token, which is not part of the tree. Node i has
+parent ``parents[i]`` (-1 for the root) and every parent comes before its children.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: np.ndarray
+    parents: np.ndarray
+    dist_ids: np.ndarray | None = None
+    dist_probs: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depth(self) -> int:
+        return int(depths(self.parents).max(initial=0))
+
+
+def depths(parents: np.ndarray) -> np.ndarray:
+    """Depth of every node; the root's children are at depth 1."""
+    out = np.zeros(len(parents), dtype=np.int64)
+    for i, p in enumerate(parents):
+        out[i] = 1 if p < 0 else out[p] + 1
+    return out
+
+
+def ancestor_mask(parents: np.ndarray) -> torch.Tensor:
+    """[n+1, n+1] boolean: row j may attend to column i when i is j itself or an ancestor.
+
+    Index 0 is the root; node i of the tree is index i+1.
+    """
+    n = len(parents)
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    mask[:, 0] = True
+    for i, p in enumerate(parents):
+        mask[i + 1] = mask[p + 1]
+        mask[i + 1, i + 1] = True
+    return mask
+
+
+def children(parents: np.ndarray) -> list[list[int]]:
+    """Children of each position (0 = root, i+1 = node i), in the order they were drawn."""
+    out: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, p in enumerate(parents):
+        out[p + 1].append(i)
+    return out
+
+
+Expand = Callable[[Sequence[int], Sequence[int], Sequence[int]], torch.Tensor]
+"""expand(node_ids, tokens, parent_ids) -> draft logits [len(node_ids), V] at those nodes.
+
+Ids are candidate ids as the builder hands them out; a parent id is -1 for the root or the
+id of a node passed to an earlier call. Drafters map ids to their own cache slots.
+"""
+
+
+def build_greedy_tree(root_logits: torch.Tensor, expand: Expand, depth: int, topk: int,
+                      max_nodes: int) -> DraftTree:
+    """EAGLE-2 dynamic tree: expand the top-k paths per layer, keep the best nodes overall.
+
+    A node's score is its path's cumulative log-probability, which never grows along a
+    path, so the best ``max_nodes`` always include each chosen node's ancestors.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+
+    def add(parent: int, logp: torch.Tensor, base: float) -> list[int]:
+        values, ids = logp.topk(min(topk, logp.numel()))
+        new = []
+        for v, t in zip(values.tolist(), ids.tolist(), strict=True):
+            new.append(len(tokens))
+            tokens.append(t)
+            parents.append(parent)
+            scores.append(base + v)
+        return new
+
+    layer = add(-1, torch.log_softmax(root_logits.float(), -1), 0.0)
+    frontier = _best(layer, scores, topk)
+    for _ in range(depth - 1):
+        logits = expand(frontier, [tokens[i] for i in frontier], [parents[i] for i in frontier])
+        logp = torch.log_softmax(logits.float(), -1)
+        layer = []
+        for row, node in enumerate(frontier):
+            layer += add(node, logp[row], scores[node])
+        frontier = _best(layer, scores, topk)
+    keep = sorted(_best(range(len(tokens)), scores, max_nodes))
+    return _subtree(keep, tokens, parents)
+
+
+def build_sampled_tree(root_logits: torch.Tensor, expand: Expand, depth: int, topk: int,
+                       max_nodes: int, temperature: float, support: int,
+                       generator: torch.Generator) -> DraftTree:
+    """A tree whose children are drawn without replacement from top-``support`` draft q.
+
+    Which nodes get children, and how many, is decided before those children are drawn,
+    and every drawn child is kept: that is what keeps recursive rejection lossless.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+    dists: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    budget = max_nodes
+
+    def draw(node: int, logits: torch.Tensor, base: float, count: int) -> list[int]:
+        q_ids, q_probs = truncated_distribution(logits, temperature, support)
+        dists[node] = (q_ids.numpy().astype(np.int32), q_probs.numpy().astype(np.float32))
+        order = sample_without_replacement(q_probs, count, generator)
+        new = []
+        for j in order.tolist():
+            new.append(len(tokens))
+            tokens.append(int(q_ids[j]))
+            parents.append(node)
+            scores.append(base + float(torch.log(q_probs[j])))
+        return new
+
+    count = min(topk, budget)
+    layer = draw(-1, root_logits, 0.0, count)
+    budget -= len(layer)
+    for _ in range(depth - 1):
+        if budget <= 0:
+            break
+        frontier = _best(layer, scores, topk)
+        logits = expand(frontier, [tokens[i] for i in frontier], [parents[i] for i in frontier])
+        layer = []
+        for row, node in enumerate(frontier):
+            count = min(topk, budget)
+            if count <= 0:
+                break
+            layer += draw(node, logits[row], scores[node], count)
+            budget -= count
+    tree = DraftTree(np.asarray(tokens, np.int32), np.asarray(parents, np.int32))
+    width = support
+    tree.dist_ids = np.zeros((len(tokens) + 1, width), np.int32)
+    tree.dist_probs = np.zeros((len(tokens) + 1, width), np.float32)
+    for node, (ids, probs) in dists.items():
+        tree.dist_ids[node + 1, : len(ids)] = ids
+        tree.dist_probs[node + 1, : len(probs)] = probs
+    return tree
+
+
+def truncated_distribution(logits: torch.Tensor, temperature: float,
+                           support: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-``support`` entries of softmax(logits / T), renormalised: exact q, k entries."""
+    probs = torch.softmax(logits.double() / max(temperature, 1e-5), -1)
+    values, ids = probs.topk(min(support, probs.numel()))
+    return ids, values / values.sum()
+
+
+def sample_without_replacement(probs: torch.Tensor, count: int,
+                               generator: torch.Generator) -> torch.Tensor:
+    """Indices in sequential draw order (Gumbel-top-k is exactly sequential sampling)."""
+    count = min(count, int((probs > 0).sum()))
+    u = torch.rand(probs.shape, generator=generator, dtype=torch.float64).clamp_min(1e-300)
+    keys = torch.log(probs.double()) - torch.log(-torch.log(u))
+    return keys.topk(count).indices
+
+
+def chain_tree(tokens: Sequence[int]) -> DraftTree:
+    n = len(tokens)
+    return DraftTree(np.asarray(tokens, np.int32), np.arange(-1, n - 1, dtype=np.int32))
+
+
+def _best(ids: Sequence[int] | range, scores: list[float], k: int) -> list[int]:
+    return sorted(ids, key=lambda i: (-scores[i], i))[:k]
+
+
+def _subtree(keep: list[int], tokens: list[int], parents: list[int]) -> DraftTree:
+    index = {old: new for new, old in enumerate(keep)}
+    return DraftTree(
+        np.asarray([tokens[i] for i in keep], np.int32),
+        np.asarray([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], np.int32),
+    )

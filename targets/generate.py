@@ -1,0 +1,209 @@
+"""The target's decoding loop: prefill, OPEN, then PROPOSE -> verify -> COMMIT until done.
+
+If the hub rejects us, never answers, or fails a session, decoding carries on alone from
+the same state, so the output is the same either way; only the speed differs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from starhub.models import tokenizer_fingerprint
+from starhub.protocol import Close, Commit, Hello, Open, Propose
+from starhub.tree import DraftTree
+from targets.acceptance import Sampling
+from targets.client import HubClient, HubError, HubUnavailable
+from targets.verify import TargetModel
+
+log = logging.getLogger("starhub.target")
+
+
+@dataclass
+class GenerationStats:
+    rounds: int = 0
+    new_tokens: int = 0
+    mean_accept_len: float = 0.0
+    tokens_per_s: float = 0.0
+    wall_s: float = 0.0
+    prefill_s: float = 0.0
+    verify_s: float = 0.0
+    hub_wait_s: float = 0.0
+    tree_nodes: int = 0
+    accepted_at_depth: list[int] = field(default_factory=list)
+    accept_len_hist: dict[str, int] = field(default_factory=dict)
+    standalone: bool = False
+    note: str = ""
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    stats: GenerationStats
+
+    def to_json(self, id_: object = None) -> dict:
+        return {"id": id_, "prompt_ids": self.prompt_ids, "output_ids": self.output_ids,
+                "text": self.text, "stats": asdict(self.stats)}
+
+
+def encode_prompt(tokenizer, prompt: str, chat_template: bool = True) -> list[int]:
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+
+def feature_dtype(model) -> torch.dtype:
+    """Features travel at half precision: bf16 models keep bf16, others send fp16."""
+    dtype = next(model.parameters()).dtype
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
+
+
+class SpeculativeGenerator:
+    """Decodes with a hub when one is reachable and willing, and on its own otherwise."""
+
+    _refs = itertools.count(1)
+
+    def __init__(self, model, tokenizer, hub: str | None = None, name: str = "target",
+                 timeout_s: float = 30.0):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.client: HubClient | None = None
+        self.feature_layers: list[int] = []
+        eos = model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if hub:
+            self.client = HubClient(hub, timeout_s=timeout_s)
+            try:
+                welcome = self.client.hello(self.hello())
+                self.feature_layers = list(welcome.feature_layers)
+                log.info("%s: hub %s drafts with '%s' (depth %d, topk %d, %d nodes)", name,
+                         hub, welcome.drafter, welcome.depth, welcome.topk, welcome.max_nodes)
+            except HubUnavailable as exc:
+                log.warning("%s: %s; decoding on its own", name, exc)
+                self.client.close()
+                self.client = None
+                self.note = str(exc)
+
+    note = ""
+
+    def hello(self) -> Hello:
+        cfg = self.model.config
+        return Hello(name=self.name, vocab_size=cfg.vocab_size,
+                     tokenizer_fp=tokenizer_fingerprint(self.tokenizer),
+                     hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int = 128,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> GenerationResult:
+        stats = GenerationStats()
+        output: list[int] = []
+        for chunk in self.stream_ids(prompt_ids, max_new_tokens, temperature, top_p, seed, stats):
+            output.extend(chunk)
+        text = self.tokenizer.decode(output, skip_special_tokens=True)
+        return GenerationResult(list(prompt_ids), output, text, stats)
+
+    def stream_ids(self, prompt_ids: list[int], max_new_tokens: int = 128,
+                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                   stats: GenerationStats | None = None) -> Iterator[list[int]]:
+        """Yield each round's newly committed ids; ``stats`` is filled in as it goes."""
+        stats = stats if stats is not None else GenerationStats()
+        start = time.perf_counter()
+        target = TargetModel(self.model, Sampling(temperature, top_p), seed, self.feature_layers)
+        first, feats = target.prefill(list(prompt_ids))
+        stats.prefill_s = time.perf_counter() - start
+        produced = 0
+        for chunk in itertools.chain([[first]], self._rounds(target, prompt_ids, first, feats,
+                                                              temperature, top_p, seed, stats)):
+            chunk = self._clip(chunk, max_new_tokens - produced)
+            produced += len(chunk)
+            if chunk:
+                yield chunk
+            if produced >= max_new_tokens or (chunk and chunk[-1] in self.eos):
+                break
+        stats.new_tokens = produced
+        stats.wall_s = time.perf_counter() - start
+        stats.tokens_per_s = produced / max(stats.wall_s, 1e-9)
+        if stats.rounds:
+            hist = Counter(stats.accept_len_hist)
+            stats.mean_accept_len = sum(int(k) * v for k, v in hist.items()) / stats.rounds
+        stats.standalone = stats.rounds == 0
+        stats.note = stats.note or self.note
+
+    def _clip(self, chunk: list[int], room: int) -> list[int]:
+        chunk = chunk[: max(room, 0)]
+        for i, tok in enumerate(chunk):
+            if tok in self.eos:
+                return chunk[: i + 1]
+        return chunk
+
+    def _rounds(self, target: TargetModel, prompt_ids: list[int], first: int,
+                feats: torch.Tensor | None, temperature: float, top_p: float, seed: int,
+                stats: GenerationStats) -> Iterator[list[int]]:
+        """Rounds with the hub while it serves us; then plain steps forever (caller stops)."""
+        if self.client is not None:
+            tag = 0
+            try:
+                ref = next(self._refs)
+                reply = self._ask(Open(ref=ref, prompt_len=len(prompt_ids),
+                                       temperature=temperature, top_p=top_p, seed=seed,
+                                       tokens=torch.tensor([*prompt_ids, first], dtype=torch.int32),
+                                       features=self._half(feats)), stats, ref=ref)
+                tag = reply.tag
+                while True:
+                    tree = DraftTree(reply.tokens, reply.parents, reply.dist_ids,
+                                     reply.dist_probs)
+                    t0 = time.perf_counter()
+                    verdict = target.verify(tree)
+                    stats.verify_s += time.perf_counter() - t0
+                    self._count(stats, len(verdict.path), len(tree))
+                    yield verdict.tokens
+                    reply = self._ask(Commit(tag=tag, seq=reply.seq, accepted=len(verdict.path),
+                                             tokens=torch.tensor(verdict.tokens, dtype=torch.int32),
+                                             features=self._half(verdict.features)),
+                                      stats, tag=tag)
+            except (HubUnavailable, HubError) as exc:
+                log.warning("%s: %s; finishing this request on its own", self.name, exc)
+                stats.note = str(exc)
+            finally:
+                if tag and self.client is not None:
+                    self.client.send(Close(tag=tag))
+        while True:
+            yield [target.step()]
+
+    def _ask(self, msg, stats: GenerationStats, tag: int = 0, ref: int = 0) -> Propose:
+        t0 = time.perf_counter()
+        reply = self.client.request(msg, tag=tag, ref=ref)
+        stats.hub_wait_s += time.perf_counter() - t0
+        if not isinstance(reply, Propose):
+            raise HubUnavailable(f"expected PROPOSE, got {reply.TYPE}")
+        return reply
+
+    def _half(self, feats: torch.Tensor | None) -> torch.Tensor | None:
+        return None if feats is None else feats.to(feature_dtype(self.model))
+
+    @staticmethod
+    def _count(stats: GenerationStats, accepted: int, nodes: int) -> None:
+        stats.rounds += 1
+        stats.tree_nodes += nodes
+        key = str(accepted + 1)
+        stats.accept_len_hist[key] = stats.accept_len_hist.get(key, 0) + 1
+        while len(stats.accepted_at_depth) < accepted:
+            stats.accepted_at_depth.append(0)
+        for k in range(accepted):
+            stats.accepted_at_depth[k] += 1
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None

@@ -1,0 +1,68 @@
+"""``starhub target``: run a prompt file through one target process, one JSON line each."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from tqdm import tqdm
+
+from starhub.models import load_model, set_threads
+from targets.generate import SpeculativeGenerator, encode_prompt
+
+log = logging.getLogger("starhub.target")
+
+
+def read_prompts(path: str | Path) -> list[tuple[object, str]]:
+    """(id, prompt) pairs from ``{"id", "prompt"}`` or MT-Bench ``{"question_id", "turns"}``."""
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not JSON: {exc}") from None
+            if "prompt" in row:
+                out.append((row.get("id", lineno), str(row["prompt"])))
+            elif "turns" in row and row["turns"]:
+                out.append((row.get("question_id", lineno), str(row["turns"][0])))
+            else:
+                raise ValueError(f"{path}:{lineno}: needs 'prompt' or 'turns'")
+    return out
+
+
+def run(hub: str | None, model_spec: str, prompts: str, out: str, max_new_tokens: int,
+        temperature: float, top_p: float, seed: int, threads: int | None,
+        chat_template: bool, name: str, shard: tuple[int, int] = (0, 1)) -> int:
+    threads = set_threads(threads)
+    items = read_prompts(prompts)[shard[0]::shard[1]]
+    model, tokenizer = load_model(model_spec)
+    gen = SpeculativeGenerator(model, tokenizer, hub, name=name)
+    log.info("%s: %d prompts, torch threads=%d, hub=%s", name, len(items), threads,
+             hub if gen.client else "none")
+    tokens = 0
+    with open(out, "w", encoding="utf-8") as fh, tqdm(total=len(items), desc=name, unit="prompt",
+                                                      file=sys.stderr) as bar:
+        for id_, prompt in items:
+            ids = encode_prompt(tokenizer, prompt, chat_template)
+            result = gen.generate(ids, max_new_tokens, temperature, top_p, seed)
+            fh.write(json.dumps(result.to_json(id_)) + "\n")
+            fh.flush()
+            tokens += len(result.output_ids)
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{result.stats.tokens_per_s:.1f}",
+                            tau=f"{result.stats.mean_accept_len:.2f}")
+    gen.close()
+    return 0
+
+
+def iter_results(path: str | Path) -> Iterator[dict]:
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                yield json.loads(line)

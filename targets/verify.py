@@ -1,0 +1,93 @@
+"""The target model's side of a round: prefill, verify a tree in one pass, compact the cache.
+
+Invariant: the KV cache holds every committed token except the last, which is the root of
+the next tree and is fed together with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from starhub.kvcache import keep_rows
+from starhub.tree import DraftTree, ancestor_mask, depths
+from targets.acceptance import Sampling, accept_greedy, accept_sampled, sample, target_probs
+
+
+@dataclass
+class Verdict:
+    path: list[int]
+    """Accepted node indices, root to leaf."""
+    tokens: list[int]
+    """The accepted tokens followed by the bonus token."""
+    features: torch.Tensor | None
+    """One row per new token, for the tokens before each of them (root and accepted)."""
+
+
+class TargetModel:
+    """One decoding stream over a loaded causal LM."""
+
+    def __init__(self, model: PreTrainedModel, sampling: Sampling = Sampling(), seed: int = 0,
+                 feature_layers: list[int] | None = None):
+        self.model = model
+        self.sampling = sampling
+        self.generator = torch.Generator().manual_seed(seed)
+        self.feature_layers = feature_layers or []
+        self.cache = DynamicCache(config=model.config)
+        self.device = next(model.parameters()).device
+        self.last: int | None = None
+
+    def features_of(self, out) -> torch.Tensor | None:
+        if not self.feature_layers:
+            return None
+        states = out.hidden_states
+        return torch.cat([states[i][0] for i in self.feature_layers], -1)
+
+    def _forward(self, ids: list[int], **kwargs):
+        return self.model(torch.tensor([ids], device=self.device), past_key_values=self.cache,
+                          use_cache=True, output_hidden_states=bool(self.feature_layers),
+                          **kwargs)
+
+    def next_token(self, logits: torch.Tensor) -> int:
+        if self.sampling.greedy:
+            return int(logits.argmax())
+        return sample(target_probs(logits.float().cpu(), self.sampling), self.generator)
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int]) -> tuple[int, torch.Tensor | None]:
+        """Process the prompt; return the first generated token and the prompt's features."""
+        out = self._forward(prompt)
+        self.last = self.next_token(out.logits[0, -1])
+        return self.last, self.features_of(out)
+
+    @torch.inference_mode()
+    def step(self) -> int:
+        """One plain autoregressive step, for decoding without a hub."""
+        out = self._forward([self.last])
+        self.last = self.next_token(out.logits[0, -1])
+        return self.last
+
+    @torch.inference_mode()
+    def verify(self, tree: DraftTree) -> Verdict:
+        cached = self.cache.get_seq_length()
+        n = len(tree)
+        mask = torch.ones(n + 1, cached + n + 1, dtype=torch.bool)
+        mask[:, cached:] = ancestor_mask(tree.parents)
+        positions = cached + torch.cat([torch.zeros(1, dtype=torch.long),
+                                        torch.from_numpy(depths(tree.parents))])
+        out = self._forward([self.last, *tree.tokens.tolist()],
+                            position_ids=positions[None].to(self.device),
+                            attention_mask=mask[None, None].to(self.device))
+        logits = out.logits[0].float().cpu()
+        if self.sampling.greedy:
+            path, bonus = accept_greedy(tree, logits)
+        else:
+            path, bonus = accept_sampled(tree, logits, self.sampling, self.generator)
+        keep = [0] + [i + 1 for i in path]
+        keep_rows(self.cache, cached, keep)
+        feats = self.features_of(out)
+        self.last = bonus
+        return Verdict(path=path, tokens=[int(tree.tokens[i]) for i in path] + [bonus],
+                       features=feats[keep] if feats is not None else None)
