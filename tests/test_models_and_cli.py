@@ -1,0 +1,71 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from starhub.cli import build_parser
+from starhub.drafters import parse_draft
+from starhub.models import ModelNotFound, resolve
+from targets.runner import read_prompts
+
+
+def test_unknown_model_spec_names_what_is_accepted(tmp_path):
+    with pytest.raises(ModelNotFound, match="nothing is downloaded"):
+        resolve("no-such-org/no-such-model")
+    with pytest.raises(ModelNotFound, match="no config.json"):
+        resolve(str(tmp_path))
+    with pytest.raises(ModelNotFound, match="no GGUF file"):
+        resolve(str(tmp_path / "x.gguf"))
+
+
+def test_draft_specs_parse():
+    assert parse_draft("self") == ("self", None)
+    assert parse_draft("self:layers=8") == ("self", 8)
+    assert parse_draft("/models/small") == ("/models/small", None)
+    with pytest.raises(ValueError):
+        parse_draft("self:depth=3")
+
+
+def test_prompt_files_accept_plain_and_mt_bench_lines(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": "a", "prompt": "hi"}\n\n'
+                    '{"question_id": 81, "turns": ["first", "second"]}\n')
+    assert read_prompts(path) == [("a", "hi"), (81, "first")]
+    path.write_text('{"text": "nope"}\n')
+    with pytest.raises(ValueError, match=":1: needs 'prompt'"):
+        read_prompts(path)
+
+
+def test_help_explains_every_command():
+    parser = build_parser()
+    text = parser.format_help()
+    for cmd in ("hub", "target", "generate", "demo"):
+        assert cmd in text
+
+
+def test_target_without_hub_writes_generate_compatible_lines(tiny_dir, tiny_model, tmp_path):
+    import torch
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"question_id": 1, "turns": ["Hello there"]}\n')
+    out = tmp_path / "o.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "starhub", "target", "--model", str(tiny_dir),
+                           "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "9",
+                           "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(out.read_text())
+    assert set(row) == {"id", "prompt_ids", "output_ids", "text", "stats"}
+    model, _ = tiny_model
+    ids = row["prompt_ids"]
+    expected = model.generate(torch.tensor([ids]), max_new_tokens=9, do_sample=False)
+    assert row["output_ids"] == expected[0, len(ids):].tolist()
+
+
+def test_a_missing_prompt_file_is_a_clear_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "starhub", "target", "--prompts",
+                           str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "none.jsonl" in proc.stderr
+    assert "Traceback" not in proc.stderr

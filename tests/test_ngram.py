@@ -1,0 +1,33 @@
+import torch
+
+from starhub.drafters.base import DraftContext, TreeShape
+from starhub.drafters.ngram import NgramDrafter
+
+
+def test_latest_longest_match_comes_first():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    conts = NgramDrafter().continuations(tokens, depth=2, count=2)
+    assert conts == [[7, 8], [9, 1]]
+
+
+def test_greedy_trie_shares_prefixes_and_respects_budget():
+    tokens = [4, 5, 6, 4, 5, 7, 4, 5]
+    tree = NgramDrafter().propose(DraftContext(tokens=tokens), TreeShape(depth=3, topk=4,
+                                                                         max_nodes=4))
+    assert tree.tokens.tolist() == [7, 4, 5, 6]
+    assert tree.parents.tolist() == [-1, 0, 1, -1]
+    assert tree.dist_ids is None
+
+
+def test_sampled_sessions_get_a_point_mass_chain():
+    ctx = DraftContext(tokens=[1, 2, 3, 1, 2, 3, 1, 2], temperature=1.0,
+                       generator=torch.Generator())
+    tree = NgramDrafter().propose(ctx, TreeShape(depth=3, topk=4, max_nodes=8))
+    assert tree.parents.tolist() == [-1, 0, 1]
+    assert tree.dist_probs[:3, 0].tolist() == [1.0, 1.0, 1.0]
+    assert tree.dist_ids[:3, 0].tolist() == tree.tokens.tolist()
+
+
+def test_no_match_gives_an_empty_tree():
+    tree = NgramDrafter().propose(DraftContext(tokens=[1, 2, 3, 4]), TreeShape())
+    assert len(tree) == 0

@@ -1,0 +1,112 @@
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from starhub.protocol import (
+    VERSION,
+    Close,
+    Commit,
+    ErrorCode,
+    Hello,
+    Open,
+    Propose,
+    ProtocolError,
+    Stats,
+    Welcome,
+)
+from starhub.transport import Limits, decode, encode, to_torch
+
+
+def roundtrip(msg, limits=Limits()):
+    return decode([bytes(f) for f in encode(msg)], limits)
+
+
+def test_every_message_roundtrips_with_its_arrays():
+    feats = np.random.rand(4, 8).astype(np.float16)
+    msgs = [
+        Hello(name="t", vocab_size=100, tokenizer_fp="ab", hidden_size=8, num_layers=2),
+        Welcome(drafter="ngram", feature_layers=[-1], depth=3, topk=2, max_nodes=8, ttl_s=5.0,
+                max_message_bytes=1000),
+        Open(ref=7, prompt_len=4, temperature=0.5, top_p=0.9, seed=3,
+             tokens=np.arange(5, dtype=np.int32), features=feats),
+        Propose(tag=9, seq=2, tokens=np.array([5, 6, 7], np.int32),
+                parents=np.array([-1, 0, 0], np.int32),
+                dist_ids=np.zeros((4, 2), np.int32), dist_probs=np.ones((4, 2), np.float32)),
+        Commit(tag=9, seq=2, accepted=1, tokens=np.array([5, 8], np.int32)),
+        Close(tag=9),
+        Stats(body={"r_q": 1.5}),
+    ]
+    for msg in msgs:
+        back = roundtrip(msg)
+        assert type(back) is type(msg)
+        for name, value in vars(msg).items():
+            if isinstance(value, np.ndarray):
+                np.testing.assert_array_equal(getattr(back, name), value)
+            else:
+                assert getattr(back, name) == value
+
+
+def test_bfloat16_features_travel_as_raw_bits():
+    feats = torch.randn(3, 8).to(torch.bfloat16)
+    msg = Commit(tag=1, accepted=2, tokens=np.array([1, 2, 3], np.int32), features=feats)
+    back = roundtrip(msg)
+    assert torch.equal(to_torch(back.features), feats)
+
+
+def frames_with(header_changes=None, drop=None, arrays=None):
+    frames = [bytes(f) for f in encode(Commit(tag=5, seq=0, accepted=0,
+                                              tokens=np.array([3], np.int32)))]
+    header = msgpack.unpackb(frames[0])
+    header.update(header_changes or {})
+    if drop:
+        del header[drop]
+    frames[0] = msgpack.packb(header)
+    return frames if arrays is None else [frames[0], *arrays]
+
+
+@pytest.mark.parametrize("frames, code", [
+    ([b"\xc1garbage"], ErrorCode.BAD_FRAME),
+    ([msgpack.packb([1, 2])], ErrorCode.BAD_FRAME),
+    (frames_with({"v": VERSION + 1}), ErrorCode.BAD_VERSION),
+    (frames_with({"type": "LAUNCH"}), ErrorCode.BAD_TYPE),
+    (frames_with(drop="accepted"), ErrorCode.BAD_FIELD),
+    (frames_with({"accepted": "one"}), ErrorCode.BAD_FIELD),
+    (frames_with({"accepted": True}), ErrorCode.BAD_FIELD),
+    (frames_with(arrays=[]), ErrorCode.BAD_FRAME),
+    (frames_with(arrays=[b"\x00" * 7]), ErrorCode.BAD_FRAME),
+    (frames_with({"arrays": [["tokens", "object", [1]]]}), ErrorCode.BAD_FIELD),
+    (frames_with({"accepted": 3}), ErrorCode.BAD_FIELD),
+])
+def test_malformed_messages_raise_protocol_errors_with_codes(frames, code):
+    with pytest.raises(ProtocolError) as info:
+        decode(frames)
+    assert info.value.code == code
+    assert info.value.message
+
+
+def test_oversized_message_is_refused_before_parsing():
+    msg = Open(ref=1, prompt_len=1, tokens=np.zeros(2000, np.int32))
+    with pytest.raises(ProtocolError) as info:
+        roundtrip(msg, Limits(max_message_bytes=4096))
+    assert info.value.code == ErrorCode.TOO_LARGE
+
+
+def test_tree_with_forward_parent_is_rejected():
+    msg = Propose(tag=1, tokens=np.array([1, 2], np.int32), parents=np.array([1, -1], np.int32))
+    with pytest.raises(ProtocolError, match="earlier node"):
+        roundtrip(msg)
+
+
+def test_open_features_must_pair_with_tokens():
+    msg = Open(ref=1, prompt_len=3, tokens=np.arange(4, dtype=np.int32),
+               features=np.zeros((4, 8), np.float16))
+    with pytest.raises(ProtocolError, match="features need 3 rows"):
+        roundtrip(msg)
+
+
+def test_errors_carry_the_tag_they_concern():
+    frames = frames_with({"accepted": 9})
+    with pytest.raises(ProtocolError) as info:
+        decode(frames)
+    assert info.value.tag == 5

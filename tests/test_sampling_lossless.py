@@ -1,0 +1,137 @@
+"""Sampling is lossless: committed tokens follow the target's distribution exactly.
+
+Tiny random models with a 12-token vocabulary make q differ clearly from p; forward passes
+are memoised by context so that 20,000 rounds take seconds. The joint law of the first two
+committed tokens is compared with p(x1) p(x2 | x1) by a chi-square test, and a negative
+control (the verifier told the wrong q) must fail the same test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from starhub.tree import build_sampled_tree
+from targets.acceptance import Sampling, accept_sampled, target_probs
+from tests.conftest import tiny_config
+
+VOCAB = 12
+CONTEXT = (3, 7, 1)
+SAMPLES = 20_000
+SAMPLING = Sampling(temperature=1.0, top_p=0.95)
+
+
+class Memo:
+    def __init__(self, seed: int, scale: float):
+        torch.manual_seed(seed)
+        self.model = LlamaForCausalLM(tiny_config(VOCAB, layers=1)).eval()
+        self.scale = scale
+        self.cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+    @torch.inference_mode()
+    def logits(self, seq: tuple[int, ...]) -> torch.Tensor:
+        if seq not in self.cache:
+            out = self.model(torch.tensor([seq])).logits[0, -1]
+            self.cache[seq] = out * self.scale
+        return self.cache[seq]
+
+
+TARGET = Memo(seed=1, scale=2.0)
+DRAFT = Memo(seed=2, scale=3.0)
+
+
+def run_round(topk: int, depth: int, max_nodes: int, gen: torch.Generator,
+              corrupt_q: bool = False) -> list[int]:
+    seqs: dict[int, tuple[int, ...]] = {-1: CONTEXT}
+
+    def expand(ids, tokens, parents):
+        rows = []
+        for node, tok, parent in zip(ids, tokens, parents, strict=True):
+            seqs[node] = seqs[parent] + (tok,)
+            rows.append(DRAFT.logits(seqs[node]))
+        return torch.stack(rows)
+
+    tree = build_sampled_tree(DRAFT.logits(CONTEXT), expand, depth, topk, max_nodes,
+                              temperature=1.0, support=6, generator=gen)
+    if corrupt_q:
+        tree.dist_probs = np.where(tree.dist_probs > 0, 1.0, 0.0).astype(np.float32)
+    paths = [CONTEXT]
+    node_seq = {-1: CONTEXT}
+    for i, (tok, parent) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist(),
+                                          strict=True)):
+        node_seq[i] = node_seq[parent] + (tok,)
+        paths.append(node_seq[i])
+    logits = torch.stack([TARGET.logits(s) for s in paths])
+    path, bonus = accept_sampled(tree, logits, SAMPLING, gen)
+    return [int(tree.tokens[i]) for i in path] + [bonus]
+
+
+def first_two(topk, depth, max_nodes, corrupt_q=False) -> np.ndarray:
+    gen = torch.Generator().manual_seed(99)
+    counts = np.zeros((VOCAB, VOCAB))
+    singles = np.zeros(VOCAB)
+    for _ in range(SAMPLES):
+        out = run_round(topk, depth, max_nodes, gen, corrupt_q)
+        if len(out) >= 2:
+            counts[out[0], out[1]] += 1
+        else:
+            singles[out[0]] += 1
+    return counts, singles
+
+
+def expected_joint() -> np.ndarray:
+    p1 = target_probs(TARGET.logits(CONTEXT), SAMPLING).numpy()
+    joint = np.zeros((VOCAB, VOCAB))
+    for x in range(VOCAB):
+        if p1[x] > 0:
+            joint[x] = p1[x] * target_probs(TARGET.logits(CONTEXT + (x,)), SAMPLING).numpy()
+    return joint
+
+
+def chi_square_rejects(observed: np.ndarray, probs: np.ndarray, alpha_z: float = 3.09) -> tuple:
+    """Pearson's test over cells with expected count >= 5, the rest pooled; Wilson-Hilferty
+    gives the critical value (z=3.09 is a 0.1% false-alarm rate)."""
+    n = observed.sum()
+    exp = probs.ravel() * n
+    obs = observed.ravel()
+    big = exp >= 5
+    cells_obs = np.append(obs[big], obs[~big].sum())
+    cells_exp = np.append(exp[big], exp[~big].sum())
+    keep = cells_exp > 0
+    stat = float(((cells_obs[keep] - cells_exp[keep]) ** 2 / cells_exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    critical = df * (1 - 2 / (9 * df) + alpha_z * math.sqrt(2 / (9 * df))) ** 3
+    return stat > critical, stat, critical, df
+
+
+def joint_observed(counts, singles):
+    """Rounds that committed only one token still sample x1 from p: condition on x1."""
+    p1 = target_probs(TARGET.logits(CONTEXT), SAMPLING).numpy()
+    first = counts.sum(1) + singles
+    return first, p1
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 4), (3, 3, 9)], ids=["chain", "tree"])
+def test_sampled_rounds_match_target_distribution(shape):
+    counts, singles = first_two(*shape)
+    first, p1 = joint_observed(counts, singles)
+    rejects, stat, crit, df = chi_square_rejects(first, p1)
+    assert not rejects, f"first token: chi2={stat:.1f} > {crit:.1f} (df={df})"
+    joint = expected_joint()
+    assert counts.sum() > SAMPLES * 0.3, "too few rounds committed two tokens to test x2"
+    rows = counts.sum(1, keepdims=True)
+    cond_expected = joint / np.where(joint.sum(1, keepdims=True) > 0,
+                                     joint.sum(1, keepdims=True), 1)
+    rejects, stat, crit, df = chi_square_rejects(counts, cond_expected * rows / rows.sum())
+    assert not rejects, f"second token given first: chi2={stat:.1f} > {crit:.1f} (df={df})"
+
+
+def test_the_test_detects_a_verifier_that_ignores_q():
+    counts, singles = first_two(3, 3, 9, corrupt_q=True)
+    first, p1 = joint_observed(counts, singles)
+    rejects, stat, crit, _ = chi_square_rejects(first, p1)
+    assert rejects, f"a biased verifier went unnoticed: chi2={stat:.1f} <= {crit:.1f}"

@@ -1,0 +1,78 @@
+import numpy as np
+import torch
+
+from starhub.tree import (
+    ancestor_mask,
+    build_greedy_tree,
+    build_sampled_tree,
+    children,
+    depths,
+    sample_without_replacement,
+)
+
+
+def random_expand(vocab: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def expand(ids, tokens, parents):
+        return torch.randn(len(ids), vocab, generator=gen) * 3
+
+    return expand
+
+
+def test_greedy_tree_respects_budget_and_orders_parents_first():
+    tree = build_greedy_tree(torch.randn(50) * 3, random_expand(50), depth=5, topk=3,
+                             max_nodes=12)
+    assert len(tree) == 12
+    assert all(p < i for i, p in enumerate(tree.parents))
+    assert tree.depth <= 5
+
+
+def test_greedy_chain_follows_argmax():
+    logits = torch.zeros(10)
+    logits[4] = 5
+
+    def expand(ids, tokens, parents):
+        out = torch.zeros(len(ids), 10)
+        out[:, (tokens[0] + 1) % 10] = 5
+        return out
+
+    tree = build_greedy_tree(logits, expand, depth=4, topk=1, max_nodes=10)
+    assert tree.tokens.tolist() == [4, 5, 6, 7]
+    assert tree.parents.tolist() == [-1, 0, 1, 2]
+
+
+def test_sampled_tree_keeps_every_draw_and_sends_q_rows():
+    gen = torch.Generator().manual_seed(0)
+    tree = build_sampled_tree(torch.randn(30), random_expand(30), depth=3, topk=2,
+                              max_nodes=7, temperature=1.0, support=8, generator=gen)
+    assert len(tree) == 7
+    assert tree.dist_probs.shape == (8, 8)
+    kids = children(tree.parents)
+    for pos, row in enumerate(tree.dist_probs):
+        if kids[pos]:
+            assert abs(row.sum() - 1) < 1e-5
+            assert set(tree.tokens[kids[pos]].tolist()) <= set(tree.dist_ids[pos].tolist())
+
+
+def test_ancestor_mask_and_depths_describe_the_tree():
+    parents = np.array([-1, -1, 0, 2], np.int32)
+    assert depths(parents).tolist() == [1, 1, 2, 3]
+    mask = ancestor_mask(parents)
+    assert mask[4].tolist() == [True, True, False, True, True]
+    assert mask[2].tolist() == [True, False, True, False, False]
+
+
+def test_without_replacement_draw_order_matches_sequential_sampling():
+    probs = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    firsts = np.zeros(3)
+    seconds_after_0 = np.zeros(3)
+    n = 20000
+    for _ in range(n):
+        order = sample_without_replacement(probs, 2, gen).tolist()
+        firsts[order[0]] += 1
+        if order[0] == 0:
+            seconds_after_0[order[1]] += 1
+    np.testing.assert_allclose(firsts / n, [0.5, 0.3, 0.2], atol=0.015)
+    np.testing.assert_allclose(seconds_after_0[1:] / seconds_after_0.sum(), [0.6, 0.4], atol=0.02)
