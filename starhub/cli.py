@@ -183,13 +183,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from targets.runner import iter_results
 
-    with tempfile.TemporaryDirectory() as tmp, spawn_hub(_tree_flags(args)) as hub:
+    quiet = ["--log-level", "warning"]
+    with tempfile.TemporaryDirectory() as tmp, spawn_hub(_tree_flags(args),
+                                                         pre_args=quiet) as hub:
         procs, outs = [], []
         print(f"hub at {hub.address} ({args.drafter} drafter); {args.targets} targets, "
               f"1 torch thread each", file=sys.stderr)
         for i in range(args.targets):
             out = f"{tmp}/target{i}.jsonl"
-            cmd = target_command(hub.address, args.prompts, out,
+            cmd = target_command(hub.address, args.prompts, out, pre_args=quiet,
                                  extra=["--model", args.model, "--max-new-tokens",
                                         str(args.max_new_tokens), "--shard",
                                         f"{i}/{args.targets}", "--name", f"target{i}"])

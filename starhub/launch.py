@@ -41,9 +41,9 @@ def child_env(threads: int) -> dict[str, str]:
 
 
 def spawn_hub(args: list[str], threads: int = 1, timeout_s: float = 180.0,
-              log_file=None) -> HubProcess:
+              log_file=None, pre_args: list[str] | None = None) -> HubProcess:
     """Run ``starhub hub ARGS`` on an ephemeral port and wait until it serves."""
-    cmd = [sys.executable, "-m", "starhub", "hub", "--bind", "tcp://127.0.0.1:0",
+    cmd = [sys.executable, "-m", "starhub", *(pre_args or []), "hub", "--bind", "tcp://127.0.0.1:0",
            "--threads", str(threads), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
                             env=child_env(threads))
@@ -68,6 +68,7 @@ def spawn_hub(args: list[str], threads: int = 1, timeout_s: float = 180.0,
 
 
 def target_command(hub: str, prompts: str, out: str, threads: int = 1,
-                   extra: list[str] | None = None) -> list[str]:
-    return [sys.executable, "-m", "starhub", "target", "--hub", hub, "--prompts", prompts,
-            "--out", out, "--threads", str(threads), *(extra or [])]
+                   extra: list[str] | None = None,
+                   pre_args: list[str] | None = None) -> list[str]:
+    return [sys.executable, "-m", "starhub", *(pre_args or []), "target", "--hub", hub,
+            "--prompts", prompts, "--out", out, "--threads", str(threads), *(extra or [])]
