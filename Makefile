@@ -21,11 +21,11 @@ demo: install
 	$(BIN)/starhub demo
 
 test: install
-	$(BIN)/ruff check starhub targets scripts bench tests
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -ra
 
 lint: install
-	$(BIN)/ruff check starhub targets scripts bench tests
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

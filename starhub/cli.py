@@ -27,12 +27,13 @@ def _setup_logging(level: str) -> None:
 
 def _add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", choices=DRAFTERS, default="ngram",
-                   help="ngram: prompt lookup, no model; model: an independent causal LM "
-                        "(see --draft)")
-    p.add_argument("--draft", default="self:layers=8",
-                   help="for --drafter model: 'self' (the target's weights; every token is "
-                        "accepted, for tests), 'self:layers=K' (its first K layers), or a model "
-                        "spec with the target's tokenizer")
+                   help="eagle: a trained EAGLE head over the target's features; ngram: "
+                        "prompt lookup, no model; model: an independent causal LM")
+    p.add_argument("--draft", default=None,
+                   help="eagle: a head folder (default: the head shipped for the embedded "
+                        "model). model: 'self' (the target's weights; every token is accepted, "
+                        "for tests), 'self:layers=K' (its first K layers; the default), or a "
+                        "model spec with the target's tokenizer")
     p.add_argument("--depth", type=int, default=5, help="tree layers drafted per round")
     p.add_argument("--topk", type=int, default=4, help="children expanded per tree node")
     p.add_argument("--max-nodes", type=int, default=24, help="node budget of a tree")
@@ -112,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _tree_flags(args: argparse.Namespace) -> list[str]:
-    return ["--model", args.model, "--drafter", args.drafter, "--draft", args.draft,
+    draft = ["--draft", args.draft] if args.draft else []
+    return ["--model", args.model, "--drafter", args.drafter, *draft,
             "--depth", str(args.depth), "--topk", str(args.topk),
             "--max-nodes", str(args.max_nodes)]
 

@@ -66,6 +66,30 @@ id of a node passed to an earlier call. Drafters map ids to their own cache slot
 """
 
 
+class TreeFeed:
+    """Where fed tree nodes sit in a drafter's cache after the ``base`` committed entries.
+
+    ``layout`` gives the mask rows and positions for the next frontier: each node sees the
+    committed prefix, its fed ancestors and itself, at position ``base + depth - 1``.
+    """
+
+    def __init__(self, base: int):
+        self.base = base
+        self.ancestors: dict[int, list[int]] = {-1: []}
+
+    def layout(self, ids: Sequence[int], parents: Sequence[int],
+               start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        m = len(ids)
+        mask = torch.zeros(m, start + m, dtype=torch.bool)
+        mask[:, : self.base] = True
+        positions = torch.empty(m, dtype=torch.long)
+        for row, (node, parent) in enumerate(zip(ids, parents, strict=True)):
+            self.ancestors[node] = self.ancestors[parent] + [start + row]
+            mask[row, self.ancestors[node]] = True
+            positions[row] = self.base + len(self.ancestors[node]) - 1
+        return mask, positions
+
+
 def build_greedy_tree(root_logits: torch.Tensor, expand: Expand, depth: int, topk: int,
                       max_nodes: int) -> DraftTree:
     """EAGLE-2 dynamic tree: expand the top-k paths per layer, keep the best nodes overall.

@@ -1,10 +1,11 @@
-"""Drafters by name: ``ngram`` (prompt lookup) and ``model`` (an independent causal LM)."""
+"""Drafters by name: ``eagle`` (a head over target features), ``ngram`` (prompt lookup) and
+``model`` (an independent causal LM)."""
 
 from __future__ import annotations
 
 from starhub.drafters.base import DraftContext, Drafter, TreeShape
 
-DRAFTERS = ("ngram", "model")
+DRAFTERS = ("eagle", "ngram", "model")
 
 __all__ = ["DRAFTERS", "DraftContext", "Drafter", "TreeShape", "make_drafter", "parse_draft"]
 
@@ -21,8 +22,13 @@ def parse_draft(spec: str) -> tuple[str, int | None]:
     return spec, None
 
 
-def make_drafter(kind: str, draft: str = "self:layers=8", model: str = "default") -> Drafter:
-    """Build a drafter; ``model`` is the target's model spec, used by ``--draft self``."""
+def make_drafter(kind: str, draft: str | None = None, model: str = "default") -> Drafter:
+    """Build a drafter. ``draft`` is the head folder (eagle) or the draft model spec (model);
+    ``model`` is the target's model spec, whose weights ``self`` and eagle heads borrow."""
+    if kind == "eagle":
+        from starhub.drafters.eagle import EagleDrafter
+
+        return EagleDrafter.load(draft, model)
     if kind == "ngram":
         from starhub.drafters.ngram import NgramDrafter
 
@@ -31,7 +37,7 @@ def make_drafter(kind: str, draft: str = "self:layers=8", model: str = "default"
         from starhub.drafters.model import ModelDrafter
         from starhub.models import load_model
 
-        source, layers = parse_draft(draft)
+        source, layers = parse_draft(draft or "self:layers=8")
         spec = model if source == "self" else source
         draft_model, tokenizer = load_model(spec, layers=layers)
         return ModelDrafter(draft_model, tokenizer, label=draft)

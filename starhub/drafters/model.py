@@ -14,7 +14,7 @@ from starhub.drafters.base import DraftContext, Drafter, TreeShape
 from starhub.kvcache import crop_to
 from starhub.models import tokenizer_fingerprint
 from starhub.protocol import Hello
-from starhub.tree import DraftTree, build_greedy_tree, build_sampled_tree
+from starhub.tree import DraftTree, TreeFeed, build_greedy_tree, build_sampled_tree
 
 
 @dataclass
@@ -67,23 +67,13 @@ class _TreeExpansion:
     """Feeds frontier nodes into the cache after the committed prefix, under a tree mask."""
 
     def __init__(self, model: PreTrainedModel, kv: DynamicCache, base: int):
-        self.model, self.kv, self.base = model, kv, base
-        self.slot: dict[int, int] = {}
-        self.ancestors: dict[int, list[int]] = {-1: []}
+        self.model, self.kv = model, kv
+        self.feed = TreeFeed(base)
 
     def __call__(self, ids: Sequence[int], tokens: Sequence[int],
                  parents: Sequence[int]) -> torch.Tensor:
-        start = self.kv.get_seq_length()
-        m = len(ids)
-        mask = torch.zeros(m, start + m, dtype=torch.bool)
-        mask[:, : self.base] = True
-        positions = []
-        for row, (node, parent) in enumerate(zip(ids, parents, strict=True)):
-            self.slot[node] = start + row
-            self.ancestors[node] = self.ancestors[parent] + [start + row]
-            mask[row, self.ancestors[node]] = True
-            positions.append(self.base + len(self.ancestors[node]) - 1)
+        mask, positions = self.feed.layout(ids, parents, self.kv.get_seq_length())
         out = self.model(torch.tensor([list(tokens)], dtype=torch.long),
-                         position_ids=torch.tensor([positions]),
-                         attention_mask=mask[None, None], past_key_values=self.kv, use_cache=True)
+                         position_ids=positions[None], attention_mask=mask[None, None],
+                         past_key_values=self.kv, use_cache=True)
         return out.logits[0]
