@@ -15,11 +15,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
 import zmq
 import zmq.asyncio
 
 from starhub.drafters.base import Drafter, TreeShape
-from starhub.metrics import HubMetrics
+from starhub.metrics import HubMetrics, PrometheusCollector, serve_prometheus
 from starhub.protocol import (
     Close,
     Commit,
@@ -52,6 +53,8 @@ class HubConfig:
     max_targets: int = 0
     """Admission limit (N_max); 0 admits every target."""
     log_every_s: float = 10.0
+    metrics_port: int = 0
+    """Serve Prometheus text on 127.0.0.1:PORT/metrics; 0 serves none."""
 
 
 @dataclass
@@ -86,6 +89,10 @@ class Hub:
         self.bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("hub listening on %s, drafter=%s, %s", self.bound, self.drafter.name,
                  self.config.shape)
+        if self.config.metrics_port:
+            serve_prometheus(PrometheusCollector(self.stats, self.metrics.counters),
+                             self.config.metrics_port)
+            log.info("metrics on http://127.0.0.1:%d/metrics", self.config.metrics_port)
         self.ready.set()
         tasks = [asyncio.create_task(coro) for coro in (
             self.receiver(sock), self.worker(), self.sender(sock), self.housekeeping())]
@@ -120,7 +127,7 @@ class Hub:
         elif isinstance(msg, Ping):
             self.reply(identity, Pong(nonce=msg.nonce))
         elif isinstance(msg, Stats):
-            self.reply(identity, Stats(body=self.stats()))
+            self.reply(identity, Stats(body=self.stats_reply(identity, msg.body)))
         elif isinstance(msg, Open):
             self.handle_open(identity, msg)
         elif isinstance(msg, Commit):
@@ -143,6 +150,7 @@ class Hub:
             log.info("rejecting %s (%s): %s", msg.name, identity.hex()[:8], reason)
             self.reply(identity, Reject(code=int(ErrorCode.REJECTED), reason=reason))
             return
+        self.metrics.peer(identity, msg.name)
         peers[identity] = Peer(identity, msg.name, msg.vocab_size, msg.hidden_size,
                                msg.num_layers, peers.get(identity, Peer(b"", "", 0, 0, 0)).sessions)
         log.info("target %s (%s) joined; %d connected", msg.name, identity.hex()[:8], len(peers))
@@ -194,12 +202,14 @@ class Hub:
         if msg.features is not None:
             session.ctx.features.append(to_torch(msg.features))
         session.seq += 1
-        self.metrics.committed(msg.accepted, len(msg.tokens))
+        self.metrics.committed(msg.accepted, len(msg.tokens), identity)
         self.enqueue(identity, session, 0)
 
     def enqueue(self, identity: bytes, session: Session, ref: int) -> None:
         session.busy = True
-        self.buffer.append(Request(identity, session, ref, time.monotonic()))
+        now = time.monotonic()
+        self.metrics.arrived(session.tag, identity, now)
+        self.buffer.append(Request(identity, session, ref, now))
         self._work.set()
 
     async def worker(self) -> None:
@@ -215,7 +225,7 @@ class Hub:
             if self.table.sessions.get(session.tag) is not session:
                 continue
             started = time.monotonic()
-            self.metrics.draft_started(req.arrival, started)
+            self.metrics.draft_started(req.arrival, started, len(self.table))
             try:
                 tree = await loop.run_in_executor(self._executor, self.drafter.propose,
                                                   session.ctx, self.config.shape)
@@ -226,7 +236,8 @@ class Hub:
                                                code=int(ErrorCode.INTERNAL),
                                                message=f"drafting failed: {exc}"))
                 continue
-            self.metrics.draft_finished(started, time.monotonic(), tree.depth, len(tree))
+            self.metrics.draft_finished(started, time.monotonic(), tree.depth, len(tree),
+                                        req.arrival, session.tag, req.identity)
             session.busy = False
             if self.table.sessions.get(session.tag) is not session:
                 continue
@@ -269,8 +280,19 @@ class Hub:
         snap = self.metrics.snapshot(len(self.table), len(self.table.peers))
         snap.update(drafter=self.drafter.name, depth=self.config.shape.depth,
                     topk=self.config.shape.topk, max_nodes=self.config.shape.max_nodes,
-                    queue=len(self.buffer))
+                    queue=len(self.buffer), threads=torch.get_num_threads())
         return snap
+
+    def stats_reply(self, identity: bytes, request: dict) -> dict:
+        """STATS body: the snapshot; ``{"peer": true}`` asks for the sender's own totals
+        (its time split), ``{"counters": true}`` adds raw totals for windowed rates."""
+        if request.get("peer"):
+            totals = self.metrics.peers.get(identity)
+            return {"peer": totals.to_dict() if totals else {}}
+        body = self.stats()
+        if request.get("counters"):
+            body["counters"] = self.metrics.counters(peers=bool(request.get("peers")))
+        return body
 
 
 def run_hub(drafter: Drafter, config: HubConfig) -> None:

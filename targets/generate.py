@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from starhub.models import tokenizer_fingerprint
-from starhub.protocol import Close, Commit, Hello, Open, Propose
+from starhub.protocol import Close, Commit, Hello, Open, Propose, Stats
 from starhub.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.client import HubClient, HubError, HubUnavailable
@@ -35,6 +35,13 @@ class GenerationStats:
     prefill_s: float = 0.0
     verify_s: float = 0.0
     hub_wait_s: float = 0.0
+    """Round trips to the hub: ``hub_queue_s + hub_draft_s + comm_s``."""
+    hub_queue_s: float = 0.0
+    hub_draft_s: float = 0.0
+    comm_s: float = 0.0
+    started_at: float = 0.0
+    """Wall-clock start (time.time()), to line up several targets' runs."""
+    threads: int = 0
     tree_nodes: int = 0
     accepted_at_depth: list[int] = field(default_factory=list)
     accept_len_hist: dict[str, int] = field(default_factory=dict)
@@ -118,6 +125,7 @@ class SpeculativeGenerator:
                    stats: GenerationStats | None = None) -> Iterator[list[int]]:
         """Yield each round's newly committed ids; ``stats`` is filled in as it goes."""
         stats = stats if stats is not None else GenerationStats()
+        stats.started_at, stats.threads = time.time(), torch.get_num_threads()
         start = time.perf_counter()
         target = TargetModel(self.model, Sampling(temperature, top_p), seed, self.feature_layers)
         first, feats = target.prefill(list(prompt_ids))
@@ -139,6 +147,27 @@ class SpeculativeGenerator:
             stats.mean_accept_len = sum(int(k) * v for k, v in hist.items()) / stats.rounds
         stats.standalone = stats.rounds == 0
         stats.note = stats.note or self.note
+        self._split_hub_wait(stats)
+
+    _peer_totals: dict | None = None
+
+    def _split_hub_wait(self, stats: GenerationStats) -> None:
+        """Split the round trips into the hub's queueing and drafting for us (its own
+        account, from STATS) and communication, the rest."""
+        if self.client is None or not stats.rounds or stats.note:
+            return
+        try:
+            reply = self.client.request(Stats(body={"peer": True}))
+        except (HubUnavailable, HubError):
+            return
+        totals = reply.body.get("peer") if isinstance(reply, Stats) else None
+        if not totals:
+            return
+        before = self._peer_totals or {"queue_s": 0.0, "draft_s": 0.0}
+        self._peer_totals = totals
+        stats.hub_queue_s = totals["queue_s"] - before["queue_s"]
+        stats.hub_draft_s = totals["draft_s"] - before["draft_s"]
+        stats.comm_s = max(0.0, stats.hub_wait_s - stats.hub_queue_s - stats.hub_draft_s)
 
     def _clip(self, chunk: list[int], room: int) -> list[int]:
         chunk = chunk[: max(room, 0)]

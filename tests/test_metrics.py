@@ -1,0 +1,160 @@
+"""Hub metrics: the accounting on a known timeline, windows, STATS, the Prometheus
+endpoint, and the target's time split."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from starhub.drafters.ngram import NgramDrafter
+from starhub.metrics import HubMetrics, derive
+from starhub.protocol import Commit, Hello, Open, Propose, Stats
+from targets.client import HubClient
+from tests.conftest import HubThread
+
+S, Z = 0.010, 0.025
+
+
+def two_targets_below_saturation(m: HubMetrics, iterations: int, t0: float = 100.0) -> float:
+    """Two targets, drafting S each back to back, each returning Z after its draft:
+    the idle gap per iteration is Z - S, in one gap of two."""
+    t = t0
+    for _ in range(iterations):
+        for key, who in ((1, b"a"), (2, b"b")):
+            m.arrived(key, who, t)
+            m.draft_started(t, t, active=2)
+            m.draft_finished(t, t + S, layers=5, nodes=8, arrival=t, key=key, identity=who)
+            t += S
+            if key == 2:
+                t += Z - S
+            m.committed(2, 3, who)
+    return t
+
+
+def test_idle_time_is_per_iteration_as_in_the_model():
+    m = HubMetrics()
+    end = two_targets_below_saturation(m, 50)
+    snap = derive(None, m.counters())
+    assert snap["t_idle_ms"] == pytest.approx(1e3 * (Z - S), rel=0.03)
+    assert snap["t_idle_gap_ms"] == pytest.approx(1e3 * (Z - S) / 2, rel=0.03)
+    assert snap["t_s_ms"] == pytest.approx(1e3 * S / 5)
+    assert snap["t_wait_ms"] == pytest.approx(0.0)
+    assert snap["z_ms"] == pytest.approx(1e3 * Z, rel=0.03)
+    assert snap["rounds"] == 100
+    assert snap["wall_s"] == pytest.approx(end - 100.0 - (Z - S), rel=1e-6)
+    assert snap["load"] == pytest.approx(2 * S / (S + Z), rel=0.03)
+    assert snap["r_q"] == pytest.approx(2 / (S + Z), rel=0.03)
+    assert snap["r_p"] == pytest.approx(1 / (S + Z), rel=0.05)
+    assert snap["mean_accept_len"] == 3.0
+    assert snap["accept_rate_by_depth"] == [1.0, 1.0]
+    assert snap["accept_len_hist"] == {"3": 100}
+    assert snap["system_tok_s"] == pytest.approx(3 * snap["r_q"], rel=0.03)
+    split = snap["hub_split"]
+    assert split["draft"] + split["idle"] + split["sched"] == pytest.approx(1.0, rel=0.03)
+
+
+def test_queueing_is_wait_not_idle_and_windows_subtract():
+    m = HubMetrics()
+    m.arrived(1, b"a", 0.0)
+    m.arrived(2, b"b", 0.0)
+    m.draft_started(0.0, 0.0, active=2)
+    m.draft_finished(0.0, 1.0, 4, 4, arrival=0.0, key=1, identity=b"a")
+    m.draft_started(0.0, 1.25, active=2)
+    m.draft_finished(1.25, 2.0, 4, 4, arrival=0.0, key=2, identity=b"b")
+    c0 = m.counters()
+    m.arrived(1, b"a", 3.0)
+    m.draft_started(3.0, 3.0, active=2)
+    m.draft_finished(3.0, 4.0, 2, 2, arrival=3.0, key=1, identity=b"a")
+    m.committed(0, 1, b"a")
+    whole = derive(None, m.counters())
+    assert whole["t_wait_ms"] == pytest.approx(1e3 * 1.25 / 3)
+    assert whole["hub_split"]["sched"] * whole["wall_s"] == pytest.approx(0.25)
+    assert whole["hub_split"]["idle"] * whole["wall_s"] == pytest.approx(1.0)
+    assert whole["t_idle_ms"] == pytest.approx(1e3 * 1.0 / 1.5)
+    assert whole["z_ms"] == pytest.approx(2000.0)
+    c1 = dict(m.counters(), now=c0["now"] + 2.0)
+    window = derive(c0, c1, targets=2)
+    assert window["rounds"] == 1 and window["tokens"] == 1
+    assert window["wall_s"] == pytest.approx(2.0)
+    assert window["r_q"] == pytest.approx(0.5)
+    assert window["r_p"] == pytest.approx(0.25)
+    assert window["accept_len_hist"] == {"1": 1}
+    assert m.peers[b"a"].queue_s == 0.0 and m.peers[b"b"].queue_s == pytest.approx(1.25)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def metered_hub():
+    port = free_port()
+    hub = HubThread(NgramDrafter(), metrics_port=port, ttl_s=30.0)
+    yield hub, port
+    hub.stop()
+
+
+def drive_rounds(address: str, rounds: int = 3) -> HubClient:
+    import numpy as np
+
+    client = HubClient(address, timeout_s=10)
+    client.hello(Hello(name="probe", vocab_size=1000))
+    prompt = np.array([1, 2, 3, 1, 2, 3, 1, 2], dtype=np.int32)
+    reply = client.request(Open(ref=7, prompt_len=7, tokens=prompt), ref=7)
+    for _ in range(rounds):
+        assert isinstance(reply, Propose)
+        tokens = np.append(reply.tokens[:1], 3).astype(np.int32)
+        reply = client.request(Commit(tag=reply.tag, seq=reply.seq, accepted=len(tokens) - 1,
+                                      tokens=tokens), tag=reply.tag)
+    return client
+
+
+def test_prometheus_endpoint_serves_valid_text(metered_hub):
+    hub, port = metered_hub
+    drive_rounds(hub.address).close()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("system_tok_s", "per_target_tok_s", "t_s_ms", "t_wait_ms", "t_idle_ms", "r_q",
+                 "r_p", "load", "mean_accept_len"):
+        assert f"starhub_{name}" in families, name
+    assert families["starhub_rounds"].samples[0].value == 4
+    hist = families["starhub_accept_len"]
+    counts = {s.labels.get("le"): s.value for s in hist.samples if s.name.endswith("_bucket")}
+    assert counts["+Inf"] == 3
+    assert {s.labels["activity"] for s in families["starhub_hub_seconds"].samples} \
+        == {"draft", "idle", "sched", "queue"}
+    assert "python_gc_objects_collected" not in families
+
+
+def test_stats_request_returns_the_metrics(ngram_hub):
+    client = drive_rounds(ngram_hub.address, rounds=2)
+    body = client.request(Stats()).body
+    for name in ("system_tok_s", "t_idle_ms", "r_q", "r_p", "load", "mean_accept_len",
+                 "accept_rate_by_depth", "accept_len_hist", "threads"):
+        assert name in body
+    assert body["rounds"] == 3 and body["peers"] == 1
+    own = client.request(Stats(body={"peer": True})).body["peer"]
+    assert own["name"] == "probe" and own["rounds"] == 3 and own["commits"] == 2
+    counters = client.request(Stats(body={"counters": True})).body["counters"]
+    assert counters["rounds"] == 3 and counters["peers"] == []
+    client.close()
+
+
+def test_target_splits_its_round_trips(tiny_model, ngram_hub):
+    from targets.generate import SpeculativeGenerator
+
+    model, tok = tiny_model
+    gen = SpeculativeGenerator(model, tok, ngram_hub.address, name="split")
+    stats = [gen.generate(tok("a b a b a b", add_special_tokens=False)["input_ids"], 12).stats
+             for _ in range(2)]
+    gen.close()
+    for s in stats:
+        assert s.rounds > 0 and s.threads >= 1 and s.started_at > 0
+        assert s.hub_draft_s > 0 and s.comm_s > 0
+        assert s.hub_queue_s + s.hub_draft_s + s.comm_s == pytest.approx(s.hub_wait_s, rel=1e-6)
+    assert stats[1].hub_draft_s < stats[0].hub_draft_s + stats[1].hub_wait_s
