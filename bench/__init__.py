@@ -1,0 +1,1 @@
+"""The benchmark: round speeds and idle time against N, with baselines, real or emulated."""

@@ -1,0 +1,99 @@
+"""Emulated accelerators: the spec, the analytical model, the emulated drafter, and the
+issue's acceptance run (t_s=1.4ms, t_v=25ms, t_c=1ms, depth=6) against the model."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from bench.emulate import EmulateOptions, EmulateSpec, load_trace, run_emulated
+from bench.model import StarModel, expected_accepted
+from starhub.drafters.base import DraftContext, TreeShape
+from starhub.drafters.emulated import EmulatedDrafter
+
+SPEC = "t_s=1.4ms,t_v=25ms,t_c=1ms,beta=0.8,depth=6"
+
+
+def test_spec_parses_units_and_rejects_nonsense():
+    spec = EmulateSpec.parse("t_s=1400us,t_v=0.025s,t_c=1,beta=0.5,depth=3")
+    assert spec.t_s == pytest.approx(1.4e-3)
+    assert spec.t_v == pytest.approx(0.025)
+    assert spec.t_c == pytest.approx(1e-3)
+    assert (spec.beta, spec.depth) == (0.5, 3)
+    assert EmulateSpec.parse(spec.text()).text() == spec.text()
+    for bad in ("t_s", "t_s=fast", "beta=2", "depth=0", "colour=red", "t_s=0ms"):
+        with pytest.raises(ValueError):
+            EmulateSpec.parse(bad)
+
+
+def test_model_matches_the_issue_numbers():
+    model = EmulateSpec.parse(SPEC).model()
+    assert model.S == pytest.approx(8.4e-3)
+    assert model.Z == pytest.approx(26e-3)
+    assert model.n_full == 5
+    assert model.t_idle(1) == pytest.approx(26e-3)
+    assert model.t_idle(4) == pytest.approx(0.8e-3)
+    assert model.t_idle(5) == 0.0
+    row = model.predict(8)
+    assert row["r_q"] == pytest.approx(1 / 8.4e-3)
+    assert row["load"] == pytest.approx(1.0)
+    assert row["r_p"] == pytest.approx(1 / (8 * 8.4e-3))
+    assert StarModel(t_s=1e-3, depth=2, t_c=0, t_v=4e-3).n_full == 3
+
+
+def test_expected_accepted_matches_sampling():
+    spec = EmulateSpec.parse("beta=0.7,depth=4")
+    draw = spec.sampler(random.Random(0))
+    mean = sum(draw() for _ in range(20000)) / 20000
+    assert mean == pytest.approx(expected_accepted(0.7, 4), rel=0.03)
+    assert expected_accepted(1.0, 4) == 4
+
+
+def test_trace_replays_a_real_runs_histogram(tmp_path):
+    doc = {"rows": [{"mode": "hf-generate", "accept_len_hist": {"1": 99}},
+                    {"mode": "star", "accept_len_hist": {"1": 1, "3": 3}},
+                    {"mode": "star", "accept_len_hist": {"3": 1}}]}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(doc))
+    assert load_trace(str(path)) == {1: 1, 3: 4}
+    spec = EmulateSpec.parse(f"depth=4,trace={path}")
+    assert spec.tau == pytest.approx((1 + 3 * 4) / 5)
+    draw = spec.sampler(random.Random(1))
+    assert {draw() for _ in range(200)} == {0, 2}
+
+
+def test_emulated_drafter_proposes_a_chain():
+    drafter = EmulatedDrafter(t_s=1e-4, vocab_size=100)
+    tree = drafter.propose(DraftContext(tokens=[5, 98]), TreeShape(depth=4, topk=1, max_nodes=4))
+    assert tree.tokens.tolist() == [99, 0, 1, 2]
+    assert tree.parents.tolist() == [-1, 0, 1, 2]
+    assert tree.depth == 4
+
+
+def test_emulated_star_follows_the_model(tmp_path):
+    """Acceptance 2 with bounds loose enough for a busy 2-core machine, each compared with
+    the model in the same run: the idle gap shrinks by S per added target below N_full,
+    the hub saturates from N_full on, r_q reaches 1/S(d), and r_p falls past N_full."""
+    spec = EmulateSpec.parse(SPEC)
+    model = spec.model()
+    rows = {r["targets"]: r for r in run_emulated(
+        spec, [1, 3, 5, 8], EmulateOptions(duration_s=1.5, warmup_s=1.0,
+                                           log_dir=str(tmp_path)), progress=False)}
+    z = model.Z * 1e3
+    assert rows[1]["t_idle_ms"] == pytest.approx(z, rel=0.2)
+    for n in (1, 3):
+        assert abs(rows[n]["t_idle_ms"] - 1e3 * model.t_idle(n)) < 0.15 * z
+        measured_model = rows[n]["model_measured_sz"]["t_idle_ms"]
+        assert abs(rows[n]["t_idle_ms"] - measured_model) < 0.1 * z
+    for n in (5, 8):
+        assert rows[n]["load"] >= 0.9
+        assert rows[n]["t_idle_ms"] < 0.2 * model.S * 1e3
+    assert rows[8]["r_q"] == pytest.approx(1 / model.S, rel=0.2)
+    assert rows[8]["r_p"] < rows[5]["r_p"] < rows[3]["r_p"] * 1.05
+    assert rows[8]["r_p"] == pytest.approx(model.predict(8)["r_p"], rel=0.25)
+    for row in rows.values():
+        assert row["mean_accept_len"] == pytest.approx(model.tau, rel=0.15)
+        assert row["overhead_ms"] < 5
+        assert row["z_ms"] == pytest.approx(z, rel=0.2)
