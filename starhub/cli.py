@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import cli as bench_cli
 from starhub.drafters import DRAFTERS
 from starhub.launch import READY, child_env, spawn_hub, target_command
 
@@ -73,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "alone (0: no limit)")
     hub.add_argument("--max-message-mb", type=float, default=64.0,
                      help="larger messages are refused with an ERROR")
+    hub.add_argument("--metrics-port", type=int, default=0,
+                     help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: off)")
 
     tgt = sub.add_parser("target", help="run a prompt file through one target process",
                          description="Decode every prompt of a JSONL file with drafts from a "
@@ -109,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompts", default=str(DEMO_PROMPTS))
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--targets", type=int, default=2)
+    bench_cli.add_parser(sub)
     return parser
 
 
@@ -130,7 +134,8 @@ def cmd_hub(args: argparse.Namespace) -> int:
     drafter = make_drafter(args.drafter, args.draft, args.model)
     config = HubConfig(bind=args.bind, shape=TreeShape(args.depth, args.topk, args.max_nodes),
                        ttl_s=args.ttl, max_targets=args.max_targets,
-                       max_message_bytes=int(args.max_message_mb * (1 << 20)))
+                       max_message_bytes=int(args.max_message_mb * (1 << 20)),
+                       metrics_port=args.metrics_port)
     hub = Hub(drafter, config)
     logging.getLogger("starhub.hub").info("torch threads=%d", threads)
 
@@ -215,7 +220,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"hub": cmd_hub, "target": cmd_target, "generate": cmd_generate, "demo": cmd_demo}
+COMMANDS = {"hub": cmd_hub, "target": cmd_target, "generate": cmd_generate, "demo": cmd_demo,
+            "bench": bench_cli.main}
 
 
 def main(argv: list[str] | None = None) -> int:

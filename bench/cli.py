@@ -1,0 +1,119 @@
+"""``starhub bench``: its arguments and handler (registered by ``starhub.cli``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "scripts" / "prompts" / "demo.jsonl"
+TREE_ARGS = ("drafter", "draft", "depth", "topk", "max_nodes")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "bench", help="round speeds, idle time and throughput against N, with baselines",
+        description="For each N, start a fresh hub and N target processes on loopback, run "
+                    "the prompts split across them, and print one row per N (StarSD "
+                    "Table 1 layout) next to baselines measured on the same prompts. With "
+                    "--emulate, model compute is replaced by calibrated waits so that N can "
+                    "reach hundreds on one machine, and the analytical model's prediction "
+                    "is printed beside each row.")
+    p.add_argument("--targets", default="1,2,3,4,6,8", help="comma-separated values of N")
+    p.add_argument("--model", default="default", help="the targets' model")
+    p.add_argument("--drafter", default=None, help="the hub's drafter (default: the hub's)")
+    p.add_argument("--draft", default=None, help="drafter weights, as for `starhub hub`")
+    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--topk", type=int, default=None)
+    p.add_argument("--max-nodes", type=int, default=None)
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt file")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="per prompt (default 64); emulated sessions default to 512")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of every process (hub, each target, baselines)")
+    p.add_argument("--baselines", default=",".join(_baselines()),
+                   help="comma-separated subset of hf-generate, hf-prompt-lookup, colocated "
+                        "('' for none)")
+    p.add_argument("--json", dest="json_out", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="write a PNG like StarSD's Figure 5")
+    p.add_argument("--markdown", default=None, help="write the table as Markdown")
+    p.add_argument("--emulate", default=None, metavar="SPEC",
+                   help="e.g. t_s=1.4ms,t_v=25ms,t_c=1ms,beta=0.8,depth=6; add trace=RUN.json "
+                        "to replay a real run's accepted lengths instead of beta")
+    p.add_argument("--duration", type=float, default=3.0,
+                   help="emulation: measured seconds per N (longer where N is large)")
+    p.add_argument("--warmup", type=float, default=1.0, help="emulation: unmeasured seconds")
+    p.add_argument("--emulate-procs", type=int, default=1,
+                   help="emulation: processes the targets are spread over")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="emulation: the hub serves Prometheus text on this port")
+    p.add_argument("--log-dir", default=None, help="hub and target logs (default: a temp dir)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _baselines() -> tuple[str, ...]:
+    from bench.run import BASELINES
+
+    return BASELINES
+
+
+def hub_defaults() -> dict:
+    """The tree settings `starhub hub` uses when given none, so both always agree."""
+    from starhub.cli import build_parser
+
+    args = build_parser().parse_args(["hub"])
+    return {k: getattr(args, k) for k in TREE_ARGS}
+
+
+def parse_targets(text: str) -> list[int]:
+    try:
+        ns = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--targets must be comma-separated integers, got '{text}'") from None
+    if not ns or min(ns) < 1:
+        raise ValueError("--targets needs at least one N >= 1")
+    return ns
+
+
+def main(args: argparse.Namespace) -> int:
+    from bench.report import markdown_table, text_table
+
+    ns = parse_targets(args.targets)
+    tree = hub_defaults()
+    for key in TREE_ARGS:
+        if getattr(args, key) is not None:
+            tree[key] = getattr(args, key)
+    if args.emulate:
+        from bench.emulate import EmulateOptions, EmulateSpec, emulated_doc
+
+        spec = EmulateSpec.parse(args.emulate)
+        opts = EmulateOptions(duration_s=args.duration, warmup_s=args.warmup,
+                              procs=args.emulate_procs,
+                              max_new_tokens=args.max_new_tokens or 512,
+                              metrics_port=args.metrics_port, log_dir=args.log_dir)
+        doc = emulated_doc(spec, ns, opts, progress=not args.no_progress)
+    else:
+        from bench.run import BASELINES, BenchConfig, run_real
+
+        baselines = [b for b in args.baselines.split(",") if b]
+        unknown = set(baselines) - set(BASELINES)
+        if unknown:
+            raise ValueError(f"unknown baselines {sorted(unknown)}; choose from {BASELINES}")
+        cfg = BenchConfig(targets=ns, model=args.model, prompts=args.prompts,
+                          max_new_tokens=args.max_new_tokens or 64, threads=args.threads,
+                          baselines=baselines, log_dir=args.log_dir, **tree)
+        doc = run_real(cfg, progress=not args.no_progress)
+    print(text_table(doc))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(doc, indent=1) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_table(doc))
+    if args.plot:
+        from bench.plot import plot
+
+        plot(doc, args.plot)
+    for path in filter(None, (args.json_out, args.markdown, args.plot)):
+        print(f"wrote {path}", file=sys.stderr)
+    return 0

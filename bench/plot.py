@@ -1,0 +1,84 @@
+"""A PNG shaped like StarSD's Figure 5: round speeds and load against N (left), throughput
+against N with the baselines as horizontal lines (right)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _series(rows: list[dict], key: str, sub: str | None = None) -> tuple[list, list]:
+    xs, ys = [], []
+    for row in rows:
+        value = row.get(sub, {}).get(key) if sub else row.get(key)
+        if value is not None:
+            xs.append(row["targets"])
+            ys.append(value)
+    return xs, ys
+
+
+def plot(doc: dict, out: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    star = sorted((r for r in doc["rows"] if r["mode"] == "star"), key=lambda r: r["targets"])
+    baselines = [r for r in doc["rows"] if r["mode"] != "star"]
+    emulated = doc["config"].get("mode") == "emulated"
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+
+    left.plot(*_series(star, "r_q"), "o-", color="tab:blue", label="$r_q$ (hub drafts/s)")
+    left.plot(*_series(star, "r_p"), "s-", color="tab:orange",
+              label="$r_p$ (verifications/s per target)")
+    left.set_xlabel("targets N")
+    left.set_ylabel("rounds per second")
+    load_ax = left.twinx()
+    load_ax.plot(*_series(star, "load"), "^-", color="tab:green", label="load")
+    load_ax.set_ylabel("hub load")
+    load_ax.set_ylim(0, 1.05)
+    if emulated:
+        left.plot(*_series(star, "r_q", "model"), "--", color="tab:blue", alpha=0.6,
+                  label="$r_q$ model")
+        left.plot(*_series(star, "r_p", "model"), "--", color="tab:orange", alpha=0.6,
+                  label="$r_p$ model")
+        load_ax.plot(*_series(star, "load", "model"), "--", color="tab:green", alpha=0.6,
+                     label="load model")
+        n_full = doc["config"]["model"]["n_full"]
+        left.axvline(n_full, color="grey", linestyle=":", label=f"$N_{{full}}$={n_full}")
+    left.set_ylim(bottom=0)
+    handles = left.get_legend_handles_labels()
+    more = load_ax.get_legend_handles_labels()
+    left.legend(handles[0] + more[0], handles[1] + more[1], fontsize=8, loc="center right")
+    left.set_title("round speeds and load")
+
+    right.plot(*_series(star, "system_tok_s"), "o-", color="tab:red", label="system_tok_s")
+    right.plot(*_series(star, "per_target_tok_s"), "s-", color="tab:purple",
+               label="per_target_tok_s")
+    if emulated:
+        right.plot(*_series(star, "system_tok_s", "model"), "--", color="tab:red", alpha=0.6,
+                   label="system_tok_s model")
+        right.plot(*_series(star, "per_target_tok_s", "model"), "--", color="tab:purple",
+                   alpha=0.6, label="per_target_tok_s model")
+    styles = ["-.", ":", (0, (5, 2, 1, 2)), "--"]
+    for style, row in zip(styles * 4, baselines, strict=False):
+        right.axhline(row["per_target_tok_s"], linestyle=style, color="black", alpha=0.7,
+                      label=f"{row['mode']} ({row['per_target_tok_s']:.1f} tok/s)")
+    right.set_xlabel("targets N")
+    right.set_ylabel("tokens per second")
+    right.set_ylim(bottom=0)
+    right.legend(fontsize=8)
+    right.set_title("throughput")
+    ns = sorted({r["targets"] for r in star})
+    for ax in (left, right):
+        if ns and ns[-1] / ns[0] > 20:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.grid(alpha=0.3)
+    cfg = doc["config"]
+    what = (f"emulated {cfg['emulate']}" if emulated else
+            f"{cfg['drafter']} drafter, depth {cfg['depth']}, {cfg['n_prompts']} prompts x "
+            f"{cfg['max_new_tokens']} tokens, {cfg['threads']} thread(s)/process")
+    fig.suptitle(f"starhub star topology: {what}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

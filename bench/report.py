@@ -1,0 +1,95 @@
+"""Tables in StarSD's Table 1 layout, as aligned text for the terminal and as Markdown."""
+
+from __future__ import annotations
+
+COLUMNS = [
+    ("mode", "mode", "{}"),
+    ("N", "targets", "{}"),
+    ("drafter", "drafter", "{}"),
+    ("d", "depth", "{}"),
+    ("system_tok_s", "system_tok_s", "{:.1f}"),
+    ("per_target_tok_s", "per_target_tok_s", "{:.1f}"),
+    ("t_s_ms", "t_s_ms", "{:.2f}"),
+    ("t_wait_ms", "t_wait_ms", "{:.2f}"),
+    ("t_idle_ms", "t_idle_ms", "{:.2f}"),
+    ("r_q", "r_q", "{:.1f}"),
+    ("r_p", "r_p", "{:.2f}"),
+    ("load", "load", "{:.3f}"),
+    ("tau", "mean_accept_len", "{:.2f}"),
+]
+REAL_EXTRA = [("lossless", "lossless", "{}")]
+EMULATED_EXTRA = [
+    ("model t_idle_ms", ("model", "t_idle_ms"), "{:.2f}"),
+    ("model r_q", ("model", "r_q"), "{:.1f}"),
+    ("model r_p", ("model", "r_p"), "{:.2f}"),
+    ("model load", ("model", "load"), "{:.3f}"),
+    ("model system_tok_s", ("model", "system_tok_s"), "{:.1f}"),
+    ("z_ms", "z_ms", "{:.2f}"),
+    ("round_ms", "round_ms", "{:.3f}"),
+    ("overhead_ms", "overhead_ms", "{:.3f}"),
+]
+
+
+def _get(row: dict, key):
+    if isinstance(key, tuple):
+        for part in key:
+            row = row.get(part) if isinstance(row, dict) else None
+        return row
+    return row.get(key)
+
+
+def _cell(row: dict, key, fmt: str) -> str:
+    value = _get(row, key)
+    if value is None:
+        return "-"
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def columns(doc: dict) -> list[tuple[str, object, str]]:
+    emulated = doc["config"].get("mode") == "emulated"
+    return COLUMNS + (EMULATED_EXTRA if emulated else REAL_EXTRA)
+
+
+def table_cells(doc: dict) -> tuple[list[str], list[list[str]]]:
+    cols = columns(doc)
+    return [c[0] for c in cols], [[_cell(row, key, fmt) for _, key, fmt in cols]
+                                  for row in doc["rows"]]
+
+
+def preamble(doc: dict) -> list[str]:
+    cfg = doc["config"]
+    lines = []
+    if cfg.get("mode") == "emulated":
+        m = cfg["model"]
+        lines.append(f"emulated {cfg['emulate']}: S(d)={m['S_ms']:.2f}ms Z(d)={m['Z_ms']:.2f}ms "
+                     f"N_full={m['n_full']} r_q at saturation 1/S={m['r_q_sat']:.1f}/s "
+                     f"tau={m['tau']:.2f}")
+        lines.append("model: T_idle(N)=max(0, Z-(N-1)S), T(N)=N*S+T_idle, "
+                     "system_tok_s(N)=N*tau/T(N); overhead_ms = measured busy time per round "
+                     "minus S(d)")
+    else:
+        lines.append(f"real: {cfg['n_prompts']} prompts from {cfg['prompts']}, "
+                     f"{cfg['max_new_tokens']} new tokens, {cfg['threads']} torch thread(s) "
+                     f"per process")
+    return lines
+
+
+def text_table(doc: dict) -> str:
+    head, body = table_cells(doc)
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h)
+              for i, h in enumerate(head)]
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    return "\n".join([*preamble(doc), fmt.format(*head),
+                      *(fmt.format(*r) for r in body)])
+
+
+def markdown_table(doc: dict) -> str:
+    head, body = table_cells(doc)
+    lines = [f"_{line}_" for line in preamble(doc)] + [""]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "|".join("---:" for _ in head) + "|")
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(lines) + "\n"

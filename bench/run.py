@@ -1,0 +1,260 @@
+"""The real-mode benchmark: for each N a fresh hub process and N target processes on
+loopback, the prompts split across them, plus the baselines on the same prompts."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench.baselines import PromptRun, colocated, hf_generate
+
+METRICS = ("system_tok_s", "per_target_tok_s", "t_s_ms", "t_wait_ms", "t_idle_ms", "r_q",
+           "r_p", "load", "mean_accept_len")
+BASELINES = ("hf-generate", "hf-prompt-lookup", "colocated")
+
+THREADS_NOTE = ("every process sets its torch thread count from --threads (the hub and each "
+                "target via their own --threads flag, the benchmark process, which runs the "
+                "baselines, via torch.set_num_threads) and child processes also get "
+                "OMP_NUM_THREADS/MKL_NUM_THREADS; each row lists the count every process "
+                "reported")
+METRIC_NOTES = {
+    "system_tok_s": "committed tokens over the run's wall time, from the first target's "
+                    "first prompt to the last target's end",
+    "per_target_tok_s": "mean over targets of its tokens over its decoding time",
+    "t_idle_ms": "hub idle time per iteration (one request per active session): total idle "
+                 "over sum(1/active sessions) per round, DESIGN.md's T_idle; "
+                 "t_idle_gap_ms is the plain mean per gap",
+    "r_q": "hub draft rounds per second over its active window",
+    "r_p": "mean over targets of verification rounds per second of decoding time",
+    "load": "fraction of the hub's active window spent drafting",
+    "mean_accept_len": "committed tokens per verification round, bonus included",
+    "target_split": "seconds summed over targets: prefill, verify, hub_queue + hub_draft "
+                    "(waiting for the hub, by the hub's own account), comm (the rest of each "
+                    "round trip), other",
+}
+
+
+@dataclass
+class BenchConfig:
+    targets: list[int]
+    drafter: str
+    draft: str | None
+    depth: int
+    topk: int
+    max_nodes: int
+    model: str = "default"
+    prompts: str = ""
+    max_new_tokens: int = 64
+    threads: int = 1
+    baselines: list[str] = field(default_factory=lambda: list(BASELINES))
+    log_dir: str | None = None
+
+    def hub_flags(self) -> list[str]:
+        draft = ["--draft", self.draft] if self.draft else []
+        return ["--model", self.model, "--drafter", self.drafter, *draft,
+                "--depth", str(self.depth), "--topk", str(self.topk),
+                "--max-nodes", str(self.max_nodes)]
+
+
+def machine_info() -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "python": platform.python_version(),
+            "cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+
+def empty_row(mode: str, targets: int, drafter: str, depth: int | None) -> dict:
+    return {"mode": mode, "targets": targets, "drafter": drafter, "depth": depth,
+            **dict.fromkeys(METRICS), "tokens": 0, "wall_s": 0.0, "threads": {}}
+
+
+def baseline_row(mode: str, runs: list[PromptRun], drafter: str, depth: int | None,
+                 threads: int, reference: dict | None) -> dict:
+    row = empty_row(mode, 1, drafter, depth)
+    tokens = sum(len(r.output_ids) for r in runs)
+    wall = sum(r.wall_s for r in runs)
+    rounds = sum(r.rounds for r in runs)
+    hist: Counter = sum((r.accept_len_hist for r in runs), Counter())
+    at_depth: Counter = sum((r.accepted_at_depth for r in runs), Counter())
+    rate = tokens / wall if wall else 0.0
+    row.update(system_tok_s=rate, per_target_tok_s=rate, r_p=rounds / wall if wall else 0.0,
+               tokens=tokens, wall_s=wall, rounds=rounds, prompts=len(runs),
+               threads={"bench": threads})
+    row["mean_accept_len"] = (sum(k * v for k, v in hist.items()) / sum(hist.values())
+                              if hist else (tokens - len(runs)) / max(rounds, 1))
+    row["accept_len_hist"] = {str(k): v for k, v in sorted(hist.items())}
+    row["accept_rate_by_depth"] = [at_depth[k] / max(rounds, 1)
+                                   for k in range(1, max(at_depth, default=0) + 1)]
+    if mode != "hf-generate":
+        row["r_q"] = row["r_p"]
+    if mode == "colocated":
+        draft_s = sum(r.draft_s for r in runs)
+        row.update(t_s_ms=1e3 * draft_s / max(sum(r.draft_layers for r in runs), 1),
+                   t_wait_ms=0.0, t_idle_ms=1e3 * (wall - draft_s) / max(rounds, 1),
+                   load=draft_s / wall if wall else 0.0)
+    row.update(lossless_check(runs, reference))
+    return row
+
+
+def lossless_check(runs, reference: dict | None) -> dict:
+    """Greedy outputs must equal plain ``generate``'s on the same prompts, token for token."""
+    if reference is None:
+        return {"lossless": None, "lossless_mismatches": None}
+    mismatches = [str(r.id) for r in runs if r.output_ids != reference.get(str(r.id))]
+    return {"lossless": not mismatches, "lossless_mismatches": mismatches}
+
+
+def star_row(cfg: BenchConfig, n: int, results: list[list[dict]], hub: dict,
+             reference: dict | None) -> dict:
+    """One N from the targets' JSONL results and the hub's STATS reply."""
+    row = empty_row("star", n, cfg.drafter, cfg.depth)
+    gens = [g for target in results for g in target]
+    tokens = sum(len(g["output_ids"]) for g in gens)
+    starts = [g["stats"]["started_at"] for g in gens]
+    ends = [g["stats"]["started_at"] + g["stats"]["wall_s"] for g in gens]
+    span = max(ends) - min(starts) if gens else 0.0
+    per_target, r_p = [], []
+    for target in results:
+        wall = sum(g["stats"]["wall_s"] for g in target)
+        if wall:
+            per_target.append(sum(len(g["output_ids"]) for g in target) / wall)
+            r_p.append(sum(g["stats"]["rounds"] for g in target) / wall)
+    hist: Counter = Counter()
+    at_depth: Counter = Counter()
+    for g in gens:
+        hist.update({int(k): v for k, v in g["stats"]["accept_len_hist"].items()})
+        at_depth.update({k + 1: v for k, v in enumerate(g["stats"]["accepted_at_depth"])})
+    rounds = sum(hist.values())
+    split_keys = ("prefill_s", "verify_s", "hub_queue_s", "hub_draft_s", "comm_s")
+    split = {k: sum(g["stats"].get(k, 0.0) for g in gens) for k in split_keys}
+    split["other_s"] = max(0.0, sum(g["stats"]["wall_s"] for g in gens) - sum(split.values()))
+    row.update(
+        system_tok_s=tokens / span if span else 0.0,
+        per_target_tok_s=sum(per_target) / len(per_target) if per_target else 0.0,
+        r_p=sum(r_p) / len(r_p) if r_p else 0.0,
+        mean_accept_len=sum(k * v for k, v in hist.items()) / rounds if rounds else 0.0,
+        accept_rate_by_depth=[at_depth[k] / max(rounds, 1)
+                              for k in range(1, max(at_depth, default=0) + 1)],
+        accept_len_hist={str(k): v for k, v in sorted(hist.items())},
+        tokens=tokens, wall_s=span, rounds=rounds, prompts=len(gens),
+        target_split=split,
+        threads={"hub": hub.get("threads"),
+                 "targets": [target[0]["stats"].get("threads") for target in results if target]},
+        standalone_prompts=sum(bool(g["stats"]["standalone"]) for g in gens),
+        **{k: hub.get(k) for k in ("t_s_ms", "t_wait_ms", "t_idle_ms", "r_q", "load")},
+        hub={k: hub.get(k) for k in ("wall_s", "rounds", "t_idle_gap_ms", "t_sched_ms",
+                                     "z_ms", "hub_split", "system_tok_s", "mean_accept_len")},
+    )
+    row.update(lossless_check([PromptRun(g["id"], g["output_ids"], 0.0, 0) for g in gens],
+                              reference))
+    return row
+
+
+def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
+             tick=lambda k: None) -> dict:
+    from starhub.launch import child_env, spawn_hub, target_command
+    from starhub.protocol import Stats
+    from targets.client import HubClient
+    from targets.runner import iter_results
+
+    with open(f"{log_dir}/hub-n{n}.log", "w") as hub_log, \
+            spawn_hub(cfg.hub_flags(), threads=cfg.threads, log_file=hub_log) as hub, \
+            open(f"{log_dir}/targets-n{n}.log", "w") as target_log:
+        outs = [f"{log_dir}/n{n}-target{i}.jsonl" for i in range(n)]
+        procs = []
+        for i, out in enumerate(outs):
+            cmd = target_command(hub.address, cfg.prompts, out, threads=cfg.threads,
+                                 extra=["--model", cfg.model, "--max-new-tokens",
+                                        str(cfg.max_new_tokens), "--shard", f"{i}/{n}",
+                                        "--name", f"target{i}"])
+            procs.append(subprocess.Popen(cmd, env=child_env(cfg.threads), stderr=target_log,
+                                          stdout=subprocess.DEVNULL))
+        done = 0
+        while any(p.poll() is None for p in procs):
+            time.sleep(0.5)
+            now = sum(_lines(out) for out in outs)
+            tick(now - done)
+            done = now
+        tick(sum(_lines(out) for out in outs) - done)
+        codes = [p.returncode for p in procs]
+        if any(codes):
+            raise RuntimeError(f"a target failed (exit codes {codes}); see {target_log.name}")
+        client = HubClient(hub.address, timeout_s=30)
+        stats = client.request(Stats()).body
+        client.close()
+    return star_row(cfg, n, [list(iter_results(out)) for out in outs], stats, reference)
+
+
+def _lines(path: str) -> int:
+    try:
+        with open(path, "rb") as fh:
+            return sum(1 for _ in fh)
+    except FileNotFoundError:
+        return 0
+
+
+def run_real(cfg: BenchConfig, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    from starhub.drafters import TreeShape, make_drafter
+    from starhub.models import load_model, set_threads
+    from targets.generate import encode_prompt
+    from targets.runner import read_prompts
+
+    threads = set_threads(cfg.threads)
+    items = read_prompts(cfg.prompts)
+    log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="starhub-bench-")
+    os.makedirs(log_dir, exist_ok=True)
+    model, tokenizer = load_model(cfg.model)
+    prompts = [(str(id_), encode_prompt(tokenizer, text)) for id_, text in items]
+    rows: list[dict] = []
+    reference: dict | None = None
+    total = len(prompts) * (len(cfg.baselines) + len(cfg.targets))
+    with tqdm(total=total, unit="prompt", disable=not progress, file=sys.stderr) as bar:
+        def tick(k: int = 1) -> None:
+            bar.update(k)
+
+        if "hf-generate" in cfg.baselines:
+            bar.set_description("hf-generate")
+            runs = hf_generate(model, prompts, cfg.max_new_tokens, tick=tick)
+            reference = {str(r.id): r.output_ids for r in runs}
+            rows.append(baseline_row("hf-generate", runs, "none", None, threads, None))
+        if "hf-prompt-lookup" in cfg.baselines:
+            bar.set_description("hf-prompt-lookup")
+            runs = hf_generate(model, prompts, cfg.max_new_tokens, prompt_lookup=cfg.depth,
+                               tick=tick)
+            rows.append(baseline_row("hf-prompt-lookup", runs, "prompt-lookup", cfg.depth,
+                                     threads, reference))
+        if "colocated" in cfg.baselines:
+            bar.set_description("colocated")
+            drafter = make_drafter(cfg.drafter, cfg.draft, cfg.model)
+            shape = TreeShape(cfg.depth, cfg.topk, cfg.max_nodes)
+            runs = colocated(model, drafter, shape, prompts, cfg.max_new_tokens, tick=tick)
+            rows.append(baseline_row("colocated", runs, cfg.drafter, cfg.depth, threads,
+                                     reference))
+            del drafter
+        for n in cfg.targets:
+            bar.set_description(f"star N={n}")
+            rows.append(run_star(cfg, n, log_dir, reference, tick=tick))
+    config = {k: v for k, v in asdict(cfg).items() if k != "log_dir"}
+    config.update(mode="real", n_prompts=len(prompts), threads_note=THREADS_NOTE,
+                  metric_notes=METRIC_NOTES, logs=log_dir)
+    return {"machine": machine_info(), "config": config, "rows": rows}

@@ -1,0 +1,114 @@
+"""The benchmark: baselines, rows, tables, the plot, the CLI, and one small real run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.baselines import colocated, hf_generate
+from bench.cli import hub_defaults, parse_targets
+from bench.plot import plot
+from bench.report import markdown_table, text_table
+from bench.run import METRICS, BenchConfig, baseline_row, run_real
+from starhub.cli import build_parser
+from starhub.drafters.base import TreeShape
+from starhub.drafters.ngram import NgramDrafter
+
+PROMPTS = ["a b c a b c a b", "one two three one two three one"]
+
+
+def encoded(tok) -> list[tuple[str, list[int]]]:
+    return [(f"p{i}", tok(p, add_special_tokens=False)["input_ids"])
+            for i, p in enumerate(PROMPTS)]
+
+
+def test_baselines_are_lossless_and_fill_every_metric(tiny_model):
+    model, tok = tiny_model
+    prompts = encoded(tok)
+    ref_runs = hf_generate(model, prompts, 10)
+    reference = {r.id: r.output_ids for r in ref_runs}
+    lookup = hf_generate(model, prompts, 10, prompt_lookup=3)
+    coloc = colocated(model, NgramDrafter(), TreeShape(3, 2, 6), prompts, 10)
+    assert [r.output_ids for r in lookup] == [r.output_ids for r in ref_runs]
+    assert [r.output_ids for r in coloc] == [r.output_ids for r in ref_runs]
+    rows = [baseline_row("hf-generate", ref_runs, "none", None, 1, None),
+            baseline_row("hf-prompt-lookup", lookup, "prompt-lookup", 3, 1, reference),
+            baseline_row("colocated", coloc, "ngram", 3, 1, reference)]
+    for row in rows:
+        assert set(METRICS) <= set(row)
+        assert row["tokens"] == sum(len(r.output_ids) for r in ref_runs)
+        assert row["threads"] == {"bench": 1}
+    assert rows[0]["mean_accept_len"] == 1.0 and rows[0]["lossless"] is None
+    assert rows[1]["lossless"] and rows[2]["lossless"]
+    assert rows[2]["t_s_ms"] is not None and 0 <= rows[2]["load"] <= 1
+    assert rows[2]["mean_accept_len"] >= 1.0
+
+
+def synthetic_doc(emulated: bool) -> dict:
+    rows = []
+    for n in (1, 2, 4):
+        row = {"mode": "star", "targets": n, "drafter": "ngram", "depth": 5,
+               **{k: float(n) for k in METRICS}, "load": 0.2 * n, "tokens": 10, "wall_s": 1.0}
+        if emulated:
+            row["model"] = {"t_idle_ms": 1.0, "r_q": n, "r_p": 1.0, "load": 0.25 * n,
+                            "system_tok_s": n, "per_target_tok_s": 1.0}
+        rows.append(row)
+    config = {"mode": "real", "n_prompts": 2, "prompts": "p.jsonl", "max_new_tokens": 8,
+              "threads": 1, "drafter": "ngram", "depth": 5}
+    if emulated:
+        config.update(mode="emulated", emulate="t_s=1ms", model={
+            "S_ms": 5.0, "Z_ms": 10.0, "n_full": 3, "r_q_sat": 200.0, "tau": 2.0})
+    else:
+        rows.append({"mode": "hf-generate", "targets": 1, "drafter": "none", "depth": None,
+                     **dict.fromkeys(METRICS), "per_target_tok_s": 3.0, "system_tok_s": 3.0,
+                     "lossless": None})
+    return {"machine": {}, "config": config, "rows": rows}
+
+
+@pytest.mark.parametrize("emulated", [False, True])
+def test_tables_and_plot(tmp_path, emulated):
+    doc = synthetic_doc(emulated)
+    text = text_table(doc)
+    assert "system_tok_s" in text and "t_idle_ms" in text
+    assert ("model r_q" in text) == emulated and ("N_full=3" in text) == emulated
+    md = markdown_table(doc)
+    assert md.count("\n| star ") == 3
+    out = tmp_path / "fig.png"
+    plot(doc, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_registers_bench_and_metrics_port():
+    args = build_parser().parse_args(["bench", "--targets", "1,2", "--json", "o.json"])
+    assert args.command == "bench" and args.json_out == "o.json"
+    assert build_parser().parse_args(["hub", "--metrics-port", "9100"]).metrics_port == 9100
+    assert hub_defaults()["drafter"] == build_parser().parse_args(["hub"]).drafter
+    assert parse_targets("1, 2,8") == [1, 2, 8]
+    for bad in ("", "0", "a,b"):
+        with pytest.raises(ValueError):
+            parse_targets(bad)
+
+
+def test_real_bench_end_to_end(tiny_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n"
+                               for i, p in enumerate(PROMPTS)))
+    cfg = BenchConfig(targets=[2], drafter="ngram", draft=None, depth=3, topk=2, max_nodes=6,
+                      model=str(tiny_dir), prompts=str(prompts), max_new_tokens=8,
+                      log_dir=str(tmp_path / "logs"))
+    doc = run_real(cfg, progress=False)
+    assert {"machine", "config", "rows"} == set(doc)
+    assert "threads_note" in doc["config"] and "t_idle_ms" in doc["config"]["metric_notes"]
+    modes = [r["mode"] for r in doc["rows"]]
+    assert modes == ["hf-generate", "hf-prompt-lookup", "colocated", "star"]
+    star = doc["rows"][-1]
+    for key in (*METRICS, "mode", "targets", "drafter", "depth", "tokens", "wall_s",
+                "threads", "accept_rate_by_depth", "accept_len_hist", "target_split"):
+        assert star[key] is not None, key
+    assert star["targets"] == 2 and star["prompts"] == 2
+    assert star["lossless"] is True and star["standalone_prompts"] == 0
+    assert star["threads"] == {"hub": 1, "targets": [1, 1]}
+    assert star["tokens"] == doc["rows"][0]["tokens"]
+    assert star["target_split"]["verify_s"] > 0 and star["target_split"]["hub_draft_s"] > 0
+    json.dumps(doc)
