@@ -89,9 +89,10 @@ class Hub:
         self.bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("hub listening on %s, drafter=%s, %s", self.bound, self.drafter.name,
                  self.config.shape)
+        server = None
         if self.config.metrics_port:
-            serve_prometheus(PrometheusCollector(self.stats, self.metrics.counters),
-                             self.config.metrics_port)
+            server, _ = serve_prometheus(PrometheusCollector(self.stats, self.metrics.counters),
+                                         self.config.metrics_port)
             log.info("metrics on http://127.0.0.1:%d/metrics", self.config.metrics_port)
         self.ready.set()
         tasks = [asyncio.create_task(coro) for coro in (
@@ -103,6 +104,9 @@ class Hub:
                 task.cancel()
             sock.close(0)
             self._executor.shutdown(wait=False, cancel_futures=True)
+            if server is not None:
+                server.shutdown()
+                server.server_close()
 
     async def receiver(self, sock: zmq.asyncio.Socket) -> None:
         while True:

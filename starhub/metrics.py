@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import astuple, dataclass, field, fields
+from wsgiref.simple_server import WSGIServer
 
 SCALARS = ("rounds", "draft_s", "draft_layers", "wait_s", "idle_s", "sched_s", "idle_gaps",
            "iterations", "return_s", "returns", "commits", "committed_tokens", "proposed_nodes")
@@ -305,7 +306,7 @@ _HELP = {
 
 
 def serve_prometheus(collector: PrometheusCollector, port: int,
-                     addr: str = "127.0.0.1") -> tuple[object, threading.Thread]:
+                     addr: str = "127.0.0.1") -> tuple[WSGIServer, threading.Thread]:
     """Serve ``/metrics`` from a registry of our own, never the process-global default."""
     from prometheus_client import CollectorRegistry, start_http_server
 

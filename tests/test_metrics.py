@@ -129,6 +129,9 @@ def test_prometheus_endpoint_serves_valid_text(metered_hub):
     assert {s.labels["activity"] for s in families["starhub_hub_seconds"].samples} \
         == {"draft", "idle", "sched", "queue"}
     assert "python_gc_objects_collected" not in families
+    hub.stop()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
 
 
 def test_stats_request_returns_the_metrics(ngram_hub):
