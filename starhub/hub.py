@@ -155,8 +155,9 @@ class Hub:
             self.reply(identity, Reject(code=int(ErrorCode.REJECTED), reason=reason))
             return
         self.metrics.peer(identity, msg.name)
+        known = peers.get(identity)
         peers[identity] = Peer(identity, msg.name, msg.vocab_size, msg.hidden_size,
-                               msg.num_layers, peers.get(identity, Peer(b"", "", 0, 0, 0)).sessions)
+                               msg.num_layers, known.sessions if known else set())
         log.info("target %s (%s) joined; %d connected", msg.name, identity.hex()[:8], len(peers))
         shape = self.config.shape
         self.reply(identity, Welcome(drafter=self.drafter.name,

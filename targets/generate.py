@@ -88,6 +88,8 @@ class SpeculativeGenerator:
         self.name = name
         self.client: HubClient | None = None
         self.feature_layers: list[int] = []
+        self.note = ""
+        """Why this generator decodes without a hub, if it does."""
         eos = model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if hub:
@@ -102,8 +104,6 @@ class SpeculativeGenerator:
                 self.client.close()
                 self.client = None
                 self.note = str(exc)
-
-    note = ""
 
     def hello(self) -> Hello:
         cfg = self.model.config
