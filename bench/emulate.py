@@ -78,9 +78,9 @@ class EmulateSpec:
         return spec
 
     def text(self) -> str:
-        out = (f"t_s={self.t_s * 1e3:g}ms,t_v={self.t_v * 1e3:g}ms,t_c={self.t_c * 1e3:g}ms,"
-               f"beta={self.beta:g},depth={self.depth}")
-        return out + (f",trace={self.trace}" if self.trace else "")
+        accept = f"trace={self.trace}" if self.trace else f"beta={self.beta:g}"
+        return (f"t_s={self.t_s * 1e3:g}ms,t_v={self.t_v * 1e3:g}ms,t_c={self.t_c * 1e3:g}ms,"
+                f"{accept},depth={self.depth}")
 
     @property
     def tau(self) -> float:

@@ -90,6 +90,7 @@ def markdown_table(doc: dict) -> str:
     head, body = table_cells(doc)
     lines = [f"_{line}_" for line in preamble(doc)] + [""]
     lines.append("| " + " | ".join(head) + " |")
-    lines.append("|" + "|".join("---:" for _ in head) + "|")
+    lines.append("|" + "|".join(":---" if h in ("mode", "drafter") else "---:"
+                                for h in head) + "|")
     lines += ["| " + " | ".join(r) + " |" for r in body]
     return "\n".join(lines) + "\n"
