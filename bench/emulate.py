@@ -202,6 +202,7 @@ class TargetTotals:
     link_rtt_ms: float = 0.0
     link_delay_ms: float = 0.0
     mean_late_ms: float = 0.0
+    threads: int = 0
 
 
 class EmulatedTargets:
@@ -356,7 +357,10 @@ class EmulatedTargets:
         for s in socks:
             s.close(0)
         self.ctx.term()
+        import torch
+
         self.totals.link_delay_ms = 1e3 * self.link_delay
+        self.totals.threads = torch.get_num_threads()
         self.totals.mean_late_ms = 1e3 * self.wait.total_late / max(self.wait.samples, 1)
         return self.totals
 
@@ -518,7 +522,8 @@ def emulated_row(spec: EmulateSpec, n: int, measured: dict, hub_stats: dict,
         "tokens": measured["tokens"],
         "rounds": measured["rounds"],
         "wall_s": measured["wall_s"],
-        "threads": {"hub": hub_stats.get("threads"), "targets": [1] * len(totals)},
+        "threads": {"hub": hub_stats.get("threads"),
+                    "targets": [t.get("threads") for t in totals]},
         "emulated_targets": totals,
         "model": model.predict(n),
         "model_measured_sz": StarModel(t_s=s_eff / spec.depth, depth=spec.depth, t_c=0.0,
