@@ -44,23 +44,55 @@ TARGET = Memo(seed=1, scale=2.0)
 DRAFT = Memo(seed=2, scale=3.0)
 
 
-def run_round(topk: int, depth: int, max_nodes: int, gen: torch.Generator,
-              corrupt_q: bool = False) -> list[int]:
-    seqs: dict[int, tuple[int, ...]] = {-1: CONTEXT}
+def model_proposer(topk: int, depth: int, max_nodes: int):
+    """Trees from a memoised independent draft model, as the ``model`` drafter builds them."""
 
-    def expand(ids, tokens, parents):
-        rows = []
-        for node, tok, parent in zip(ids, tokens, parents, strict=True):
-            seqs[node] = seqs[parent] + (tok,)
-            rows.append(DRAFT.logits(seqs[node]))
-        return torch.stack(rows)
+    def propose(gen: torch.Generator):
+        seqs: dict[int, tuple[int, ...]] = {-1: CONTEXT}
 
-    tree = build_sampled_tree(DRAFT.logits(CONTEXT), expand, depth, topk, max_nodes,
-                              temperature=1.0, support=6, generator=gen)
+        def expand(ids, tokens, parents):
+            rows = []
+            for node, tok, parent in zip(ids, tokens, parents, strict=True):
+                seqs[node] = seqs[parent] + (tok,)
+                rows.append(DRAFT.logits(seqs[node]))
+            return torch.stack(rows)
+
+        return build_sampled_tree(DRAFT.logits(CONTEXT), expand, depth, topk, max_nodes,
+                                  temperature=1.0, support=6, generator=gen)
+
+    return propose
+
+
+def eagle_proposer(topk: int, depth: int, max_nodes: int):
+    """Trees from the real EagleDrafter with a random head over the target's features."""
+    from starhub.drafters.base import DraftContext, TreeShape
+    from starhub.drafters.eagle import EagleDrafter
+    from starhub.eagle_head import EAGLE, EagleHead, head_config
+
+    torch.manual_seed(5)
+    target = TARGET.model
+    embed = target.model.embed_tokens.weight.detach()
+    head = EagleHead(head_config(target.config), EAGLE, embed, target_lm_head=embed)
+    drafter = EagleDrafter(head.eval())
+    with torch.inference_mode():
+        out = target(torch.tensor([CONTEXT]), output_hidden_states=True)
+    feats = out.hidden_states[-1][0, :-1]
+    shape = TreeShape(depth=depth, topk=topk, max_nodes=max_nodes, support=6)
+
+    def propose(gen: torch.Generator):
+        ctx = DraftContext(tokens=list(CONTEXT), temperature=1.0, generator=gen,
+                           features=[feats])
+        return drafter.propose(ctx, shape)
+
+    return propose
+
+
+def run_round(propose, gen: torch.Generator, corrupt_q: bool = False) -> list[int]:
+    tree = propose(gen)
     if corrupt_q:
         tree.dist_probs = np.where(tree.dist_probs > 0, 1.0, 0.0).astype(np.float32)
-    paths = [CONTEXT]
     node_seq = {-1: CONTEXT}
+    paths = [CONTEXT]
     for i, (tok, parent) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist(),
                                           strict=True)):
         node_seq[i] = node_seq[parent] + (tok,)
@@ -70,12 +102,12 @@ def run_round(topk: int, depth: int, max_nodes: int, gen: torch.Generator,
     return [int(tree.tokens[i]) for i in path] + [bonus]
 
 
-def first_two(topk, depth, max_nodes, corrupt_q=False) -> np.ndarray:
+def first_two(propose, corrupt_q=False) -> tuple[np.ndarray, np.ndarray]:
     gen = torch.Generator().manual_seed(99)
     counts = np.zeros((VOCAB, VOCAB))
     singles = np.zeros(VOCAB)
     for _ in range(SAMPLES):
-        out = run_round(topk, depth, max_nodes, gen, corrupt_q)
+        out = run_round(propose, gen, corrupt_q)
         if len(out) >= 2:
             counts[out[0], out[1]] += 1
         else:
@@ -115,9 +147,16 @@ def joint_observed(counts, singles):
     return first, p1
 
 
-@pytest.mark.parametrize("shape", [(1, 4, 4), (3, 3, 9)], ids=["chain", "tree"])
-def test_sampled_rounds_match_target_distribution(shape):
-    counts, singles = first_two(*shape)
+PROPOSERS = {
+    "model-chain": lambda: model_proposer(1, 4, 4),
+    "model-tree": lambda: model_proposer(3, 3, 9),
+    "eagle-tree": lambda: eagle_proposer(3, 3, 9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROPOSERS))
+def test_sampled_rounds_match_target_distribution(name):
+    counts, singles = first_two(PROPOSERS[name]())
     first, p1 = joint_observed(counts, singles)
     rejects, stat, crit, df = chi_square_rejects(first, p1)
     assert not rejects, f"first token: chi2={stat:.1f} > {crit:.1f} (df={df})"
@@ -131,7 +170,7 @@ def test_sampled_rounds_match_target_distribution(shape):
 
 
 def test_the_test_detects_a_verifier_that_ignores_q():
-    counts, singles = first_two(3, 3, 9, corrupt_q=True)
+    counts, singles = first_two(model_proposer(3, 3, 9), corrupt_q=True)
     first, p1 = joint_observed(counts, singles)
     rejects, stat, crit, _ = chi_square_rejects(first, p1)
     assert rejects, f"a biased verifier went unnoticed: chi2={stat:.1f} <= {crit:.1f}"

@@ -1,0 +1,73 @@
+"""The EAGLE drafter through a hub process: features travel with OPEN and COMMIT, and the
+output stays token-for-token generate()'s, for EAGLE-1/2 (full and reduced vocabulary) and
+EAGLE-3 heads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from starhub.drafters.eagle import EagleDrafter, target_embeddings
+from starhub.eagle_head import EAGLE, EAGLE3, EagleHead, head_config, save_eagle_head
+from starhub.launch import spawn_hub
+from targets import attach
+from tests.test_lossless_api import reference
+
+KINDS = {"eagle": (EAGLE, None), "eagle-reduced": (EAGLE, 4096), "eagle3": (EAGLE3, None)}
+
+
+def random_head(tiny_dir, kind: str, draft_vocab: int | None, seed: int = 0) -> EagleHead:
+    torch.manual_seed(seed)
+    target = AutoConfig.from_pretrained(tiny_dir)
+    embed, lm_head = target_embeddings(tiny_dir)
+    head = EagleHead(head_config(target), kind, embed, target_lm_head=lm_head,
+                     draft_vocab_size=draft_vocab, target_num_layers=target.num_hidden_layers,
+                     feature_layers=(0, 1, 2) if kind == EAGLE3 else None)
+    if draft_vocab:
+        head.set_draft_vocab(torch.arange(draft_vocab))
+    return head
+
+
+@pytest.fixture(scope="module", params=sorted(KINDS))
+def head_dir(request, tiny_dir, tmp_path_factory):
+    kind, draft_vocab = KINDS[request.param]
+    out = tmp_path_factory.mktemp(request.param)
+    save_eagle_head(random_head(tiny_dir, kind, draft_vocab), out)
+    return out
+
+
+def test_eagle_hub_is_lossless_and_receives_features(tiny_model, tiny_dir, head_dir):
+    model, tok = tiny_model
+    with spawn_hub(["--model", str(tiny_dir), "--drafter", "eagle", "--draft", str(head_dir),
+                    "--depth", "4", "--topk", "3", "--max-nodes", "10"]) as hub, \
+            attach(model, tok, hub.address) as session:
+        assert session.connected
+        for prompt in ["Tell me a story.", "1, 2, 3, 4,"]:
+            result = session.generate(prompt, max_new_tokens=20)
+            assert result.output_ids == reference(model, result.prompt_ids, 20)
+            assert result.stats.note == "", result.stats.note
+            assert result.stats.rounds > 0
+
+
+def test_reduced_vocab_drafts_only_draft_vocab_tokens(tiny_dir):
+    from starhub.drafters.base import DraftContext, TreeShape
+
+    drafter = EagleDrafter(random_head(tiny_dir, EAGLE, 4096).eval())
+    feats = torch.randn(5, 64)
+    ctx = DraftContext(tokens=[10, 11, 12, 13, 14, 15], features=[feats])
+    tree = drafter.propose(ctx, TreeShape(depth=3, topk=3, max_nodes=9))
+    assert len(tree) == 9
+    assert int(tree.tokens.max()) < 4096
+    again = drafter.propose(DraftContext(tokens=list(ctx.tokens), features=[feats]),
+                            TreeShape(depth=3, topk=3, max_nodes=9))
+    assert again.tokens.tolist() == tree.tokens.tolist()
+
+
+def test_feature_rows_must_match_tokens(tiny_dir):
+    from starhub.drafters.base import DraftContext, TreeShape
+
+    drafter = EagleDrafter(random_head(tiny_dir, EAGLE, None).eval())
+    with pytest.raises(ValueError, match="feature rows"):
+        drafter.propose(DraftContext(tokens=[1, 2, 3], features=[torch.randn(1, 64)]),
+                        TreeShape())
