@@ -207,3 +207,20 @@ def test_cache_and_tree_mask(target_config, target_weights, kind):
     torch.testing.assert_close(tree_h2, tree_h, rtol=1e-5, atol=1e-5)
     cache.keep([0, 1, 2, 3, 6, 7])
     assert cache.length == 6
+
+
+def test_shipped_smollm2_head_loads():
+    from pathlib import Path
+
+    import starhub
+
+    path = Path(starhub.__file__).parent / "heads" / "smollm2-135m"
+    if not (path / "model.safetensors").exists():
+        pytest.skip("no shipped head")
+    assert (path / "model.safetensors").stat().st_size < 16 * 2**20
+    cfg = json.loads((path / "config.json").read_text())
+    embed = torch.zeros(cfg["vocab_size"], cfg["hidden_size"])
+    head = load_eagle_head(path, cfg, embed, None)
+    assert head.kind == EAGLE and head.feature_layers == (-1,)
+    assert head.draft_vocab_size == cfg["draft_vocab_size"] < cfg["vocab_size"]
+    assert head.lm_head.weight.shape == (cfg["draft_vocab_size"], cfg["hidden_size"])

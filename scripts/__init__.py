@@ -1,0 +1,1 @@
+"""Operational scripts (draft-head training, multi-machine launch)."""

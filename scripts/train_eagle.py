@@ -1,0 +1,612 @@
+"""Train an EAGLE-1/2 draft head for a causal LM target, on CPU or GPU.
+
+Stages, each cached in ``--work-dir`` so that re-running the same command resumes:
+
+1. the target's own greedy answers to the prompt set (chat template, batched, left padded);
+2. one forward pass per sequence: the final post-norm features and the target's top-k
+   next-token distribution (the soft labels);
+3. training: smooth-L1 feature regression plus soft cross-entropy (EAGLE-1 weights 1.0 and
+   0.1), uniform feature noise, AdamW with warmup and cosine decay, gradient clipping, and a
+   resumable checkpoint of the optimizer state;
+4. held-out metrics: teacher-forced top-1 agreement, and drafting simulated the way the hub
+   drafts (the head runs on its own outputs) for the mean accepted length of a chain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+from tqdm import tqdm
+
+from starhub.eagle_head import EAGLE, EAGLE3, EagleHead, KVCache, head_config, save_eagle_head
+
+PROMPTS = Path(__file__).resolve().parent / "prompts"
+
+
+@dataclass
+class Seq:
+    id: str
+    prompt_len: int
+    ids: list[int]
+
+
+@dataclass
+class Dump:
+    """Per-token data of many sequences, concatenated; ``offsets`` delimit sequences."""
+
+    ids: Tensor
+    feats: Tensor
+    top_ids: Tensor
+    top_p: Tensor
+    offsets: Tensor
+    prompt_lens: Tensor
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    def span(self, i: int) -> slice:
+        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
+
+    def length(self, i: int) -> int:
+        return int(self.offsets[i + 1] - self.offsets[i])
+
+
+def read_prompts(path: Path, limit: int | None = None) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return rows[:limit] if limit else rows
+
+
+def load_target(spec: str, device: str):
+    path = Path(spec).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return model.to(device), AutoTokenizer.from_pretrained(path)
+    from starhub.models import load_model
+
+    return load_model(spec, dtype=torch.float32, device=device)
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+@torch.no_grad()
+def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: int, pad: int
+                 ) -> list[list[int]]:
+    """Greedy answers for left-padded prompts; finished rows leave the batch (and the cache),
+    so short answers cost nothing after their end."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]
+    rows = torch.arange(len(prompts), device=device)
+    last = pos[:, -1]
+    out: list[list[int]] = [[] for _ in prompts]
+    for step in range(max_new_tokens):
+        nxt = logits.argmax(-1)
+        keep = []
+        for j, (r, t) in enumerate(zip(rows.tolist(), nxt.tolist(), strict=True)):
+            out[r].append(t)
+            if t != eos and step + 1 < max_new_tokens:
+                keep.append(j)
+        if not keep:
+            break
+        if len(keep) < len(rows):
+            sel = torch.tensor(keep, device=device)
+            cache.batch_select_indices(sel)
+            rows, nxt, mask, last = rows[sel], nxt[sel], mask[sel], last[sel]
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        last = last + 1
+        logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None],
+                       past_key_values=cache, use_cache=True).logits[:, -1]
+    return out
+
+
+def generate(model, tokenizer, rows: list[dict], path: Path, max_new_tokens: int,
+             batch_size: int) -> list[Seq]:
+    """Greedy answers, appended to ``path`` batch by batch so an interrupted run resumes.
+
+    Cached answers are matched by prompt tokens, so editing the prompt set reuses the rest.
+    """
+    done: dict[tuple[int, ...], Seq] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                s = Seq(**json.loads(line))
+                done[tuple(s.ids[:s.prompt_len])] = s
+    prompts = [(r["id"], prompt_ids(tokenizer, r["prompt"])) for r in rows]
+    todo = sorted({tuple(p): (sid, p) for sid, p in prompts if tuple(p) not in done}.values(),
+                  key=lambda x: len(x[1]))
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
+    with path.open("a") as out:
+        for batch in tqdm(batches, desc=f"generate {path.stem}", unit="batch"):
+            answers = greedy_batch(model, [p for _, p in batch], max_new_tokens, eos, pad)
+            for (sid, p), g in zip(batch, answers, strict=True):
+                s = Seq(sid, len(p), p + g)
+                done[tuple(p)] = s
+                out.write(json.dumps(s.__dict__) + "\n")
+            out.flush()
+    return [Seq(sid, len(p), done[tuple(p)].ids) for sid, p in prompts]
+
+
+@torch.no_grad()
+def dump_features(model, seqs: list[Seq], path: Path, layers: tuple[int, ...], topk: int,
+                  batch_size: int = 4) -> Dump:
+    """One target forward per sequence: features at ``layers`` and top-k next-token probs."""
+    key = hashlib.sha256(json.dumps([(s.id, s.ids) for s in seqs]).encode()).hexdigest()[:16]
+    if path.exists():
+        t = load_file(str(path))
+        if t.get("key") is not None and bytes(t.pop("key").tolist()).decode() == key:
+            return Dump(**t)
+    device = next(model.parameters()).device
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
+    parts: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+    for b in tqdm(range(0, len(order), batch_size), desc=f"features {path.stem}", unit="batch"):
+        idx = order[b:b + batch_size]
+        width = max(len(seqs[i].ids) for i in idx)
+        ids = torch.tensor([seqs[i].ids + [0] * (width - len(seqs[i].ids)) for i in idx])
+        mask = torch.tensor([[1] * len(seqs[i].ids) + [0] * (width - len(seqs[i].ids))
+                             for i in idx])
+        out = model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                    output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[j] for j in layers], dim=-1)
+        top = out.logits.float().softmax(-1).topk(topk, dim=-1)
+        for row, i in enumerate(idx):
+            n = len(seqs[i].ids)
+            parts[i] = (feats[row, :n].half().cpu(), top.indices[row, :n].int().cpu(),
+                        top.values[row, :n].half().cpu())
+    lens = torch.tensor([len(s.ids) for s in seqs])
+    dump = Dump(
+        ids=torch.tensor([t for s in seqs for t in s.ids], dtype=torch.long),
+        feats=torch.cat([parts[i][0] for i in range(len(seqs))]),
+        top_ids=torch.cat([parts[i][1] for i in range(len(seqs))]),
+        top_p=torch.cat([parts[i][2] for i in range(len(seqs))]),
+        offsets=torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]),
+        prompt_lens=torch.tensor([s.prompt_len for s in seqs]),
+    )
+    tensors = dict(dump.__dict__)
+    tensors["key"] = torch.tensor(list(key.encode()), dtype=torch.uint8)
+    save_file(tensors, str(path))
+    return dump
+
+
+def choose_draft_vocab(dump: Dump, size: int, vocab: int) -> Tensor:
+    """The ``size`` most frequent target tokens in the data (teacher mass breaks ties)."""
+    score = torch.bincount(dump.ids, minlength=vocab).double()
+    score += torch.zeros(vocab, dtype=torch.float64).index_add_(
+        0, dump.top_ids.flatten().long(), dump.top_p.flatten().double()) * 1e-3
+    score -= torch.arange(vocab, dtype=torch.float64) * 1e-12
+    return torch.sort(score.topk(size).indices).values
+
+
+def build_head(model, kind: str, draft_ids: Tensor | None, init: str, init_layer: int,
+               fc_init: str) -> EagleHead:
+    """A fresh head; ``init="target"`` copies a target decoder layer (minus its input norm)."""
+    embed = model.get_input_embeddings().weight.detach()
+    lm_head = model.get_output_embeddings().weight.detach()
+    head = EagleHead(head_config(model.config), kind, embed, lm_head,
+                     draft_vocab_size=None if draft_ids is None else len(draft_ids),
+                     target_num_layers=model.config.num_hidden_layers)
+    with torch.no_grad():
+        if init == "target":
+            src = model.model.layers[init_layer].state_dict()
+            src = {k: v for k, v in src.items() if not k.startswith("input_layernorm")}
+            head.layer.load_state_dict(src, strict=kind == EAGLE)
+        if fc_init == "identity" and kind == EAGLE:
+            h = head.cfg.hidden_size
+            head.fc.weight.zero_()
+            head.fc.weight[:, :h].normal_(0.0, 0.02)
+            head.fc.weight[:, h:] = torch.eye(h)
+            head.fc.bias.zero_()
+        if draft_ids is not None:
+            head.set_draft_vocab(draft_ids)
+        if head.lm_head is not None:
+            rows = head.to_target_ids(torch.arange(head.draft_vocab_size))
+            head.lm_head.weight.copy_(lm_head[rows])
+        if kind == EAGLE3:
+            head.norm.weight.copy_(model.model.norm.weight)
+    return head
+
+
+def make_batch(dump: Dump, seq_ids: list[int], t2d_index: Tensor | None, device: str
+               ) -> dict[str, Tensor]:
+    """Pairs (x_{t+1}, f_t) -> targets f_{t+1} and p(x_{t+2}); loss on answer positions."""
+    width = max(dump.length(i) for i in seq_ids) - 1
+    b, f, k = len(seq_ids), dump.feats.shape[1], dump.top_ids.shape[1]
+    ids = torch.zeros(b, width, dtype=torch.long)
+    feats = torch.zeros(b, width, f, dtype=dump.feats.dtype)
+    target = torch.zeros(b, width, f, dtype=dump.feats.dtype)
+    top_ids = torch.zeros(b, width, k, dtype=torch.long)
+    top_p = torch.zeros(b, width, k)
+    mask = torch.zeros(b, width, dtype=torch.bool)
+    for row, i in enumerate(seq_ids):
+        s, n, p = dump.span(i), dump.length(i), int(dump.prompt_lens[i])
+        ids[row, :n - 1] = dump.ids[s][1:]
+        feats[row, :n - 1] = dump.feats[s][:-1]
+        target[row, :n - 1] = dump.feats[s][1:]
+        top_ids[row, :n - 1] = dump.top_ids[s][1:].long()
+        top_p[row, :n - 1] = dump.top_p[s][1:].float()
+        mask[row, max(p - 2, 0):n - 2] = True
+    if t2d_index is not None:
+        top_ids = t2d_index[top_ids]
+        top_p = top_p * (top_ids >= 0)
+        top_ids = top_ids.clamp(min=0)
+    top_p = top_p / top_p.sum(-1, keepdim=True).clamp(min=1e-6)
+    batch = dict(ids=ids, feats=feats.float(), target=target.float(), top_ids=top_ids,
+                 top_p=top_p, mask=mask)
+    return {name: t.to(device) for name, t in batch.items()}
+
+
+def batch_plan(dump: Dump, batch_tokens: int) -> list[list[int]]:
+    """Length-sorted batches of about ``batch_tokens`` padded tokens each."""
+    order = sorted(range(len(dump)), key=dump.length)
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and (len(cur) + 1) * dump.length(i) > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def _shift(t: Tensor, k: int) -> Tensor:
+    """``t[:, i + k]`` at column ``i``, zero past the end."""
+    return torch.cat([t[:, k:], torch.zeros_like(t[:, :k])], dim=1) if k else t
+
+
+def losses(head: EagleHead, batch: dict[str, Tensor], noise: float, unroll: int = 1,
+           decay: float = 0.8) -> tuple[Tensor, Tensor, Tensor]:
+    """EAGLE-1 losses; with ``unroll > 1`` the head also runs on its own outputs.
+
+    Unrolled step k for pair t feeds (x_{t+k}, h) where h is the step-(k-1) output, at
+    position t+k-1, attending to the step-1 entries j <= t and its own earlier steps, exactly
+    as in drafting. Step k's losses are weighted by ``decay ** (k - 1)``.
+    """
+    feats = batch["feats"]
+    if noise > 0:
+        feats = feats + (torch.rand_like(feats) - 0.5) * noise
+    cache = KVCache() if unroll > 1 else None
+    hidden, _ = head(feats, batch["ids"], num_logits=0, cache=cache)
+    width = hidden.shape[1]
+    vtotal = ptotal = hidden.new_zeros(())
+    acc = hidden.new_zeros(())
+    weights = 0.0
+    for k in range(1, unroll + 1):
+        if k > 1:
+            past = torch.ones(width, width, dtype=torch.bool, device=hidden.device).tril()
+            own = torch.eye(width, dtype=torch.bool, device=hidden.device).repeat(1, k - 1)
+            pos = torch.arange(width, device=hidden.device) + k - 1
+            hidden, _ = head(hidden, _shift(batch["ids"], k - 1), position_ids=pos,
+                             attention_mask=torch.cat([past, own], 1)[None, None], cache=cache,
+                             num_logits=0)
+        m = _shift(batch["mask"], k - 1)
+        if not m.any():
+            break
+        h = hidden[m]
+        top_ids, top_p = _shift(batch["top_ids"], k - 1)[m], _shift(batch["top_p"], k - 1)[m]
+        logp = head.logits(h).float().log_softmax(-1)
+        w = decay ** (k - 1)
+        if head.kind == EAGLE:
+            vloss = F.smooth_l1_loss(h, _shift(batch["target"], k - 1)[m], reduction="none")
+            vtotal = vtotal + w * vloss.mean(-1).mean()
+        ptotal = ptotal + w * -(top_p * logp.gather(-1, top_ids)).sum(-1).mean()
+        weights += w
+        if k == 1:
+            acc = (logp.argmax(-1) == top_ids[:, 0]).float().mean()
+    return vtotal / weights, ptotal / weights, acc
+
+
+def t2d_lookup(head: EagleHead) -> Tensor | None:
+    if head.d2t is None:
+        return None
+    index = torch.full((head.vocab_size,), -1, dtype=torch.long)
+    index[head.to_target_ids(torch.arange(head.draft_vocab_size, device=head.d2t.device)).cpu()
+          ] = torch.arange(head.draft_vocab_size)
+    return index
+
+
+@torch.no_grad()
+def evaluate(head: EagleHead, dump: Dump, depth: int = 5, widths: tuple[int, ...] = (1, 2, 4)
+             ) -> dict[str, float]:
+    """Held-out agreement and simulated drafting.
+
+    top1: teacher-forced agreement of the head's argmax with the target's greedy next token.
+    tau_w1: mean accepted length of a depth-``depth`` chain, counting the bonus token, with the
+    head running on its own outputs after the committed prefix, as the hub drafts.
+    tau_wK (K > 1): the same when each depth keeps the head's top-K tokens (a full K-ary tree;
+    an upper bound for a pruned tree of that width).
+    """
+    head.eval()
+    device = head.embed_weight.device
+    dtype = head.embed_weight.dtype
+    agree = total = covered = 0
+    accepted = {w: [] for w in widths}
+    per_depth = torch.zeros(depth)
+    for i in range(len(dump)):
+        s, n, p = dump.span(i), dump.length(i), int(dump.prompt_lens[i])
+        ids = dump.ids[s].to(device)
+        feats = dump.feats[s].to(device, dtype)
+        cache = KVCache()
+        hidden, logits = head(feats[None, :-1], ids[None, 1:], cache=cache)
+        pred = head.to_target_ids(logits[0].argmax(-1))
+        t = torch.arange(max(p - 2, 0), n - 2, device=device)
+        agree += int((pred[t] == ids[t + 2]).sum())
+        total += len(t)
+        if head.t2d is not None:
+            covered += int(head.t2d[ids[t + 2]].sum())
+        starts = torch.arange(max(p - 1, 0), n - 1 - depth, device=device)
+        if len(starts) == 0:
+            continue
+        base = cache.clone()
+        for w in widths:
+            alive = torch.ones(len(starts), dtype=torch.bool, device=device)
+            length = torch.zeros(len(starts), dtype=torch.long, device=device)
+            h, lg, chain = hidden[0, starts], logits[0, starts], base.clone()
+            for k in range(1, depth + 1):
+                truth = ids[starts + 1 + k]
+                top = head.to_target_ids(lg.topk(w, dim=-1).indices)
+                alive &= (top == truth[:, None]).any(-1)
+                length += alive.long()
+                if w == 1:
+                    per_depth[k - 1] += float(alive.sum())
+                if k == depth or not alive.any():
+                    break
+                m = len(starts)
+                past = torch.arange(n - 1, device=device)[None, :] <= starts[:, None]
+                own = torch.eye(m, dtype=torch.bool, device=device).repeat(1, k)
+                mask = torch.cat([past, own], dim=1)[None, None]
+                hn, lg = head(h[None], truth[None], position_ids=starts + k,
+                              attention_mask=mask, cache=chain)
+                h, lg = hn[0], lg[0]
+            accepted[w].append(length.float().cpu())
+    out = {"top1": agree / max(total, 1), "positions": float(total)}
+    n_starts = sum(len(a) for a in accepted[widths[0]])
+    for w in widths:
+        out[f"tau_w{w}"] = 1.0 + float(torch.cat(accepted[w]).mean()) if n_starts else 1.0
+    for k in range(depth):
+        out[f"accept_d{k + 1}"] = float(per_depth[k]) / max(n_starts, 1)
+    if head.t2d is not None:
+        out["vocab_coverage"] = covered / max(total, 1)
+    return out
+
+
+def lr_at(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(total - warmup, 1)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def train(head: EagleHead, data: Dump, eval_data: Dump, args, work: Path) -> dict:
+    device = args.device
+    head.to(device).train()
+    params = [p for n, p in head.named_parameters()
+              if args.train_lm_head or not n.startswith("lm_head")]
+    for n, p in head.named_parameters():
+        p.requires_grad_(args.train_lm_head or not n.startswith("lm_head"))
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95),
+                            weight_decay=args.weight_decay)
+    plan = batch_plan(data, args.batch_tokens)
+    total = args.max_steps or args.epochs * len(plan)
+    warmup = max(1, int(args.warmup * total))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_at(s, total, warmup, args.min_lr_ratio))
+    signature = {k: getattr(args, k) for k in (
+        "target", "kind", "draft_vocab", "init", "init_from", "init_layer", "fc_init", "epochs",
+        "batch_tokens", "lr", "noise", "v_weight", "p_weight", "max_steps", "max_new_tokens",
+        "max_prompts", "train_lm_head", "seed", "weight_decay", "clip", "unroll", "unroll_decay")}
+    state_path = work / "train_state.pt"
+    step = 0
+    if state_path.exists():
+        state = torch.load(state_path, map_location=device, weights_only=False)
+        if state.get("signature") == signature:
+            head.load_state_dict(state["head"])
+            opt.load_state_dict(state["opt"])
+            sched.load_state_dict(state["sched"])
+            step = state["step"]
+            tqdm.write(f"resuming from step {step}/{total}")
+        else:
+            tqdm.write("settings changed since the saved training state; starting afresh")
+
+    def save() -> None:
+        tmp = state_path.with_suffix(".tmp")
+        torch.save({"head": head.state_dict(), "opt": opt.state_dict(),
+                    "sched": sched.state_dict(), "step": step, "signature": signature}, tmp)
+        tmp.replace(state_path)
+
+    t2d_index = t2d_lookup(head)
+    bar = tqdm(total=total, initial=step, desc="train", unit="step")
+    log = (work / "train_log.jsonl").open("a")
+    while step < total:
+        epoch, pos = divmod(step, len(plan))
+        order = list(range(len(plan)))
+        random.Random(args.seed * 1000 + epoch).shuffle(order)
+        for j in order[pos:]:
+            if step >= total:
+                break
+            batch = make_batch(data, plan[j], t2d_index, device)
+            vloss, ploss, acc = losses(head, batch, args.noise, args.unroll, args.unroll_decay)
+            loss = args.v_weight * vloss + args.p_weight * ploss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, args.clip)
+            opt.step()
+            sched.step()
+            step += 1
+            bar.update(1)
+            bar.set_postfix(vloss=f"{vloss.item():.3f}", ploss=f"{ploss.item():.3f}",
+                            acc=f"{acc.item():.3f}")
+            record = {"step": step, "vloss": vloss.item(), "ploss": ploss.item(),
+                      "acc": acc.item(), "lr": sched.get_last_lr()[0]}
+            if args.eval_every and step % args.eval_every == 0 and step < total:
+                record.update(evaluate(head, eval_data, args.depth, widths=(1,)))
+                tqdm.write(f"step {step}: top1 {record['top1']:.3f} "
+                           f"tau_w1 {record['tau_w1']:.2f}")
+                head.train()
+            log.write(json.dumps(record) + "\n")
+            if step % args.save_every == 0 or step == total:
+                save()
+    bar.close()
+    log.close()
+    head.eval()
+    return {"steps": total, "batches_per_epoch": len(plan)}
+
+
+def slug(spec: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(spec).name or spec)[:64] or "target"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="starhub train-eagle", description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="default", help="model spec or HF model folder")
+    ap.add_argument("--out", default="eagle-head", help="where to write the trained head")
+    ap.add_argument("--work-dir", default=None,
+                    help="cache for generations, features and the resumable training state")
+    ap.add_argument("--prompts", type=Path, default=PROMPTS / "train.jsonl")
+    ap.add_argument("--eval-prompts", type=Path, default=PROMPTS / "eval.jsonl")
+    ap.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts only")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--gen-batch", type=int, default=32)
+    ap.add_argument("--teacher-topk", type=int, default=20)
+    ap.add_argument("--kind", choices=(EAGLE, EAGLE3), default=EAGLE,
+                    help="eagle: EAGLE-1/2 on the final feature; eagle3: three layers' features")
+    ap.add_argument("--draft-vocab", type=int, default=0, help="0: the target's full vocab")
+    ap.add_argument("--train-lm-head", action=argparse.BooleanOptionalAction, default=True,
+                    help="fine-tune the reduced-vocab lm_head (only exists with --draft-vocab)")
+    ap.add_argument("--init", choices=("target", "random"), default="random",
+                    help="target: copy a target layer into an EAGLE-1/2 head")
+    ap.add_argument("--init-from", default=None,
+                    help="start from a saved head (fine-tuning); overrides --init/--draft-vocab")
+    ap.add_argument("--init-layer", type=int, default=-1, help="target layer to copy")
+    ap.add_argument("--fc-init", choices=("identity", "random"), default="random")
+    ap.add_argument("--epochs", type=int, default=15)
+    ap.add_argument("--max-steps", type=int, default=0, help="overrides --epochs when > 0")
+    ap.add_argument("--batch-tokens", type=int, default=2048)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--min-lr-ratio", type=float, default=0.1)
+    ap.add_argument("--warmup", type=float, default=0.03, help="fraction of steps")
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--clip", type=float, default=0.5)
+    ap.add_argument("--v-weight", type=float, default=1.0)
+    ap.add_argument("--p-weight", type=float, default=0.1)
+    ap.add_argument("--noise", type=float, default=0.2, help="width of the uniform feature noise")
+    ap.add_argument("--unroll", type=int, default=1,
+                    help="train on the head's own outputs for this many drafting steps")
+    ap.add_argument("--unroll-decay", type=float, default=0.8)
+    ap.add_argument("--depth", type=int, default=5)
+    ap.add_argument("--save-every", type=int, default=50)
+    ap.add_argument("--eval-every", type=int, default=0)
+    ap.add_argument("--data-only", action="store_true", help="stop after the feature dump")
+    ap.add_argument("--eval-only", action="store_true", help="evaluate the head at --out")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.kind == EAGLE3 and args.init == "target":
+        raise SystemExit("--init target applies to EAGLE-1/2 heads only")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    if args.work_dir is None:
+        from starhub.models import cache_dir
+
+        args.work_dir = str(cache_dir() / "train-eagle" / slug(args.target))
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    model, tokenizer = load_target(args.target, args.device)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    times: dict[str, float] = {}
+    rows = read_prompts(args.prompts, args.max_prompts)
+    eval_rows = read_prompts(args.eval_prompts)
+    suffix = f"n{args.max_new_tokens}"
+    seqs = generate(model, tokenizer, rows, work / f"gen-train-{suffix}.jsonl",
+                    args.max_new_tokens, args.gen_batch)
+    eval_seqs = generate(model, tokenizer, eval_rows, work / f"gen-eval-{suffix}.jsonl",
+                         args.max_new_tokens, args.gen_batch)
+    times["generate_s"] = time.time() - t0
+    t1 = time.time()
+    layers = (-1,)
+    if args.kind == EAGLE3:
+        n = model.config.num_hidden_layers
+        layers = (2, n // 2, n - 3)
+    tag = f"{suffix}-k{args.teacher_topk}" + ("-eagle3" if args.kind == EAGLE3 else "")
+    data = dump_features(model, seqs, work / f"feat-train-{tag}-{len(seqs)}.safetensors", layers,
+                         args.teacher_topk)
+    eval_data = dump_features(model, eval_seqs, work / f"feat-eval-{tag}.safetensors", layers,
+                              args.teacher_topk)
+    times["features_s"] = time.time() - t1
+    answer_tokens = int(sum(len(s.ids) - s.prompt_len for s in seqs))
+    tqdm.write(f"data: {len(seqs)} sequences, {len(data.ids)} tokens "
+               f"({answer_tokens} generated); eval {len(eval_seqs)} sequences")
+    if args.data_only:
+        return {"train_tokens": len(data.ids), "train_answer_tokens": answer_tokens, **times}
+    if args.eval_only:
+        from starhub.eagle_head import load_eagle_head
+
+        head = load_eagle_head(args.out, model.config, model.get_input_embeddings().weight,
+                               model.get_output_embeddings().weight).to(args.device)
+        metrics = evaluate(head, eval_data, args.depth)
+        print(json.dumps(metrics, indent=2))
+        return metrics
+    draft_ids = None
+    if args.draft_vocab and args.draft_vocab < model.config.vocab_size:
+        draft_ids = choose_draft_vocab(data, args.draft_vocab, model.config.vocab_size)
+    if args.init_from:
+        from starhub.eagle_head import load_eagle_head
+
+        head = load_eagle_head(args.init_from, model.config, model.get_input_embeddings().weight,
+                               model.get_output_embeddings().weight)
+        if head.kind != args.kind:
+            raise SystemExit(f"--init-from holds a {head.kind} head, not {args.kind}")
+    else:
+        head = build_head(model, args.kind, draft_ids, args.init, args.init_layer, args.fc_init)
+    t2 = time.time()
+    info = train(head, data, eval_data, args, work)
+    times["train_s"] = time.time() - t2
+    t3 = time.time()
+    metrics = evaluate(head, eval_data, args.depth)
+    times["eval_s"] = time.time() - t3
+    save_eagle_head(head.cpu(), args.out)
+    summary = {**metrics, **info, **times, "total_s": time.time() - t0,
+               "train_sequences": len(seqs), "train_tokens": len(data.ids),
+               "train_answer_tokens": answer_tokens, "draft_vocab": head.draft_vocab_size}
+    (work / "metrics.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
