@@ -1,4 +1,4 @@
-"""The ``starhub`` command: hub, target, generate, demo."""
+"""The ``starhub`` command: hub, target, generate, demo, bench, train-eagle."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _setup_logging(level: str) -> None:
 
 
 def _add_tree_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", choices=DRAFTERS, default="ngram",
+    p.add_argument("--drafter", choices=DRAFTERS, default="eagle",
                    help="eagle: a trained EAGLE head over the target's features; ngram: "
                         "prompt lookup, no model; model: an independent causal LM")
     p.add_argument("--draft", default=None,
@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--targets", type=int, default=2)
     bench_cli.add_parser(sub)
+
+    train = sub.add_parser("train-eagle", add_help=False,
+                           help="train an EAGLE head for a target (see train-eagle --help)")
+    train.set_defaults(train_args=[])
     return parser
 
 
@@ -220,12 +224,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_eagle(args: argparse.Namespace) -> int:
+    from scripts.train_eagle import main as train_main
+
+    train_main(args.train_args)
+    return 0
+
+
 COMMANDS = {"hub": cmd_hub, "target": cmd_target, "generate": cmd_generate, "demo": cmd_demo,
-            "bench": bench_cli.main}
+            "bench": bench_cli.main, "train-eagle": cmd_train_eagle}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train-eagle":
+        args.train_args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging(args.log_level)
     try:
         return COMMANDS[args.command](args)

@@ -25,30 +25,48 @@ PROMPTS = [
 NEW = 48
 
 
-@pytest.mark.slow
-def test_two_targets_with_a_truncated_self_drafter_are_lossless(tmp_path):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
-                               for i, p in enumerate(PROMPTS)))
-    outs = [tmp_path / f"t{i}.jsonl" for i in range(2)]
-    with spawn_hub(["--drafter", "model", "--draft", "self:layers=8", "--depth", "3",
-                    "--topk", "2", "--max-nodes", "6"]) as hub:
-        procs = [subprocess.Popen(target_command(hub.address, str(prompts), str(out),
-                                                 extra=["--max-new-tokens", str(NEW),
-                                                        "--shard", f"{i}/2"]),
+def run_targets(tmp_path, hub_args: list[str], prompts: list[str], targets: int,
+                new: int) -> list[dict]:
+    """Decode ``prompts`` with ``targets`` target processes sharing one hub process."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
+                            for i, p in enumerate(prompts)))
+    outs = [tmp_path / f"t{i}.jsonl" for i in range(targets)]
+    with spawn_hub(hub_args) as hub:
+        procs = [subprocess.Popen(target_command(hub.address, str(path), str(out),
+                                                 extra=["--max-new-tokens", str(new),
+                                                        "--shard", f"{i}/{targets}"]),
                                   env=child_env(1), stderr=subprocess.DEVNULL)
                  for i, out in enumerate(outs)]
-        assert [p.wait(600) for p in procs] == [0, 0]
+        assert [p.wait(600) for p in procs] == [0] * targets
     rows = [json.loads(line) for out in outs for line in out.read_text().splitlines()]
-    assert sorted(r["id"] for r in rows) == list(range(len(PROMPTS)))
+    assert sorted(r["id"] for r in rows) == list(range(len(prompts)))
+    return rows
+
+
+def assert_identical_to_generate(rows: list[dict], new: int) -> None:
     model, _ = load_model("default")
     mismatches = []
     for row in rows:
         ids = row["prompt_ids"]
-        expected = model.generate(torch.tensor([ids]), max_new_tokens=NEW,
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=new,
                                   do_sample=False)[0, len(ids):].tolist()
         if row["output_ids"] != expected:
             mismatches.append(row["id"])
         assert row["stats"]["rounds"] > 0, "the target never used the hub"
         assert {"rounds", "mean_accept_len", "tokens_per_s", "wall_s"} <= set(row["stats"])
     assert not mismatches, f"outputs differ from generate() for prompts {mismatches}"
+
+
+@pytest.mark.slow
+def test_two_targets_with_a_truncated_self_drafter_are_lossless(tmp_path):
+    rows = run_targets(tmp_path, ["--drafter", "model", "--draft", "self:layers=8", "--depth",
+                                  "3", "--topk", "2", "--max-nodes", "6"], PROMPTS, 2, NEW)
+    assert_identical_to_generate(rows, NEW)
+
+
+@pytest.mark.slow
+def test_the_shipped_eagle_head_is_the_default_and_lossless_over_128_tokens(tmp_path):
+    rows = run_targets(tmp_path, [], PROMPTS[:3], 1, 128)
+    assert_identical_to_generate(rows, 128)
+    assert max(r["stats"]["mean_accept_len"] for r in rows) > 1.5, "the head accepts nothing"

@@ -40,8 +40,23 @@ def test_prompt_files_accept_plain_and_mt_bench_lines(tmp_path):
 def test_help_explains_every_command():
     parser = build_parser()
     text = parser.format_help()
-    for cmd in ("hub", "target", "generate", "demo"):
+    for cmd in ("hub", "target", "generate", "demo", "bench", "train-eagle"):
         assert cmd in text
+
+
+def test_train_eagle_subcommand_hands_its_options_to_the_training_script():
+    out = subprocess.run([sys.executable, "-m", "starhub", "train-eagle", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--draft-vocab" in out.stdout and "--unroll" in out.stdout
+
+
+def test_eagle_is_the_default_drafter_and_needs_a_head_for_other_models():
+    from starhub.drafters import make_drafter
+
+    assert build_parser().parse_args(["hub"]).drafter == "eagle"
+    with pytest.raises(ValueError, match="--draft HEAD_DIR"):
+        make_drafter("eagle", None, "some/other-model")
 
 
 def test_target_without_hub_writes_generate_compatible_lines(tiny_dir, tiny_model, tmp_path):

@@ -62,6 +62,10 @@ class EagleDrafter(Drafter):
 
     @classmethod
     def load(cls, head_dir: str | Path | None, model: str = "default") -> EagleDrafter:
+        if head_dir is None and model != "default":
+            raise ValueError(f"the shipped EAGLE head drafts for the embedded default model, not "
+                             f"'{model}': pass --draft HEAD_DIR (see `starhub train-eagle`) or "
+                             f"use --drafter ngram")
         head_dir = Path(head_dir) if head_dir else DEFAULT_HEAD
         if not (head_dir / "config.json").exists():
             raise FileNotFoundError(f"no EAGLE head at {head_dir} (config.json missing)")
