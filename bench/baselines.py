@@ -85,9 +85,9 @@ def colocated(model, drafter: Drafter, shape: TreeShape,
     runs = []
     for id_, ids in prompts:
         start = time.perf_counter()
-        target = TargetModel(model, Sampling())
-        first, _ = target.prefill(list(ids))
-        ctx = DraftContext(tokens=[*ids, first])
+        target = TargetModel(model, Sampling(), feature_layers=drafter.feature_layers)
+        first, feats = target.prefill(list(ids))
+        ctx = DraftContext(tokens=[*ids, first], features=[] if feats is None else [feats])
         out = [first]
         run = PromptRun(id_, out, 0.0, 0)
         while len(out) < max_new_tokens and out[-1] not in eos:
@@ -101,6 +101,8 @@ def colocated(model, drafter: Drafter, shape: TreeShape,
             for k in range(1, len(verdict.path) + 1):
                 run.accepted_at_depth[k] += 1
             ctx.tokens.extend(verdict.tokens)
+            if verdict.features is not None:
+                ctx.features.append(verdict.features)
             for tok in verdict.tokens:
                 if len(out) >= max_new_tokens:
                     break

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from starhub.drafters.base import TreeShape
 from starhub.drafters.eagle import EagleDrafter, target_embeddings
 from starhub.eagle_head import EAGLE, EAGLE3, EagleHead, head_config, save_eagle_head
 from starhub.launch import spawn_hub
@@ -51,7 +52,7 @@ def test_eagle_hub_is_lossless_and_receives_features(tiny_model, tiny_dir, head_
 
 
 def test_reduced_vocab_drafts_only_draft_vocab_tokens(tiny_dir):
-    from starhub.drafters.base import DraftContext, TreeShape
+    from starhub.drafters.base import DraftContext
 
     drafter = EagleDrafter(random_head(tiny_dir, EAGLE, 4096).eval())
     feats = torch.randn(5, 64)
@@ -65,9 +66,20 @@ def test_reduced_vocab_drafts_only_draft_vocab_tokens(tiny_dir):
 
 
 def test_feature_rows_must_match_tokens(tiny_dir):
-    from starhub.drafters.base import DraftContext, TreeShape
+    from starhub.drafters.base import DraftContext
 
     drafter = EagleDrafter(random_head(tiny_dir, EAGLE, None).eval())
     with pytest.raises(ValueError, match="feature rows"):
         drafter.propose(DraftContext(tokens=[1, 2, 3], features=[torch.randn(1, 64)]),
                         TreeShape())
+
+
+def test_colocated_baseline_feeds_the_eagle_head_its_features(tiny_model, tiny_dir):
+    from bench.baselines import colocated, hf_generate
+
+    model, tok = tiny_model
+    prompts = [("p", tok("The quick brown fox", add_special_tokens=False)["input_ids"])]
+    drafter = EagleDrafter(random_head(tiny_dir, EAGLE3, None).eval())
+    runs = colocated(model, drafter, TreeShape(3, 2, 6), prompts, 12)
+    assert runs[0].output_ids == hf_generate(model, prompts, 12)[0].output_ids
+    assert runs[0].rounds > 0
