@@ -224,3 +224,16 @@ def test_shipped_smollm2_head_loads():
     assert head.kind == EAGLE and head.feature_layers == (-1,)
     assert head.draft_vocab_size == cfg["draft_vocab_size"] < cfg["vocab_size"]
     assert head.lm_head.weight.shape == (cfg["draft_vocab_size"], cfg["hidden_size"])
+
+
+def test_cache_rounds_write_in_place_instead_of_reallocating():
+    cache = KVCache()
+    step = torch.randn(1, 2, 10, 4)
+    cache.append(step, step)
+    buffer = cache._k.data_ptr()
+    for _ in range(5):
+        cache.append(torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4))
+        cache.keep([*range(10), 12])
+        torch.testing.assert_close(cache.k[:, :, :10], step)
+        cache.crop(10)
+    assert cache.length == 10 and cache._k.data_ptr() == buffer
