@@ -83,3 +83,22 @@ def test_colocated_baseline_feeds_the_eagle_head_its_features(tiny_model, tiny_d
     runs = colocated(model, drafter, TreeShape(3, 2, 6), prompts, 12)
     assert runs[0].output_ids == hf_generate(model, prompts, 12)[0].output_ids
     assert runs[0].rounds > 0
+
+
+def test_training_writes_a_head_the_hub_can_load_and_resumes(tiny_dir, tmp_path, capsys):
+    from scripts.train_eagle import main as train
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"id": {i}, "prompt": "Count to {i} slowly."}}\n'
+                               for i in range(4)))
+    args = ["--target", str(tiny_dir), "--work-dir", str(tmp_path / "work"),
+            "--out", str(tmp_path / "head"), "--prompts", str(prompts), "--eval-prompts",
+            str(prompts), "--max-new-tokens", "8", "--max-steps", "3", "--batch-tokens", "64",
+            "--unroll", "2", "--draft-vocab", "512", "--depth", "2"]
+    summary = train(args)
+    assert summary["train_sequences"] == 4 and summary["draft_vocab"] == 512
+    drafter = EagleDrafter.load(tmp_path / "head", str(tiny_dir))
+    assert drafter.head.draft_vocab_size == 512
+    capsys.readouterr()
+    assert train(args)["steps"] == 3
+    assert "resuming from step 3/3" in capsys.readouterr().out
