@@ -31,13 +31,16 @@ from torch import Tensor
 from tqdm import tqdm
 
 from starhub.eagle_head import EAGLE, EAGLE3, EagleHead, KVCache, head_config, save_eagle_head
+from starhub.models import load_model
+from targets.generate import encode_prompt
+from targets.runner import read_prompts
 
 PROMPTS = Path(__file__).resolve().parent / "prompts"
 
 
 @dataclass
 class Seq:
-    id: str
+    id: object
     prompt_len: int
     ids: list[int]
 
@@ -61,29 +64,6 @@ class Dump:
 
     def length(self, i: int) -> int:
         return int(self.offsets[i + 1] - self.offsets[i])
-
-
-def read_prompts(path: Path, limit: int | None = None) -> list[dict]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return rows[:limit] if limit else rows
-
-
-def load_target(spec: str, device: str):
-    path = Path(spec).expanduser()
-    if path.is_dir() and (path / "config.json").exists():
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        return model.to(device), AutoTokenizer.from_pretrained(path)
-    from starhub.models import load_model
-
-    return load_model(spec, dtype=torch.float32, device=device)
-
-
-def prompt_ids(tokenizer, prompt: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 @torch.no_grad()
@@ -124,7 +104,7 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: int,
     return out
 
 
-def generate(model, tokenizer, rows: list[dict], path: Path, max_new_tokens: int,
+def generate(model, tokenizer, rows: list[tuple[object, str]], path: Path, max_new_tokens: int,
              batch_size: int) -> list[Seq]:
     """Greedy answers, appended to ``path`` batch by batch so an interrupted run resumes.
 
@@ -136,7 +116,7 @@ def generate(model, tokenizer, rows: list[dict], path: Path, max_new_tokens: int
             if line.strip():
                 s = Seq(**json.loads(line))
                 done[tuple(s.ids[:s.prompt_len])] = s
-    prompts = [(r["id"], prompt_ids(tokenizer, r["prompt"])) for r in rows]
+    prompts = [(sid, encode_prompt(tokenizer, prompt)) for sid, prompt in rows]
     todo = sorted({tuple(p): (sid, p) for sid, p in prompts if tuple(p) not in done}.values(),
                   key=lambda x: len(x[1]))
     eos = tokenizer.eos_token_id
@@ -545,11 +525,11 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    model, tokenizer = load_target(args.target, args.device)
+    model, tokenizer = load_model(args.target, dtype=torch.float32, device=args.device)
     for p in model.parameters():
         p.requires_grad_(False)
     times: dict[str, float] = {}
-    rows = read_prompts(args.prompts, args.max_prompts)
+    rows = read_prompts(args.prompts)[:args.max_prompts]
     eval_rows = read_prompts(args.eval_prompts)
     suffix = f"n{args.max_new_tokens}"
     seqs = generate(model, tokenizer, rows, work / f"gen-train-{suffix}.jsonl",
