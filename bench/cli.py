@@ -7,8 +7,10 @@ import json
 import sys
 from pathlib import Path
 
+from starhub.models import DTYPES
+
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "scripts" / "prompts" / "demo.jsonl"
-TREE_ARGS = ("drafter", "draft", "depth", "topk", "max_nodes")
+TREE_ARGS = ("drafter", "draft", "depth", "topk", "max_nodes", "draft_dtype")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -27,6 +29,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--topk", type=int, default=None)
     p.add_argument("--max-nodes", type=int, default=None)
+    p.add_argument("--draft-dtype", default=None, choices=DTYPES,
+                   help="the hub's drafter weights, as for `starhub hub` (the colocated "
+                        "baseline uses the same)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights of the targets and of every baseline. auto is float32 on CPU; "
+                        "with bfloat16, tree verification rounds differently from generate()'s "
+                        "one-token steps, so the lossless column may read False")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt file")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="per prompt (default 64); emulated sessions default to 512")
@@ -103,7 +112,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown baselines {sorted(unknown)}; choose from {BASELINES}")
         cfg = BenchConfig(targets=ns, model=args.model, prompts=args.prompts,
                           max_new_tokens=args.max_new_tokens or 64, threads=args.threads,
-                          baselines=baselines, log_dir=args.log_dir, **tree)
+                          baselines=baselines, log_dir=args.log_dir, dtype=args.dtype, **tree)
         doc = run_real(cfg, progress=not args.no_progress)
     print(text_table(doc))
     if args.json_out:

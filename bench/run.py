@@ -49,6 +49,8 @@ class BenchConfig:
     depth: int
     topk: int
     max_nodes: int
+    draft_dtype: str = "auto"
+    dtype: str = "auto"
     model: str = "default"
     prompts: str = ""
     max_new_tokens: int = 64
@@ -60,7 +62,7 @@ class BenchConfig:
         draft = ["--draft", self.draft] if self.draft else []
         return ["--model", self.model, "--drafter", self.drafter, *draft,
                 "--depth", str(self.depth), "--topk", str(self.topk),
-                "--max-nodes", str(self.max_nodes)]
+                "--max-nodes", str(self.max_nodes), "--draft-dtype", self.draft_dtype]
 
 
 def machine_info() -> dict:
@@ -182,7 +184,8 @@ def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
         procs = []
         for i, out in enumerate(outs):
             cmd = target_command(hub.address, cfg.prompts, out, threads=cfg.threads,
-                                 extra=["--model", cfg.model, "--max-new-tokens",
+                                 extra=["--model", cfg.model, "--dtype", cfg.dtype,
+                                        "--max-new-tokens",
                                         str(cfg.max_new_tokens), "--shard", f"{i}/{n}",
                                         "--name", f"target{i}"])
             procs.append(subprocess.Popen(cmd, env=child_env(cfg.threads), stderr=target_log,
@@ -223,7 +226,7 @@ def run_real(cfg: BenchConfig, progress: bool = True) -> dict:
     items = read_prompts(cfg.prompts)
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="starhub-bench-")
     os.makedirs(log_dir, exist_ok=True)
-    model, tokenizer = load_model(cfg.model)
+    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype)
     prompts = [(str(id_), encode_prompt(tokenizer, text)) for id_, text in items]
     rows: list[dict] = []
     reference: dict | None = None
@@ -245,7 +248,7 @@ def run_real(cfg: BenchConfig, progress: bool = True) -> dict:
                                      threads, reference))
         if "colocated" in cfg.baselines:
             bar.set_description("colocated")
-            drafter = make_drafter(cfg.drafter, cfg.draft, cfg.model)
+            drafter = make_drafter(cfg.drafter, cfg.draft, cfg.model, cfg.draft_dtype)
             shape = TreeShape(cfg.depth, cfg.topk, cfg.max_nodes)
             runs = colocated(model, drafter, shape, prompts, cfg.max_new_tokens, tick=tick)
             rows.append(baseline_row("colocated", runs, cfg.drafter, cfg.depth, threads,

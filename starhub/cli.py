@@ -14,6 +14,7 @@ from pathlib import Path
 from bench import cli as bench_cli
 from starhub.drafters import DRAFTERS
 from starhub.launch import READY, child_env, spawn_hub, target_command
+from starhub.models import DTYPES
 
 DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "scripts" / "prompts" / "demo.jsonl"
 
@@ -42,6 +43,18 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
                         "costs nearly a forward pass per node. On GPUs, where dozens of nodes "
                         "verify for about the price of one, larger trees pay (EAGLE-2 uses "
                         "--depth 6 --topk 10 --max-nodes 60)")
+    p.add_argument("--draft-dtype", choices=DTYPES, default="auto",
+                   help="the drafter's weights. auto: bfloat16 for an EAGLE head where the "
+                        "hardware multiplies bf16 natively (drafts may differ, output never "
+                        "does), otherwise the target's dtype")
+
+
+def _add_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="the target's weights. auto: float32 on CPU, where greedy output then "
+                        "matches generate() bit for bit; bfloat16 on GPU. On CPUs with "
+                        "AVX512-BF16 or AMX, bfloat16 verifies a tree for little more than "
+                        "the cost of one token")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -93,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help='JSONL: {"id", "prompt"} or MT-Bench {"question_id", "turns"}')
     tgt.add_argument("--out", required=True, help="JSONL output")
     _add_sampling_args(tgt)
+    _add_dtype_arg(tgt)
     tgt.add_argument("--threads", type=int, default=None, help="torch threads for this target")
     tgt.add_argument("--no-chat-template", action="store_true",
                      help="tokenize prompts as plain text")
@@ -107,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default="default")
     _add_tree_args(gen)
     _add_sampling_args(gen)
+    _add_dtype_arg(gen)
     gen.add_argument("--threads", type=int, default=1, help="torch threads per process")
     gen.add_argument("--no-chat-template", action="store_true")
 
@@ -116,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompts", default=str(DEMO_PROMPTS))
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--targets", type=int, default=2)
+    _add_dtype_arg(demo)
     bench_cli.add_parser(sub)
 
     train = sub.add_parser("train-eagle", add_help=False,
@@ -128,7 +144,7 @@ def _tree_flags(args: argparse.Namespace) -> list[str]:
     draft = ["--draft", args.draft] if args.draft else []
     return ["--model", args.model, "--drafter", args.drafter, *draft,
             "--depth", str(args.depth), "--topk", str(args.topk),
-            "--max-nodes", str(args.max_nodes)]
+            "--max-nodes", str(args.max_nodes), "--draft-dtype", args.draft_dtype]
 
 
 def cmd_hub(args: argparse.Namespace) -> int:
@@ -139,13 +155,14 @@ def cmd_hub(args: argparse.Namespace) -> int:
     from starhub.models import set_threads
 
     threads = set_threads(args.threads)
-    drafter = make_drafter(args.drafter, args.draft, args.model)
+    drafter = make_drafter(args.drafter, args.draft, args.model, args.draft_dtype)
     config = HubConfig(bind=args.bind, shape=TreeShape(args.depth, args.topk, args.max_nodes),
                        ttl_s=args.ttl, max_targets=args.max_targets,
                        max_message_bytes=int(args.max_message_mb * (1 << 20)),
                        metrics_port=args.metrics_port)
     hub = Hub(drafter, config)
-    logging.getLogger("starhub.hub").info("torch threads=%d", threads)
+    logging.getLogger("starhub.hub").info("torch threads=%d, drafter weights %s", threads,
+                                          getattr(drafter, "dtype", "none"))
 
     async def main() -> None:
         task = asyncio.create_task(hub.serve())
@@ -169,7 +186,7 @@ def cmd_target(args: argparse.Namespace) -> int:
     return run(args.hub, args.model, args.prompts, args.out, args.max_new_tokens,
                args.temperature, args.top_p, args.seed, args.threads,
                not args.no_chat_template, args.name or f"target{index}",
-               (int(index), int(count or 1)))
+               (int(index), int(count or 1)), args.dtype)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -178,7 +195,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     with spawn_hub(_tree_flags(args), threads=args.threads) as hub:
-        model, tokenizer = load_model(args.model)
+        model, tokenizer = load_model(args.model, dtype=args.dtype)
         with attach(model, tokenizer, hub.address, name="generate",
                     chat_template=not args.no_chat_template) as session:
             start = time.perf_counter()
@@ -207,8 +224,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         for i in range(args.targets):
             out = f"{tmp}/target{i}.jsonl"
             cmd = target_command(hub.address, args.prompts, out, pre_args=quiet,
-                                 extra=["--model", args.model, "--max-new-tokens",
-                                        str(args.max_new_tokens), "--shard",
+                                 extra=["--model", args.model, "--dtype", args.dtype,
+                                        "--max-new-tokens", str(args.max_new_tokens), "--shard",
                                         f"{i}/{args.targets}", "--name", f"target{i}"])
             procs.append(subprocess.Popen(cmd, env=child_env(1)))
             outs.append(out)

@@ -100,12 +100,42 @@ def load_tokenizer(spec: str):
     return AutoTokenizer.from_pretrained(resolve(spec))
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def target_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """``auto`` is float32 on CPUs, so that greedy output matches ``generate()`` bit for bit,
+    and bfloat16 on accelerators."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype '{name}'; choose from {', '.join(DTYPES)}")
+    if name == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    return getattr(torch, name)
+
+
+def draft_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """``auto`` is bfloat16 where the hardware has it: a drafter's rounding changes only
+    how many tokens are accepted, never the output, and halves its weight traffic."""
+    if name == "auto":
+        return torch.bfloat16 if device != "cpu" or native_bf16_cpu() else torch.float32
+    return target_dtype(name, device)
+
+
 def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device: str = "cpu",
                layers: int | None = None) -> tuple[PreTrainedModel, object]:
     """(model, tokenizer) in eval mode; ``layers`` keeps only the first K decoder layers."""
     path = resolve(spec)
-    if dtype == "auto":
-        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dtype = target_dtype(dtype, device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     if layers is not None:
         truncate_layers(model, layers)

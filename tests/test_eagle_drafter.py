@@ -26,7 +26,7 @@ def random_head(tiny_dir, kind: str, draft_vocab: int | None, seed: int = 0) -> 
                      draft_vocab_size=draft_vocab, target_num_layers=target.num_hidden_layers,
                      feature_layers=(0, 1, 2) if kind == EAGLE3 else None)
     if draft_vocab:
-        head.set_draft_vocab(torch.arange(draft_vocab))
+        head.set_draft_vocab(torch.randperm(embed.shape[0])[:draft_vocab])
     return head
 
 
@@ -55,11 +55,18 @@ def test_reduced_vocab_drafts_only_draft_vocab_tokens(tiny_dir):
     from starhub.drafters.base import DraftContext
 
     drafter = EagleDrafter(random_head(tiny_dir, EAGLE, 4096).eval())
+    allowed = set(drafter.head.to_target_ids(torch.arange(4096)).tolist())
     feats = torch.randn(5, 64)
     ctx = DraftContext(tokens=[10, 11, 12, 13, 14, 15], features=[feats])
     tree = drafter.propose(ctx, TreeShape(depth=3, topk=3, max_nodes=9))
     assert len(tree) == 9
-    assert int(tree.tokens.max()) < 4096
+    assert set(tree.tokens.tolist()) <= allowed
+    sampled = drafter.propose(DraftContext(tokens=list(ctx.tokens), features=[feats],
+                                           temperature=1.0,
+                                           generator=torch.Generator().manual_seed(0)),
+                              TreeShape(depth=3, topk=3, max_nodes=9))
+    assert set(sampled.tokens.tolist()) <= allowed
+    assert set(sampled.dist_ids[sampled.dist_probs > 0].tolist()) <= allowed
     again = drafter.propose(DraftContext(tokens=list(ctx.tokens), features=[feats]),
                             TreeShape(depth=3, topk=3, max_nodes=9))
     assert again.tokens.tolist() == tree.tokens.tolist()

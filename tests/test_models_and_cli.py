@@ -59,6 +59,27 @@ def test_eagle_is_the_default_drafter_and_needs_a_head_for_other_models():
         make_drafter("eagle", None, "some/other-model")
 
 
+def test_dtype_auto_keeps_cpu_targets_exact_and_gives_eagle_heads_native_bf16(tiny_dir,
+                                                                             tmp_path):
+    import torch
+
+    from starhub.drafters import make_drafter
+    from starhub.eagle_head import EAGLE, save_eagle_head
+    from starhub.models import draft_dtype, native_bf16_cpu, target_dtype
+    from tests.test_eagle_drafter import random_head
+
+    assert target_dtype("auto") == torch.float32
+    assert target_dtype("auto", device="cuda") == torch.bfloat16
+    assert draft_dtype("auto") == (torch.bfloat16 if native_bf16_cpu() else torch.float32)
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        target_dtype("fp8")
+    head = tmp_path / "head"
+    save_eagle_head(random_head(tiny_dir, EAGLE, None), head)
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        assert make_drafter("eagle", str(head), str(tiny_dir), name).dtype == dtype
+    assert make_drafter("model", "self", str(tiny_dir), "auto").model.dtype == torch.float32
+
+
 def test_target_without_hub_writes_generate_compatible_lines(tiny_dir, tiny_model, tmp_path):
     import torch
 

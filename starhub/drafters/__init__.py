@@ -22,13 +22,19 @@ def parse_draft(spec: str) -> tuple[str, int | None]:
     return spec, None
 
 
-def make_drafter(kind: str, draft: str | None = None, model: str = "default") -> Drafter:
+def make_drafter(kind: str, draft: str | None = None, model: str = "default",
+                 dtype: str = "auto") -> Drafter:
     """Build a drafter. ``draft`` is the head folder (eagle) or the draft model spec (model);
-    ``model`` is the target's model spec, whose weights ``self`` and eagle heads borrow."""
+    ``model`` is the target's model spec, whose weights ``self`` and eagle heads borrow.
+
+    ``dtype`` ``auto`` gives an EAGLE head bfloat16 where the hardware has it; a draft model
+    keeps the target's own dtype, so that ``self`` reproduces the target exactly.
+    """
     if kind == "eagle":
         from starhub.drafters.eagle import EagleDrafter
+        from starhub.models import draft_dtype
 
-        return EagleDrafter.load(draft, model)
+        return EagleDrafter.load(draft, model, dtype=draft_dtype(dtype))
     if kind == "ngram":
         from starhub.drafters.ngram import NgramDrafter
 
@@ -39,6 +45,6 @@ def make_drafter(kind: str, draft: str | None = None, model: str = "default") ->
 
         source, layers = parse_draft(draft or "self:layers=8")
         spec = model if source == "self" else source
-        draft_model, tokenizer = load_model(spec, layers=layers)
+        draft_model, tokenizer = load_model(spec, dtype=dtype, layers=layers)
         return ModelDrafter(draft_model, tokenizer, label=draft)
     raise ValueError(f"unknown drafter '{kind}'; choose from {', '.join(DRAFTERS)}")

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig
@@ -61,7 +62,8 @@ class EagleDrafter(Drafter):
         self.dtype = next(head.parameters()).dtype
 
     @classmethod
-    def load(cls, head_dir: str | Path | None, model: str = "default") -> EagleDrafter:
+    def load(cls, head_dir: str | Path | None, model: str = "default",
+             dtype: torch.dtype = torch.float32) -> EagleDrafter:
         if head_dir is None and model != "default":
             raise ValueError(f"the shipped EAGLE head drafts for the embedded default model, not "
                              f"'{model}': pass --draft HEAD_DIR (see `starhub train-eagle`) or "
@@ -71,7 +73,8 @@ class EagleDrafter(Drafter):
             raise FileNotFoundError(f"no EAGLE head at {head_dir} (config.json missing)")
         model_dir = resolve(model)
         embed, lm_head = target_embeddings(model_dir)
-        head = load_eagle_head(head_dir, AutoConfig.from_pretrained(model_dir), embed, lm_head)
+        head = load_eagle_head(head_dir, AutoConfig.from_pretrained(model_dir), embed, lm_head,
+                               dtype=dtype)
         return cls(head, label=str(head_dir))
 
     def check_target(self, hello: Hello) -> str | None:
@@ -84,15 +87,16 @@ class EagleDrafter(Drafter):
                     f"hidden size is {hello.hidden_size}")
         return None
 
-    def _full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits placed at their target ids (others can never be drawn)."""
+    def _to_target_ids(self, tree: DraftTree) -> DraftTree:
+        """Trees grow over the draft vocabulary (cheaper top-k and softmax when it is
+        reduced) and travel in target ids."""
         if self.head.d2t is None:
-            return draft_logits
-        full = draft_logits.new_full((*draft_logits.shape[:-1], self.head.vocab_size),
-                                     float("-inf"))
-        ids = self.head.to_target_ids(torch.arange(draft_logits.shape[-1]))
-        full[..., ids] = draft_logits
-        return full
+            return tree
+        d2t = self.head.d2t.numpy()
+        tree.tokens = (tree.tokens + d2t[tree.tokens]).astype(np.int32)
+        if tree.dist_ids is not None:
+            tree.dist_ids = (tree.dist_ids + d2t[tree.dist_ids]).astype(np.int32)
+        return tree
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, shape: TreeShape) -> DraftTree:
@@ -115,18 +119,19 @@ class EagleDrafter(Drafter):
                                    cache=state.cache, num_logits=1)
         state.pairs = total
         expand = _HeadExpansion(self, state.cache, hidden[0, -1], total)
-        root = self._full_logits(logits[0, -1])
+        root = logits[0, -1]
         if ctx.greedy:
             tree = build_greedy_tree(root, expand, shape.depth, shape.topk, shape.max_nodes)
         else:
             tree = build_sampled_tree(root, expand, shape.depth, shape.topk, shape.max_nodes,
                                       ctx.temperature, shape.support, ctx.generator)
         state.cache.crop(total)
-        return tree
+        return self._to_target_ids(tree)
 
 
 class _HeadExpansion:
-    """Feeds frontier nodes as (token, parent's head output) after the committed pairs."""
+    """Feeds frontier nodes as (draft-vocabulary token, parent's head output) after the
+    committed pairs."""
 
     def __init__(self, drafter: EagleDrafter, cache: KVCache, root_hidden: torch.Tensor,
                  base: int):
@@ -138,9 +143,10 @@ class _HeadExpansion:
                  parents: Sequence[int]) -> torch.Tensor:
         mask, positions = self.feed.layout(ids, parents, self.cache.length)
         feats = torch.stack([self.hidden[p] for p in parents])[None]
-        hidden, logits = self.drafter.head(feats, torch.tensor([list(tokens)]),
+        target_ids = self.drafter.head.to_target_ids(torch.tensor([list(tokens)]))
+        hidden, logits = self.drafter.head(feats, target_ids,
                                            position_ids=positions,
                                            attention_mask=mask[None, None], cache=self.cache)
         for row, node in enumerate(ids):
             self.hidden[node] = hidden[0, row]
-        return self.drafter._full_logits(logits[0])
+        return logits[0]
