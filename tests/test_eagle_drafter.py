@@ -101,9 +101,12 @@ def test_training_writes_a_head_the_hub_can_load_and_resumes(tiny_dir, tmp_path,
     args = ["--target", str(tiny_dir), "--work-dir", str(tmp_path / "work"),
             "--out", str(tmp_path / "head"), "--prompts", str(prompts), "--eval-prompts",
             str(prompts), "--max-new-tokens", "8", "--max-steps", "3", "--batch-tokens", "64",
-            "--unroll", "2", "--draft-vocab", "512", "--depth", "2"]
+            "--unroll", "2", "--draft-vocab", "512", "--depth", "2", "--gen-temperatures", "0,0.9"]
     summary = train(args)
-    assert summary["train_sequences"] == 4 and summary["draft_vocab"] == 512
+    assert summary["train_sequences"] == 8 and summary["draft_vocab"] == 512
+    greedy, sampled = (tmp_path / "work" / f"gen-train-n8{t}.jsonl" for t in ("", "-t0.9"))
+    assert greedy.exists() and sampled.exists()
+    assert greedy.read_text() != sampled.read_text()
     drafter = EagleDrafter.load(tmp_path / "head", str(tiny_dir))
     assert drafter.head.draft_vocab_size == 512
     capsys.readouterr()
