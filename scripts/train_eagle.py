@@ -409,11 +409,12 @@ def train(head: EagleHead, data: Dump, eval_data: Dump, args, work: Path) -> dic
     signature = {k: getattr(args, k) for k in (
         "target", "kind", "draft_vocab", "init", "init_from", "init_layer", "fc_init", "epochs",
         "batch_tokens", "lr", "noise", "v_weight", "p_weight", "max_steps", "max_new_tokens",
-        "max_prompts", "train_lm_head", "seed", "weight_decay", "clip", "unroll", "unroll_decay")}
+        "max_prompts", "train_lm_head", "seed", "weight_decay", "clip", "unroll", "unroll_decay",
+        "gen_temperatures", "data_dtype")}
     state_path = work / "train_state.pt"
     step = 0
     if state_path.exists():
-        state = torch.load(state_path, map_location=device, weights_only=False)
+        state = torch.load(state_path, map_location=device, weights_only=True)
         if state.get("signature") == signature:
             head.load_state_dict(state["head"])
             opt.load_state_dict(state["opt"])
