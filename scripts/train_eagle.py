@@ -141,6 +141,52 @@ def generate(model, tokenizer, rows: list[tuple[object, str]], path: Path, max_n
     return [Seq(sid, len(p), done[tuple(p)].ids) for sid, p in prompts]
 
 
+def user_turn_prefix(tokenizer) -> list[int]:
+    """The chat template's ids up to where a user's message begins."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise SystemExit("--synth-prompts needs a target with a chat template")
+    marker = "\x00PROMPT\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}],
+                                         add_generation_prompt=True, tokenize=False)
+    return tokenizer(text[:text.index(marker)], add_special_tokens=False)["input_ids"]
+
+
+def synthesize_prompts(model, tokenizer, count: int, path: Path, batch_size: int,
+                       temperature: float = 0.8, max_tokens: int = 96, seed: int = 0,
+                       exclude: set[str] = frozenset()) -> list[tuple[object, str]]:
+    """User messages the target writes itself, sampled from its own chat template's user
+    turn (as in Magpie): prompt diversity at generation cost, with no data download.
+
+    Only complete messages (ended by EOS) of 3+ words are kept, without duplicates or
+    any prompt in ``exclude`` (the held-out set). Appended to ``path``, so reruns resume.
+    """
+    seen = {p.strip().lower() for p in exclude}
+    rows: list[tuple[object, str]] = []
+    if path.exists():
+        rows = [(r["id"], r["prompt"]) for r in map(json.loads, path.read_text().splitlines())]
+    seen |= {p.lower() for _, p in rows}
+    prefix = user_turn_prefix(tokenizer)
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    generator = torch.Generator().manual_seed(seed + len(rows))
+    with path.open("a") as out, tqdm(total=count, initial=min(len(rows), count),
+                                     desc="synthesize prompts", unit="prompt") as bar:
+        while len(rows) < count:
+            for g in answer_batch(model, [prefix] * batch_size, max_tokens, eos, pad,
+                                  temperature, generator):
+                text = tokenizer.decode(g, skip_special_tokens=True).strip()
+                if g[-1] != eos or len(text.split()) < 3 or text.lower() in seen:
+                    continue
+                seen.add(text.lower())
+                rows.append((f"s{len(rows):05d}", text))
+                out.write(json.dumps({"id": rows[-1][0], "prompt": text}) + "\n")
+                bar.update(1)
+                if len(rows) == count:
+                    break
+            out.flush()
+    return rows[:count]
+
+
 @torch.no_grad()
 def dump_features(model, seqs: list[Seq], path: Path, layers: tuple[int, ...], topk: int,
                   batch_size: int = 4) -> Dump:
@@ -410,7 +456,7 @@ def train(head: EagleHead, data: Dump, eval_data: Dump, args, work: Path) -> dic
         "target", "kind", "draft_vocab", "init", "init_from", "init_layer", "fc_init", "epochs",
         "batch_tokens", "lr", "noise", "v_weight", "p_weight", "max_steps", "max_new_tokens",
         "max_prompts", "train_lm_head", "seed", "weight_decay", "clip", "unroll", "unroll_decay",
-        "gen_temperatures", "data_dtype")}
+        "gen_temperatures", "data_dtype", "synth_prompts")}
     state_path = work / "train_state.pt"
     step = 0
     if state_path.exists():
@@ -492,6 +538,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--eval-prompts", type=Path, default=PROMPTS / "eval.jsonl")
     ap.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts only")
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--synth-prompts", type=int, default=0,
+                    help="add N user messages the target writes itself from its chat "
+                         "template (self-instruct, as in Magpie) to the training prompts")
     ap.add_argument("--gen-batch", type=int, default=32)
     ap.add_argument("--gen-temperatures", default="0",
                     help="comma-separated; each value adds one answer per training prompt "
@@ -562,6 +611,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.data_dtype not in ("auto", "float32"):
         data_model = load_model(args.target, dtype=args.data_dtype, device=args.device)[0]
         data_tag = f"-{args.data_dtype}"
+    if args.synth_prompts:
+        rows += synthesize_prompts(data_model, tokenizer, args.synth_prompts,
+                                   work / f"synth-prompts{data_tag}.jsonl", args.gen_batch,
+                                   seed=args.seed, exclude={p for _, p in eval_rows})
     seqs = []
     for temp in parse_temperatures(args.gen_temperatures):
         name = data_tag + (f"-t{temp:g}" if temp > 0 else "")

@@ -112,3 +112,21 @@ def test_training_writes_a_head_the_hub_can_load_and_resumes(tiny_dir, tmp_path,
     capsys.readouterr()
     assert train(args)["steps"] == 3
     assert "resuming from step 3/3" in capsys.readouterr().out
+
+
+def test_synthesized_prompts_are_complete_unique_held_out_and_resume(tmp_path):
+    from scripts.train_eagle import synthesize_prompts
+    from starhub.models import load_model
+
+    model, tokenizer = load_model("default")
+    first = synthesize_prompts(model, tokenizer, 4, tmp_path / "a.jsonl", 8, max_tokens=48)
+    more = synthesize_prompts(model, tokenizer, 6, tmp_path / "a.jsonl", 8, max_tokens=48)
+    assert more[:4] == first and len(more) == 6
+    assert len((tmp_path / "a.jsonl").read_text().splitlines()) == 6
+    texts = [text for _, text in more]
+    assert len({t.lower() for t in texts}) == 6
+    assert all(len(t.split()) >= 3 for t in texts)
+    held_out = first[0][1]
+    other = synthesize_prompts(model, tokenizer, 4, tmp_path / "b.jsonl", 8, max_tokens=48,
+                               exclude={held_out})
+    assert held_out not in [text for _, text in other]
