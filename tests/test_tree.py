@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 import torch
 
 from starhub.tree import (
@@ -76,3 +77,23 @@ def test_without_replacement_draw_order_matches_sequential_sampling():
             seconds_after_0[order[1]] += 1
     np.testing.assert_allclose(firsts / n, [0.5, 0.3, 0.2], atol=0.015)
     np.testing.assert_allclose(seconds_after_0[1:] / seconds_after_0.sum(), [0.6, 0.4], atol=0.02)
+
+
+@pytest.mark.parametrize("rows", [[0, 2, 5], [0, 1, 2], [0]])
+def test_keep_rows_keeps_the_prefix_and_the_chosen_rows_in_order(rows):
+    from transformers import DynamicCache
+
+    from starhub.kvcache import keep_rows
+
+    cache = DynamicCache()
+    for layer in range(2):
+        k = torch.arange(10.0).view(1, 1, 10, 1).expand(1, 2, 10, 3) + 100 * layer
+        cache.update(k.clone(), -k.clone(), layer)
+    keep_rows(cache, 4, rows)
+    want = torch.tensor([0.0, 1, 2, 3] + [4.0 + r for r in rows])
+    assert cache.get_seq_length() == 4 + len(rows)
+    for i, layer in enumerate(cache.layers):
+        assert torch.equal(layer.keys[0, 1, :, 2], want + 100 * i)
+        assert torch.equal(layer.values[0, 0, :, 0], -(want + 100 * i))
+    cache.update(torch.zeros(1, 2, 1, 3), torch.zeros(1, 2, 1, 3), 0)
+    assert cache.layers[0].keys.shape[2] == 5 + len(rows)
