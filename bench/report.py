@@ -17,7 +17,7 @@ COLUMNS = [
     ("load", "load", "{:.3f}"),
     ("tau", "mean_accept_len", "{:.2f}"),
 ]
-REAL_EXTRA = [("lossless", "lossless", "{}")]
+REAL_EXTRA = [("vs generate", "speedup_vs_generate", "{:.2f}x"), ("lossless", "lossless", "{}")]
 EMULATED_EXTRA = [
     ("model t_idle_ms", ("model", "t_idle_ms"), "{:.2f}"),
     ("model r_q", ("model", "r_q"), "{:.1f}"),

@@ -35,6 +35,7 @@ METRIC_NOTES = {
     "r_p": "mean over targets of verification rounds per second of decoding time",
     "load": "fraction of the hub's active window spent drafting",
     "mean_accept_len": "committed tokens per verification round, bonus included",
+    "speedup_vs_generate": "per_target_tok_s over the hf-generate row's, same prompts and run",
     "target_split": "seconds summed over targets: prefill, verify, hub_queue + hub_draft "
                     "(waiting for the hub, by the hub's own account), comm (the rest of each "
                     "round trip), other",
@@ -170,6 +171,14 @@ def star_row(cfg: BenchConfig, n: int, results: list[list[dict]], hub: dict,
     return row
 
 
+def add_speedups(rows: list[dict]) -> None:
+    """Each row's per-target tok/s over plain ``generate()``'s from the same run."""
+    base = next((r["per_target_tok_s"] for r in rows if r["mode"] == "hf-generate"), None)
+    for row in rows:
+        row["speedup_vs_generate"] = (row["per_target_tok_s"] / base
+                                      if base and row["per_target_tok_s"] is not None else None)
+
+
 def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
              tick=lambda k: None) -> dict:
     from starhub.launch import child_env, spawn_hub, target_command
@@ -257,6 +266,7 @@ def run_real(cfg: BenchConfig, progress: bool = True) -> dict:
         for n in cfg.targets:
             bar.set_description(f"star N={n}")
             rows.append(run_star(cfg, n, log_dir, reference, tick=tick))
+    add_speedups(rows)
     config = {k: v for k, v in asdict(cfg).items() if k != "log_dir"}
     config.update(mode="real", n_prompts=len(prompts), threads_note=THREADS_NOTE,
                   metric_notes=METRIC_NOTES, logs=log_dir)

@@ -110,5 +110,8 @@ def test_real_bench_end_to_end(tiny_dir, tmp_path):
     assert star["lossless"] is True and star["standalone_prompts"] == 0
     assert star["threads"] == {"hub": 1, "targets": [1, 1]}
     assert star["tokens"] == doc["rows"][0]["tokens"]
+    assert doc["rows"][0]["speedup_vs_generate"] == 1.0
+    assert star["speedup_vs_generate"] == pytest.approx(
+        star["per_target_tok_s"] / doc["rows"][0]["per_target_tok_s"])
     assert star["target_split"]["verify_s"] > 0 and star["target_split"]["hub_draft_s"] > 0
     json.dumps(doc)
