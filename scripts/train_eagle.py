@@ -1,14 +1,18 @@
-"""Train an EAGLE-1/2 draft head for a causal LM target, on CPU or GPU.
+"""Train an EAGLE-1/2 (or EAGLE-3) draft head for a causal LM target, on CPU or GPU.
 
-Stages, each cached in ``--work-dir`` so that re-running the same command resumes:
+Stages, each cached in ``--work-dir`` so that re-running the same command resumes and more
+prompts add only what is new (``scripts/eagle_data.py``):
 
-1. the target's own answers to the prompt set (chat template, batched, left padded): greedy,
-   plus one sampled answer per prompt for each ``--gen-temperatures`` value above 0;
-2. one forward pass per sequence: the final post-norm features and the target's top-k
-   next-token distribution (the soft labels);
+1. prompts: the hand-written set, plus ``--synth-prompts`` user messages the target writes
+   from its own chat template;
+2. the target's own answers (chat template, batched, left padded): greedy, plus one sampled
+   answer per prompt for each ``--gen-temperatures`` value above 0. While it decodes, the
+   target's features and its top-k next-token distribution (the soft labels) are recorded,
+   so the data costs no second pass;
 3. training: smooth-L1 feature regression plus soft cross-entropy (EAGLE-1 weights 1.0 and
-   0.1), uniform feature noise, AdamW with warmup and cosine decay, gradient clipping, and a
-   resumable checkpoint of the optimizer state;
+   0.1), uniform feature noise, optional unrolling over the head's own outputs, AdamW with
+   warmup and cosine decay, gradient clipping, bf16 autocast where the hardware has it, and
+   a resumable checkpoint of the optimizer state;
 4. held-out metrics: teacher-forced top-1 agreement, and drafting simulated the way the hub
    drafts (the head runs on its own outputs) for the mean accepted length of a chain.
 """
@@ -16,225 +20,32 @@ Stages, each cached in ``--work-dir`` so that re-running the same command resume
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import random
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm import tqdm
 
+from scripts.eagle_data import (
+    Dump,
+    FeatureStore,
+    Record,
+    choose_draft_vocab,
+    dump_features,
+    generate,
+    synthesize_prompts,
+)
 from starhub.eagle_head import EAGLE, EAGLE3, EagleHead, KVCache, head_config, save_eagle_head
-from starhub.models import DTYPES, load_model
-from targets.generate import encode_prompt
+from starhub.models import DTYPES, load_model, native_bf16_cpu
 from targets.runner import read_prompts
 
 PROMPTS = Path(__file__).resolve().parent / "prompts"
-
-
-@dataclass
-class Seq:
-    id: object
-    prompt_len: int
-    ids: list[int]
-
-
-@dataclass
-class Dump:
-    """Per-token data of many sequences, concatenated; ``offsets`` delimit sequences."""
-
-    ids: Tensor
-    feats: Tensor
-    top_ids: Tensor
-    top_p: Tensor
-    offsets: Tensor
-    prompt_lens: Tensor
-
-    def __len__(self) -> int:
-        return len(self.prompt_lens)
-
-    def span(self, i: int) -> slice:
-        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
-
-    def length(self, i: int) -> int:
-        return int(self.offsets[i + 1] - self.offsets[i])
-
-
-@torch.no_grad()
-def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: int, pad: int,
-                 temperature: float = 0.0, generator: torch.Generator | None = None
-                 ) -> list[list[int]]:
-    """Answers for left-padded prompts, greedy or sampled at ``temperature``; finished rows
-    leave the batch (and the cache), so short answers cost nothing after their end."""
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]
-    rows = torch.arange(len(prompts), device=device)
-    last = pos[:, -1]
-    out: list[list[int]] = [[] for _ in prompts]
-    for step in range(max_new_tokens):
-        if temperature > 0:
-            probs = torch.softmax(logits.float().cpu() / temperature, -1)
-            nxt = torch.multinomial(probs, 1, generator=generator)[:, 0].to(device)
-        else:
-            nxt = logits.argmax(-1)
-        keep = []
-        for j, (r, t) in enumerate(zip(rows.tolist(), nxt.tolist(), strict=True)):
-            out[r].append(t)
-            if t != eos and step + 1 < max_new_tokens:
-                keep.append(j)
-        if not keep:
-            break
-        if len(keep) < len(rows):
-            sel = torch.tensor(keep, device=device)
-            cache.batch_select_indices(sel)
-            rows, nxt, mask, last = rows[sel], nxt[sel], mask[sel], last[sel]
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        last = last + 1
-        logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None],
-                       past_key_values=cache, use_cache=True).logits[:, -1]
-    return out
-
-
-def generate(model, tokenizer, rows: list[tuple[object, str]], path: Path, max_new_tokens: int,
-             batch_size: int, temperature: float = 0.0, seed: int = 0) -> list[Seq]:
-    """Answers, appended to ``path`` batch by batch so an interrupted run resumes.
-
-    Cached answers are matched by prompt tokens, so editing the prompt set reuses the rest.
-    """
-    done: dict[tuple[int, ...], Seq] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                s = Seq(**json.loads(line))
-                done[tuple(s.ids[:s.prompt_len])] = s
-    prompts = [(sid, encode_prompt(tokenizer, prompt)) for sid, prompt in rows]
-    todo = sorted({tuple(p): (sid, p) for sid, p in prompts if tuple(p) not in done}.values(),
-                  key=lambda x: len(x[1]))
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
-    generator = torch.Generator().manual_seed(seed + len(done))
-    with path.open("a") as out:
-        for batch in tqdm(batches, desc=f"generate {path.stem}", unit="batch"):
-            answers = answer_batch(model, [p for _, p in batch], max_new_tokens, eos, pad,
-                                   temperature, generator)
-            for (sid, p), g in zip(batch, answers, strict=True):
-                s = Seq(sid, len(p), p + g)
-                done[tuple(p)] = s
-                out.write(json.dumps(s.__dict__) + "\n")
-            out.flush()
-    return [Seq(sid, len(p), done[tuple(p)].ids) for sid, p in prompts]
-
-
-def user_turn_prefix(tokenizer) -> list[int]:
-    """The chat template's ids up to where a user's message begins."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise SystemExit("--synth-prompts needs a target with a chat template")
-    marker = "\x00PROMPT\x00"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}],
-                                         add_generation_prompt=True, tokenize=False)
-    return tokenizer(text[:text.index(marker)], add_special_tokens=False)["input_ids"]
-
-
-def synthesize_prompts(model, tokenizer, count: int, path: Path, batch_size: int,
-                       temperature: float = 0.8, max_tokens: int = 96, seed: int = 0,
-                       exclude: set[str] = frozenset()) -> list[tuple[object, str]]:
-    """User messages the target writes itself, sampled from its own chat template's user
-    turn (as in Magpie): prompt diversity at generation cost, with no data download.
-
-    Only complete messages (ended by EOS) of 3+ words are kept, without duplicates or
-    any prompt in ``exclude`` (the held-out set). Appended to ``path``, so reruns resume.
-    """
-    seen = {p.strip().lower() for p in exclude}
-    rows: list[tuple[object, str]] = []
-    if path.exists():
-        rows = [(r["id"], r["prompt"]) for r in map(json.loads, path.read_text().splitlines())]
-    seen |= {p.lower() for _, p in rows}
-    prefix = user_turn_prefix(tokenizer)
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    generator = torch.Generator().manual_seed(seed + len(rows))
-    with path.open("a") as out, tqdm(total=count, initial=min(len(rows), count),
-                                     desc="synthesize prompts", unit="prompt") as bar:
-        while len(rows) < count:
-            for g in answer_batch(model, [prefix] * batch_size, max_tokens, eos, pad,
-                                  temperature, generator):
-                text = tokenizer.decode(g, skip_special_tokens=True).strip()
-                if g[-1] != eos or len(text.split()) < 3 or text.lower() in seen:
-                    continue
-                seen.add(text.lower())
-                rows.append((f"s{len(rows):05d}", text))
-                out.write(json.dumps({"id": rows[-1][0], "prompt": text}) + "\n")
-                bar.update(1)
-                if len(rows) == count:
-                    break
-            out.flush()
-    return rows[:count]
-
-
-@torch.no_grad()
-def dump_features(model, seqs: list[Seq], path: Path, layers: tuple[int, ...], topk: int,
-                  batch_size: int = 4) -> Dump:
-    """One target forward per sequence: features at ``layers`` and top-k next-token probs."""
-    key = hashlib.sha256(json.dumps([(s.id, s.ids) for s in seqs]).encode()).hexdigest()[:16]
-    if path.exists():
-        t = load_file(str(path))
-        if t.get("key") is not None and bytes(t.pop("key").tolist()).decode() == key:
-            return Dump(**t)
-    device = next(model.parameters()).device
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
-    parts: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
-    for b in tqdm(range(0, len(order), batch_size), desc=f"features {path.stem}", unit="batch"):
-        idx = order[b:b + batch_size]
-        width = max(len(seqs[i].ids) for i in idx)
-        ids = torch.tensor([seqs[i].ids + [0] * (width - len(seqs[i].ids)) for i in idx])
-        mask = torch.tensor([[1] * len(seqs[i].ids) + [0] * (width - len(seqs[i].ids))
-                             for i in idx])
-        out = model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                    output_hidden_states=True)
-        feats = torch.cat([out.hidden_states[j] for j in layers], dim=-1)
-        top = out.logits.float().softmax(-1).topk(topk, dim=-1)
-        for row, i in enumerate(idx):
-            n = len(seqs[i].ids)
-            parts[i] = (feats[row, :n].half().cpu(), top.indices[row, :n].int().cpu(),
-                        top.values[row, :n].half().cpu())
-    lens = torch.tensor([len(s.ids) for s in seqs])
-    dump = Dump(
-        ids=torch.tensor([t for s in seqs for t in s.ids], dtype=torch.long),
-        feats=torch.cat([parts[i][0] for i in range(len(seqs))]),
-        top_ids=torch.cat([parts[i][1] for i in range(len(seqs))]),
-        top_p=torch.cat([parts[i][2] for i in range(len(seqs))]),
-        offsets=torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]),
-        prompt_lens=torch.tensor([s.prompt_len for s in seqs]),
-    )
-    tensors = dict(dump.__dict__)
-    tensors["key"] = torch.tensor(list(key.encode()), dtype=torch.uint8)
-    save_file(tensors, str(path))
-    return dump
-
-
-def choose_draft_vocab(dump: Dump, size: int, vocab: int) -> Tensor:
-    """The ``size`` most frequent target tokens in the data (teacher mass breaks ties)."""
-    score = torch.bincount(dump.ids, minlength=vocab).double()
-    score += torch.zeros(vocab, dtype=torch.float64).index_add_(
-        0, dump.top_ids.flatten().long(), dump.top_p.flatten().double()) * 1e-3
-    score -= torch.arange(vocab, dtype=torch.float64) * 1e-12
-    return torch.sort(score.topk(size).indices).values
 
 
 def build_head(model, kind: str, draft_ids: Tensor | None, init: str, init_layer: int,
@@ -348,7 +159,8 @@ def losses(head: EagleHead, batch: dict[str, Tensor], noise: float, unroll: int 
         logp = head.logits(h).float().log_softmax(-1)
         w = decay ** (k - 1)
         if head.kind == EAGLE:
-            vloss = F.smooth_l1_loss(h, _shift(batch["target"], k - 1)[m], reduction="none")
+            vloss = F.smooth_l1_loss(h.float(), _shift(batch["target"], k - 1)[m],
+                                     reduction="none")
             vtotal = vtotal + w * vloss.mean(-1).mean()
         ptotal = ptotal + w * -(top_p * logp.gather(-1, top_ids)).sum(-1).mean()
         weights += w
@@ -487,7 +299,9 @@ def train(head: EagleHead, data: Dump, eval_data: Dump, args, work: Path) -> dic
             if step >= total:
                 break
             batch = make_batch(data, plan[j], t2d_index, device)
-            vloss, ploss, acc = losses(head, batch, args.noise, args.unroll, args.unroll_decay)
+            with torch.autocast(torch.device(device).type, torch.bfloat16, enabled=args.bf16):
+                vloss, ploss, acc = losses(head, batch, args.noise, args.unroll,
+                                           args.unroll_decay)
             loss = args.v_weight * vloss + args.p_weight * ploss
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -581,6 +395,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--data-only", action="store_true", help="stop after the feature dump")
     ap.add_argument("--eval-only", action="store_true", help="evaluate the head at --out")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                    help="bf16 autocast for the head's matrix products (weights and optimizer "
+                         "stay fp32); default: on where the hardware multiplies bf16 natively")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
@@ -592,6 +409,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--init target applies to EAGLE-1/2 heads only")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.bf16 is None:
+        args.bf16 = args.device != "cpu" or native_bf16_cpu()
     torch.manual_seed(args.seed)
     if args.work_dir is None:
         from starhub.models import cache_dir
@@ -615,26 +434,25 @@ def main(argv: list[str] | None = None) -> dict:
         rows += synthesize_prompts(data_model, tokenizer, args.synth_prompts,
                                    work / f"synth-prompts{data_tag}.jsonl", args.gen_batch,
                                    seed=args.seed, exclude={p for _, p in eval_rows})
-    seqs = []
-    for temp in parse_temperatures(args.gen_temperatures):
-        name = data_tag + (f"-t{temp:g}" if temp > 0 else "")
-        seqs += generate(data_model, tokenizer, rows, work / f"gen-train-{suffix}{name}.jsonl",
-                         args.max_new_tokens, args.gen_batch, temp, args.seed)
-    eval_seqs = generate(data_model, tokenizer, eval_rows,
-                         work / f"gen-eval-{suffix}{data_tag}.jsonl", args.max_new_tokens,
-                         args.gen_batch)
-    times["generate_s"] = time.time() - t0
-    t1 = time.time()
     layers = (-1,)
     if args.kind == EAGLE3:
         n = model.config.num_hidden_layers
         layers = (2, n // 2, n - 3)
-    tag = (f"{suffix}-k{args.teacher_topk}{data_tag}"
-           + ("-eagle3" if args.kind == EAGLE3 else ""))
-    data = dump_features(data_model, seqs, work / f"feat-train-{tag}-{len(seqs)}.safetensors",
-                         layers, args.teacher_topk)
-    eval_data = dump_features(data_model, eval_seqs, work / f"feat-eval-{tag}.safetensors",
-                              layers, args.teacher_topk)
+    record = Record(layers, args.teacher_topk)
+    store = FeatureStore(work / (f"features-k{args.teacher_topk}{data_tag}"
+                                 + ("-eagle3" if args.kind == EAGLE3 else "")))
+    seqs = []
+    for temp in parse_temperatures(args.gen_temperatures):
+        name = data_tag + (f"-t{temp:g}" if temp > 0 else "")
+        seqs += generate(data_model, tokenizer, rows, work / f"gen-train-{suffix}{name}.jsonl",
+                         args.max_new_tokens, args.gen_batch, temp, args.seed, store, record)
+    eval_seqs = generate(data_model, tokenizer, eval_rows,
+                         work / f"gen-eval-{suffix}{data_tag}.jsonl", args.max_new_tokens,
+                         args.gen_batch, store=store, record=record)
+    times["generate_s"] = time.time() - t0
+    t1 = time.time()
+    data = dump_features(data_model, seqs, store, record)
+    eval_data = dump_features(data_model, eval_seqs, store, record)
     times["features_s"] = time.time() - t1
     answer_tokens = int(sum(len(s.ids) - s.prompt_len for s in seqs))
     tqdm.write(f"data: {len(seqs)} sequences, {len(data.ids)} tokens "

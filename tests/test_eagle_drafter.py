@@ -115,7 +115,7 @@ def test_training_writes_a_head_the_hub_can_load_and_resumes(tiny_dir, tmp_path,
 
 
 def test_synthesized_prompts_are_complete_unique_held_out_and_resume(tmp_path):
-    from scripts.train_eagle import synthesize_prompts
+    from scripts.eagle_data import synthesize_prompts
     from starhub.models import load_model
 
     model, tokenizer = load_model("default")
@@ -130,3 +130,30 @@ def test_synthesized_prompts_are_complete_unique_held_out_and_resume(tmp_path):
     other = synthesize_prompts(model, tokenizer, 4, tmp_path / "b.jsonl", 8, max_tokens=48,
                                exclude={held_out})
     assert held_out not in [text for _, text in other]
+
+
+def test_recorded_features_and_labels_match_a_full_forward(tiny_model, tmp_path):
+    from scripts.eagle_data import FeatureStore, Record, Seq, answer_batch, dump_features
+
+    model, _ = tiny_model
+    prompts = [[1, 40, 41, 42, 43, 44], [1, 50, 51]]
+    record = Record((-1,), 5)
+    answers = answer_batch(model, prompts, 6, eos=2, pad=2, record=record)
+    recorded = FeatureStore(tmp_path / "recorded")
+    recorded.add([a.rows(p) for p, a in zip(prompts, answers, strict=True)])
+    seqs = [Seq(i, len(p), p + a.ids) for i, (p, a) in enumerate(zip(prompts, answers,
+                                                                       strict=True))]
+    assert not recorded.missing(seqs)
+    full = FeatureStore(tmp_path / "full")
+    assert full.missing(seqs) == seqs
+    ref, got = dump_features(model, seqs, full, record), recorded.dump(seqs)
+    assert not full.missing(seqs) and torch.equal(got.ids, ref.ids)
+    for i, s in enumerate(seqs):
+        span, n, p = ref.span(i), len(s.ids), s.prompt_len
+        fed, labelled = slice(0, n - 1), slice(p - 1, n - 1)
+        torch.testing.assert_close(got.feats[span][fed].float(), ref.feats[span][fed].float(),
+                                   atol=2e-3, rtol=1e-2)
+        assert torch.equal(got.top_ids[span][labelled, 0], ref.top_ids[span][labelled, 0])
+        torch.testing.assert_close(got.top_p[span][labelled].float(),
+                                   ref.top_p[span][labelled].float(), atol=2e-3, rtol=1e-2)
+        assert not got.top_p[span][:p - 1].any() and not got.feats[span][n - 1].any()
