@@ -6,6 +6,7 @@ parent ``parents[i]`` (-1 for the root) and every parent comes before its childr
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -95,7 +96,8 @@ def build_greedy_tree(root_logits: torch.Tensor, expand: Expand, depth: int, top
     """EAGLE-2 dynamic tree: expand the top-k paths per layer, keep the best nodes overall.
 
     A node's score is its path's cumulative log-probability, which never grows along a
-    path, so the best ``max_nodes`` always include each chosen node's ancestors.
+    path, so the best ``max_nodes`` always include each chosen node's ancestors, and
+    expansion stops as soon as no deeper node could enter them.
     """
     tokens: list[int] = []
     parents: list[int] = []
@@ -114,6 +116,8 @@ def build_greedy_tree(root_logits: torch.Tensor, expand: Expand, depth: int, top
     layer = add(-1, torch.log_softmax(root_logits.float(), -1), 0.0)
     frontier = _best(layer, scores, topk)
     for _ in range(depth - 1):
+        if _settled(frontier, scores, max_nodes):
+            break
         logits = expand(frontier, [tokens[i] for i in frontier], [parents[i] for i in frontier])
         logp = torch.log_softmax(logits.float(), -1)
         layer = []
@@ -195,6 +199,15 @@ def sample_without_replacement(probs: torch.Tensor, count: int,
 def chain_tree(tokens: Sequence[int]) -> DraftTree:
     n = len(tokens)
     return DraftTree(np.asarray(tokens, np.int32), np.arange(-1, n - 1, dtype=np.int32))
+
+
+def _settled(frontier: list[int], scores: list[float], max_nodes: int) -> bool:
+    """Whether the best ``max_nodes`` are final: a child never scores above its parent, and
+    ``_best`` breaks ties in favour of older nodes."""
+    if len(scores) < max_nodes:
+        return False
+    cutoff = heapq.nlargest(max_nodes, scores)[-1]
+    return max(scores[i] for i in frontier) <= cutoff
 
 
 def _best(ids: Sequence[int] | range, scores: list[float], k: int) -> list[int]:

@@ -29,6 +29,26 @@ def test_greedy_tree_respects_budget_and_orders_parents_first():
     assert tree.depth <= 5
 
 
+def test_greedy_tree_stops_expanding_once_no_deeper_node_can_be_chosen(monkeypatch):
+    import starhub.tree
+
+    def build(seed: int, scale: float) -> tuple[list, list, int]:
+        calls = []
+        expand = random_expand(200, seed)
+        tree = build_greedy_tree(torch.randn(200, generator=torch.Generator().manual_seed(seed))
+                                 * scale, lambda *a: calls.append(1) or expand(*a) * scale,
+                                 depth=6, topk=3, max_nodes=10)
+        return tree.tokens.tolist(), tree.parents.tolist(), len(calls)
+
+    runs = [(seed, scale) for seed in range(12) for scale in (0.3, 1.0, 3.0)]
+    early = [build(*run) for run in runs]
+    monkeypatch.setattr(starhub.tree, "_settled", lambda *a: False)
+    full = [build(*run) for run in runs]
+    assert [e[:2] for e in early] == [f[:2] for f in full]
+    assert all(f[2] == 5 for f in full)
+    assert sum(e[2] for e in early) < sum(f[2] for f in full)
+
+
 def test_greedy_chain_follows_argmax():
     logits = torch.zeros(10)
     logits[4] = 5
