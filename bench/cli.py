@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from starhub.models import DTYPES
+from starhub.models import DTYPES, LINEARS
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "scripts" / "prompts" / "demo.jsonl"
 TREE_ARGS = ("drafter", "draft", "depth", "topk", "max_nodes", "draft_dtype")
@@ -36,6 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="weights of the targets and of every baseline. auto is float32 on CPU; "
                         "with bfloat16, tree verification rounds differently from generate()'s "
                         "one-token steps, so the lossless column may read False")
+    p.add_argument("--linear", default="auto", choices=LINEARS,
+                   help="matrix-multiply kernel of the targets and of every baseline, as for "
+                        "`starhub target`")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt file")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="per prompt (default 64); emulated sessions default to 512")
@@ -112,7 +115,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown baselines {sorted(unknown)}; choose from {BASELINES}")
         cfg = BenchConfig(targets=ns, model=args.model, prompts=args.prompts,
                           max_new_tokens=args.max_new_tokens or 64, threads=args.threads,
-                          baselines=baselines, log_dir=args.log_dir, dtype=args.dtype, **tree)
+                          baselines=baselines, log_dir=args.log_dir, dtype=args.dtype,
+                          linear=args.linear, **tree)
         doc = run_real(cfg, progress=not args.no_progress)
     print(text_table(doc))
     if args.json_out:

@@ -74,7 +74,8 @@ def preamble(doc: dict) -> list[str]:
         lines.append(f"real: {cfg['n_prompts']} prompts from {cfg['prompts']}, "
                      f"{cfg['max_new_tokens']} new tokens, {cfg['threads']} torch thread(s) "
                      f"per process, target weights {cfg.get('dtype', 'auto')}, drafter "
-                     f"weights {cfg.get('draft_dtype', 'auto')}")
+                     f"weights {cfg.get('draft_dtype', 'auto')}, linear kernel "
+                     f"{cfg.get('linear', 'auto')}")
     return lines
 
 

@@ -52,6 +52,7 @@ class BenchConfig:
     max_nodes: int
     draft_dtype: str = "auto"
     dtype: str = "auto"
+    linear: str = "auto"
     model: str = "default"
     prompts: str = ""
     max_new_tokens: int = 64
@@ -194,6 +195,7 @@ def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
         for i, out in enumerate(outs):
             cmd = target_command(hub.address, cfg.prompts, out, threads=cfg.threads,
                                  extra=["--model", cfg.model, "--dtype", cfg.dtype,
+                                        "--linear", cfg.linear,
                                         "--max-new-tokens",
                                         str(cfg.max_new_tokens), "--shard", f"{i}/{n}",
                                         "--name", f"target{i}"])
@@ -227,7 +229,7 @@ def run_real(cfg: BenchConfig, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     from starhub.drafters import TreeShape, make_drafter
-    from starhub.models import load_model, set_threads
+    from starhub.models import load_model, set_threads, uses_onednn
     from targets.generate import encode_prompt
     from targets.runner import read_prompts
 
@@ -235,7 +237,7 @@ def run_real(cfg: BenchConfig, progress: bool = True) -> dict:
     items = read_prompts(cfg.prompts)
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="starhub-bench-")
     os.makedirs(log_dir, exist_ok=True)
-    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype)
+    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, linear=cfg.linear)
     prompts = [(str(id_), encode_prompt(tokenizer, text)) for id_, text in items]
     rows: list[dict] = []
     reference: dict | None = None
@@ -268,6 +270,7 @@ def run_real(cfg: BenchConfig, progress: bool = True) -> dict:
             rows.append(run_star(cfg, n, log_dir, reference, tick=tick))
     add_speedups(rows)
     config = {k: v for k, v in asdict(cfg).items() if k != "log_dir"}
+    config.update(linear="onednn" if uses_onednn(cfg.linear, model.dtype) else "torch")
     config.update(mode="real", n_prompts=len(prompts), threads_note=THREADS_NOTE,
                   metric_notes=METRIC_NOTES, logs=log_dir)
     return {"machine": machine_info(), "config": config, "rows": rows}

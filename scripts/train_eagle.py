@@ -419,7 +419,8 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    model, tokenizer = load_model(args.target, dtype=torch.float32, device=args.device)
+    model, tokenizer = load_model(args.target, dtype=torch.float32, device=args.device,
+                                  linear="torch")
     for p in model.parameters():
         p.requires_grad_(False)
     times: dict[str, float] = {}

@@ -14,7 +14,7 @@ from pathlib import Path
 from bench import cli as bench_cli
 from starhub.drafters import DRAFTERS
 from starhub.launch import READY, child_env, spawn_hub, target_command
-from starhub.models import DTYPES
+from starhub.models import DTYPES, LINEARS
 
 DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "scripts" / "prompts" / "demo.jsonl"
 
@@ -55,6 +55,10 @@ def _add_dtype_arg(p: argparse.ArgumentParser) -> None:
                         "matches generate() bit for bit; bfloat16 on GPU. On CPUs with "
                         "AVX512-BF16 or AMX, bfloat16 verifies a tree for little more than "
                         "the cost of one token")
+    p.add_argument("--linear", choices=LINEARS, default="auto",
+                   help="the target's matrix-multiply kernel. auto: oneDNN for float32 on CPU "
+                        "(weights prepacked at load; faster than PyTorch's default for the "
+                        "few-row products of decoding and verification), torch otherwise")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -186,7 +190,7 @@ def cmd_target(args: argparse.Namespace) -> int:
     return run(args.hub, args.model, args.prompts, args.out, args.max_new_tokens,
                args.temperature, args.top_p, args.seed, args.threads,
                not args.no_chat_template, args.name or f"target{index}",
-               (int(index), int(count or 1)), args.dtype)
+               (int(index), int(count or 1)), args.dtype, args.linear)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -195,7 +199,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     with spawn_hub(_tree_flags(args), threads=args.threads) as hub:
-        model, tokenizer = load_model(args.model, dtype=args.dtype)
+        model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear)
         with attach(model, tokenizer, hub.address, name="generate",
                     chat_template=not args.no_chat_template) as session:
             start = time.perf_counter()
@@ -225,6 +229,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             out = f"{tmp}/target{i}.jsonl"
             cmd = target_command(hub.address, args.prompts, out, pre_args=quiet,
                                  extra=["--model", args.model, "--dtype", args.dtype,
+                                        "--linear", args.linear,
                                         "--max-new-tokens", str(args.max_new_tokens), "--shard",
                                         f"{i}/{args.targets}", "--name", f"target{i}"])
             procs.append(subprocess.Popen(cmd, env=child_env(1)))

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -131,14 +132,42 @@ def draft_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     return target_dtype(name, device)
 
 
+LINEARS = ("auto", "onednn", "torch")
+
+
+def uses_onednn(linear: str, dtype: torch.dtype, device: str = "cpu") -> bool:
+    """``auto`` picks oneDNN for float32 on CPU. PyTorch's default float32 GEMM (MKL) runs its
+    AVX2 path on non-Intel CPUs and is slow for the few-row products of decoding and tree
+    verification; oneDNN's is 1.3x faster for one token and about 1.5x for 9-25, with the
+    same float32 arithmetic. bfloat16 matrices already go through oneDNN."""
+    if linear not in LINEARS:
+        raise ValueError(f"unknown linear kernel '{linear}'; choose from {', '.join(LINEARS)}")
+    if linear == "torch":
+        return False
+    usable = device == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    if linear == "onednn" and not usable:
+        raise ValueError(f"--linear onednn needs float32 weights on a CPU with oneDNN "
+                         f"(got {dtype} on {device})")
+    return usable
+
+
 def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device: str = "cpu",
-               layers: int | None = None) -> tuple[PreTrainedModel, object]:
-    """(model, tokenizer) in eval mode; ``layers`` keeps only the first K decoder layers."""
+               layers: int | None = None, linear: str = "auto") -> tuple[PreTrainedModel, object]:
+    """(model, tokenizer) in eval mode; ``layers`` keeps only the first K decoder layers.
+
+    With oneDNN linears (see ``uses_onednn``) the weights are prepacked once and the model is
+    for inference only: its ``nn.Linear`` layers no longer expose a plain ``.weight``.
+    """
     path = resolve(spec)
     dtype = target_dtype(dtype, device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     if layers is not None:
         truncate_layers(model, layers)
+    if uses_onednn(linear, dtype, device):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import torch.utils.mkldnn
+        model = torch.utils.mkldnn.to_mkldnn(model)
     return model, AutoTokenizer.from_pretrained(path)
 
 

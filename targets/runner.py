@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from starhub.models import load_model, set_threads
+from starhub.models import load_model, set_threads, uses_onednn
 from targets.generate import SpeculativeGenerator, encode_prompt
 
 log = logging.getLogger("starhub.target")
@@ -39,13 +39,14 @@ def read_prompts(path: str | Path) -> list[tuple[object, str]]:
 def run(hub: str | None, model_spec: str, prompts: str, out: str, max_new_tokens: int,
         temperature: float, top_p: float, seed: int, threads: int | None,
         chat_template: bool, name: str, shard: tuple[int, int] = (0, 1),
-        dtype: str = "auto") -> int:
+        dtype: str = "auto", linear: str = "auto") -> int:
     threads = set_threads(threads)
     items = read_prompts(prompts)[shard[0]::shard[1]]
-    model, tokenizer = load_model(model_spec, dtype=dtype)
+    model, tokenizer = load_model(model_spec, dtype=dtype, linear=linear)
     gen = SpeculativeGenerator(model, tokenizer, hub, name=name)
-    log.info("%s: %d prompts, %s weights, torch threads=%d, hub=%s", name, len(items),
-             model.dtype, threads, hub if gen.client else "none")
+    log.info("%s: %d prompts, %s weights, %s linear, torch threads=%d, hub=%s", name,
+             len(items), model.dtype, "onednn" if uses_onednn(linear, model.dtype) else "torch",
+             threads, hub if gen.client else "none")
     tokens = 0
     with open(out, "w", encoding="utf-8") as fh, tqdm(total=len(items), desc=name, unit="prompt",
                                                       file=sys.stderr) as bar:

@@ -80,6 +80,31 @@ def test_dtype_auto_keeps_cpu_targets_exact_and_gives_eagle_heads_native_bf16(ti
     assert make_drafter("model", "self", str(tiny_dir), "auto").model.dtype == torch.float32
 
 
+def test_onednn_linears_keep_float32_logits_and_greedy_tokens(tiny_dir):
+    import torch
+
+    from starhub.models import load_model, uses_onednn
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    assert uses_onednn("auto", torch.float32)
+    assert not uses_onednn("auto", torch.bfloat16)
+    assert not uses_onednn("auto", torch.float32, device="cuda")
+    with pytest.raises(ValueError, match="needs float32"):
+        uses_onednn("onednn", torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown linear kernel 'blas'"):
+        uses_onednn("blas", torch.float32)
+    plain, _ = load_model(str(tiny_dir), linear="torch")
+    packed, _ = load_model(str(tiny_dir), linear="onednn")
+    assert type(packed.lm_head) is not torch.nn.Linear
+    ids = torch.randint(3, 40000, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        a, b = plain(ids).logits, packed(ids).logits
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=2)
+        assert packed.generate(ids, **kw).tolist() == plain.generate(ids, **kw).tolist()
+
+
 def test_target_without_hub_writes_generate_compatible_lines(tiny_dir, tiny_model, tmp_path):
     import torch
 
