@@ -366,13 +366,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--teacher-topk", type=int, default=20)
     ap.add_argument("--kind", choices=(EAGLE, EAGLE3), default=EAGLE,
                     help="eagle: EAGLE-1/2 on the final feature; eagle3: three layers' features")
-    ap.add_argument("--draft-vocab", type=int, default=0, help="0: the target's full vocab")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="keep the N most frequent target tokens (0: the full vocab); with "
+                         "--init-from, a smaller N shrinks the saved head's draft vocabulary")
     ap.add_argument("--train-lm-head", action=argparse.BooleanOptionalAction, default=True,
                     help="fine-tune the reduced-vocab lm_head (only exists with --draft-vocab)")
     ap.add_argument("--init", choices=("target", "random"), default="random",
                     help="target: copy a target layer into an EAGLE-1/2 head")
     ap.add_argument("--init-from", default=None,
-                    help="start from a saved head (fine-tuning); overrides --init/--draft-vocab")
+                    help="start from a saved head (fine-tuning); overrides --init")
     ap.add_argument("--init-layer", type=int, default=-1, help="target layer to copy")
     ap.add_argument("--fc-init", choices=("identity", "random"), default="random")
     ap.add_argument("--epochs", type=int, default=15)
@@ -478,6 +480,8 @@ def main(argv: list[str] | None = None) -> dict:
                                model.get_output_embeddings().weight)
         if head.kind != args.kind:
             raise SystemExit(f"--init-from holds a {head.kind} head, not {args.kind}")
+        if draft_ids is not None and len(draft_ids) < head.draft_vocab_size:
+            head.shrink_draft_vocab(draft_ids)
     else:
         head = build_head(model, args.kind, draft_ids, args.init, args.init_layer, args.fc_init)
     t2 = time.time()

@@ -263,6 +263,26 @@ class EagleHead(nn.Module):
         self.t2d.zero_()
         self.t2d[ids] = True
 
+    def shrink_draft_vocab(self, draft_ids: Tensor) -> None:
+        """Keep only ``draft_ids`` (target ids, all in the current draft vocabulary), with
+        their trained LM-head rows: a smaller head to ship, cheaper to run."""
+        if self.d2t is None:
+            raise ValueError("only a head with a reduced draft vocabulary can be shrunk")
+        ids = torch.sort(torch.as_tensor(draft_ids, dtype=torch.long)).values
+        index = torch.full((self.vocab_size,), -1, dtype=torch.long)
+        index[self.to_target_ids(torch.arange(self.draft_vocab_size)).cpu()] = torch.arange(
+            self.draft_vocab_size)
+        rows = index[ids]
+        if (rows < 0).any():
+            raise ValueError(f"{int((rows < 0).sum())} of the ids are not in the draft vocabulary")
+        weight = self.lm_head.weight.data[rows.to(self.lm_head.weight.device)]
+        self.draft_vocab_size = ids.numel()
+        self.lm_head = nn.Linear(weight.shape[1], ids.numel(), bias=False,
+                                 device=weight.device, dtype=weight.dtype)
+        self.lm_head.weight.data.copy_(weight)
+        self.d2t = torch.zeros(ids.numel(), dtype=torch.long, device=self.d2t.device)
+        self.set_draft_vocab(ids)
+
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         """Target token ids for draft-vocabulary ids: ``draft_id + d2t[draft_id]``."""
         if self.d2t is None:

@@ -85,6 +85,28 @@ def test_round_trip(tmp_path, target_config, target_weights, kind, draft_vocab):
         assert int(loaded.t2d.sum()) == draft_vocab
 
 
+def test_shrunk_draft_vocab_keeps_each_kept_tokens_logit_and_round_trips(
+        tmp_path, target_config, target_weights):
+    head = make_head(target_config, target_weights, EAGLE, 40)
+    old_ids = head.to_target_ids(torch.arange(40))
+    feats, ids = inputs(head)
+    _, before = run(head, feats, ids)
+    keep = old_ids[torch.randperm(40, generator=torch.Generator().manual_seed(5))[:25]]
+    head.shrink_draft_vocab(keep)
+    assert head.draft_vocab_size == 25 and int(head.t2d.sum()) == 25
+    new_ids = head.to_target_ids(torch.arange(25))
+    assert sorted(new_ids.tolist()) == sorted(keep.tolist())
+    _, after = run(head, feats, ids)
+    rows = [old_ids.tolist().index(t) for t in new_ids.tolist()]
+    torch.testing.assert_close(after, before[..., rows], rtol=0, atol=0)
+    save_eagle_head(head, tmp_path, dtype=torch.float32)
+    loaded = load_eagle_head(tmp_path, target_config, *target_weights)
+    torch.testing.assert_close(run(loaded, feats, ids)[1], after, rtol=0, atol=0)
+    outside = next(t for t in range(VOCAB) if not head.t2d[t])
+    with pytest.raises(ValueError, match="1 of the ids are not in the draft vocabulary"):
+        head.shrink_draft_vocab(torch.cat([new_ids[:5], torch.tensor([outside])]))
+
+
 def test_fp16_default_and_public_config(tmp_path, target_config, target_weights):
     head = make_head(target_config, target_weights, EAGLE3, 40)
     save_eagle_head(head, tmp_path)
