@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 
 from bench import cli as bench_cli
-from starhub.drafters import DRAFTERS
+from starhub.drafters import DRAFTERS, TreeShape
 from starhub.launch import READY, child_env, spawn_hub, target_command
 from starhub.models import DTYPES, LINEARS
 
+DEFAULT_SHAPE = TreeShape()
 DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "scripts" / "prompts" / "demo.jsonl"
 
 
@@ -36,13 +37,16 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
                         "model). model: 'self' (the target's weights; every token is accepted, "
                         "for tests), 'self:layers=K' (its first K layers; the default), or a "
                         "model spec with the target's tokenizer")
-    p.add_argument("--depth", type=int, default=4, help="tree layers drafted per round")
-    p.add_argument("--topk", type=int, default=2, help="children expanded per tree node")
-    p.add_argument("--max-nodes", type=int, default=8,
-                   help="node budget of a tree. The defaults suit CPU targets, where verifying "
-                        "costs nearly a forward pass per node. On GPUs, where dozens of nodes "
-                        "verify for about the price of one, larger trees pay (EAGLE-2 uses "
-                        "--depth 6 --topk 10 --max-nodes 60)")
+    p.add_argument("--depth", type=int, default=DEFAULT_SHAPE.depth,
+                   help="most tree layers drafted per round (fewer when no deeper node could "
+                        "make the budget)")
+    p.add_argument("--topk", type=int, default=DEFAULT_SHAPE.topk,
+                   help="paths expanded per layer, and children per expanded node")
+    p.add_argument("--max-nodes", type=int, default=DEFAULT_SHAPE.max_nodes,
+                   help="node budget of a tree. The defaults suit a small CPU target, where a "
+                        "16-node tree verifies for about 1.7 one-token steps. On GPUs, where "
+                        "dozens of nodes verify for about the price of one, larger trees pay "
+                        "(EAGLE-2 uses --depth 6 --topk 10 --max-nodes 60)")
     p.add_argument("--draft-dtype", choices=DTYPES, default="auto",
                    help="the drafter's weights. auto: bfloat16 for an EAGLE head where the "
                         "hardware multiplies bf16 natively (drafts may differ, output never "

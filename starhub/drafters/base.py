@@ -14,9 +14,9 @@ from starhub.tree import DraftTree
 
 @dataclass
 class TreeShape:
-    depth: int = 5
+    depth: int = 6
     topk: int = 4
-    max_nodes: int = 24
+    max_nodes: int = 16
     support: int = 16
 
 
