@@ -162,12 +162,13 @@ def cmd_hub(args: argparse.Namespace) -> int:
     from starhub.hub import Hub, HubConfig
     from starhub.models import set_threads
 
-    threads = set_threads(args.threads)
+    threads = args.threads or set_threads(None)
+    set_threads(1)
     drafter = make_drafter(args.drafter, args.draft, args.model, args.draft_dtype)
     config = HubConfig(bind=args.bind, shape=TreeShape(args.depth, args.topk, args.max_nodes),
                        ttl_s=args.ttl, max_targets=args.max_targets,
                        max_message_bytes=int(args.max_message_mb * (1 << 20)),
-                       metrics_port=args.metrics_port)
+                       metrics_port=args.metrics_port, threads=threads)
     hub = Hub(drafter, config)
     logging.getLogger("starhub.hub").info("torch threads=%d, drafter weights %s", threads,
                                           getattr(drafter, "dtype", "none"))
