@@ -43,7 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="per prompt (default 64); emulated sessions default to 512")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch threads of every process (hub, each target, baselines)")
+                   help="torch threads of each target and of the baselines")
+    p.add_argument("--hub-threads", type=int, default=1,
+                   help="torch threads of the hub, as for `starhub hub --threads`")
     p.add_argument("--baselines", default=",".join(_baselines()),
                    help="comma-separated subset of hf-generate, hf-prompt-lookup, colocated "
                         "('' for none)")
@@ -115,6 +117,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown baselines {sorted(unknown)}; choose from {BASELINES}")
         cfg = BenchConfig(targets=ns, model=args.model, prompts=args.prompts,
                           max_new_tokens=args.max_new_tokens or 64, threads=args.threads,
+                          hub_threads=args.hub_threads,
                           baselines=baselines, log_dir=args.log_dir, dtype=args.dtype,
                           linear=args.linear, **tree)
         doc = run_real(cfg, progress=not args.no_progress)

@@ -73,7 +73,8 @@ def preamble(doc: dict) -> list[str]:
     else:
         lines.append(f"real: {cfg['n_prompts']} prompts from {cfg['prompts']}, "
                      f"{cfg['max_new_tokens']} new tokens, {cfg['threads']} torch thread(s) "
-                     f"per process, target weights {cfg.get('dtype', 'auto')}, drafter "
+                     f"per target and baseline, {cfg.get('hub_threads', cfg['threads'])} for "
+                     f"the hub, target weights {cfg.get('dtype', 'auto')}, drafter "
                      f"weights {cfg.get('draft_dtype', 'auto')}, linear kernel "
                      f"{cfg.get('linear', 'auto')}")
     return lines

@@ -19,11 +19,11 @@ METRICS = ("system_tok_s", "per_target_tok_s", "t_s_ms", "t_wait_ms", "t_idle_ms
            "r_p", "load", "mean_accept_len")
 BASELINES = ("hf-generate", "hf-prompt-lookup", "colocated")
 
-THREADS_NOTE = ("every process sets its torch thread count from --threads (the hub and each "
-                "target via their own --threads flag, the benchmark process, which runs the "
-                "baselines, via torch.set_num_threads) and child processes also get "
-                "OMP_NUM_THREADS/MKL_NUM_THREADS; each row lists the count every process "
-                "reported")
+THREADS_NOTE = ("every process sets its torch thread count: each target from --threads and the "
+                "hub from --hub-threads (via their own --threads flag), the benchmark process, "
+                "which runs the baselines, from --threads via torch.set_num_threads; child "
+                "processes also get OMP_NUM_THREADS/MKL_NUM_THREADS and GOMP_SPINCOUNT=30000; "
+                "each row lists the count every process reported")
 METRIC_NOTES = {
     "system_tok_s": "committed tokens over the run's wall time, from the first target's "
                     "first prompt to the last target's end",
@@ -57,6 +57,7 @@ class BenchConfig:
     prompts: str = ""
     max_new_tokens: int = 64
     threads: int = 1
+    hub_threads: int = 1
     baselines: list[str] = field(default_factory=lambda: list(BASELINES))
     log_dir: str | None = None
 
@@ -188,7 +189,7 @@ def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
     from targets.runner import iter_results
 
     with open(f"{log_dir}/hub-n{n}.log", "w") as hub_log, \
-            spawn_hub(cfg.hub_flags(), threads=cfg.threads, log_file=hub_log) as hub, \
+            spawn_hub(cfg.hub_flags(), threads=cfg.hub_threads, log_file=hub_log) as hub, \
             open(f"{log_dir}/targets-n{n}.log", "w") as target_log:
         outs = [f"{log_dir}/n{n}-target{i}.jsonl" for i in range(n)]
         procs = []

@@ -91,7 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the targets' model, used by --draft self ('default' is the "
                           "embedded SmolLM2-135M-Instruct)")
     _add_tree_args(hub)
-    hub.add_argument("--threads", type=int, default=None, help="torch threads for drafting")
+    hub.add_argument("--threads", type=int, default=1,
+                     help="torch threads for drafting. A head pass is a few small matrix "
+                          "products; a second thread saves little and, on a machine the hub "
+                          "shares with targets, takes cores from them")
     hub.add_argument("--ttl", type=float, default=120.0,
                      help="seconds without messages after which a session is released")
     hub.add_argument("--max-targets", type=int, default=0,
