@@ -53,7 +53,7 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
                         "does), otherwise the target's dtype")
 
 
-def _add_dtype_arg(p: argparse.ArgumentParser) -> None:
+def _add_weight_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="the target's weights. auto: float32 on CPU, where greedy output then "
                         "matches generate() bit for bit; bfloat16 on GPU. On CPUs with "
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help='JSONL: {"id", "prompt"} or MT-Bench {"question_id", "turns"}')
     tgt.add_argument("--out", required=True, help="JSONL output")
     _add_sampling_args(tgt)
-    _add_dtype_arg(tgt)
+    _add_weight_args(tgt)
     tgt.add_argument("--threads", type=int, default=None, help="torch threads for this target")
     tgt.add_argument("--no-chat-template", action="store_true",
                      help="tokenize prompts as plain text")
@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default="default")
     _add_tree_args(gen)
     _add_sampling_args(gen)
-    _add_dtype_arg(gen)
+    _add_weight_args(gen)
     gen.add_argument("--threads", type=int, default=1, help="torch threads per process")
     gen.add_argument("--no-chat-template", action="store_true")
 
@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompts", default=str(DEMO_PROMPTS))
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--targets", type=int, default=2)
-    _add_dtype_arg(demo)
+    _add_weight_args(demo)
     bench_cli.add_parser(sub)
 
     train = sub.add_parser("train-eagle", add_help=False,
