@@ -230,7 +230,7 @@ def run_real(cfg: BenchConfig, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     from starhub.drafters import TreeShape, make_drafter
-    from starhub.models import load_model, set_threads, uses_onednn
+    from starhub.models import linear_kernel, load_model, set_threads
     from targets.generate import encode_prompt
     from targets.runner import read_prompts
 
@@ -271,7 +271,7 @@ def run_real(cfg: BenchConfig, progress: bool = True) -> dict:
             rows.append(run_star(cfg, n, log_dir, reference, tick=tick))
     add_speedups(rows)
     config = {k: v for k, v in asdict(cfg).items() if k != "log_dir"}
-    config.update(linear="onednn" if uses_onednn(cfg.linear, model.dtype) else "torch")
+    config.update(linear=linear_kernel(cfg.linear, model.dtype))
     config.update(mode="real", n_prompts=len(prompts), threads_note=THREADS_NOTE,
                   metric_notes=METRIC_NOTES, logs=log_dir)
     return {"machine": machine_info(), "config": config, "rows": rows}

@@ -169,15 +169,6 @@ def losses(head: EagleHead, batch: dict[str, Tensor], noise: float, unroll: int 
     return vtotal / weights, ptotal / weights, acc
 
 
-def t2d_lookup(head: EagleHead) -> Tensor | None:
-    if head.d2t is None:
-        return None
-    index = torch.full((head.vocab_size,), -1, dtype=torch.long)
-    index[head.to_target_ids(torch.arange(head.draft_vocab_size, device=head.d2t.device)).cpu()
-          ] = torch.arange(head.draft_vocab_size)
-    return index
-
-
 @torch.no_grad()
 def evaluate(head: EagleHead, dump: Dump, depth: int = 5, widths: tuple[int, ...] = (1, 2, 4)
              ) -> dict[str, float]:
@@ -288,7 +279,7 @@ def train(head: EagleHead, data: Dump, eval_data: Dump, args, work: Path) -> dic
                     "sched": sched.state_dict(), "step": step, "signature": signature}, tmp)
         tmp.replace(state_path)
 
-    t2d_index = t2d_lookup(head)
+    t2d_index = None if head.d2t is None else head.draft_index()
     bar = tqdm(total=total, initial=step, desc="train", unit="step")
     log = (work / "train_log.jsonl").open("a")
     while step < total:

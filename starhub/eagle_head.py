@@ -269,10 +269,7 @@ class EagleHead(nn.Module):
         if self.d2t is None:
             raise ValueError("only a head with a reduced draft vocabulary can be shrunk")
         ids = torch.sort(torch.as_tensor(draft_ids, dtype=torch.long)).values
-        index = torch.full((self.vocab_size,), -1, dtype=torch.long)
-        index[self.to_target_ids(torch.arange(self.draft_vocab_size)).cpu()] = torch.arange(
-            self.draft_vocab_size)
-        rows = index[ids]
+        rows = self.draft_index()[ids]
         if (rows < 0).any():
             raise ValueError(f"{int((rows < 0).sum())} of the ids are not in the draft vocabulary")
         weight = self.lm_head.weight.data[rows.to(self.lm_head.weight.device)]
@@ -282,6 +279,13 @@ class EagleHead(nn.Module):
         self.lm_head.weight.data.copy_(weight)
         self.d2t = torch.zeros(ids.numel(), dtype=torch.long, device=self.d2t.device)
         self.set_draft_vocab(ids)
+
+    def draft_index(self) -> Tensor:
+        """Draft id of every target token, -1 outside the draft vocabulary (on CPU)."""
+        index = torch.full((self.vocab_size,), -1, dtype=torch.long)
+        arange = torch.arange(self.draft_vocab_size)
+        index[self.to_target_ids(arange.to(self.embed_weight.device)).cpu()] = arange
+        return index
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         """Target token ids for draft-vocabulary ids: ``draft_id + d2t[draft_id]``."""

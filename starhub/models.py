@@ -135,27 +135,29 @@ def draft_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 LINEARS = ("auto", "onednn", "torch")
 
 
-def uses_onednn(linear: str, dtype: torch.dtype, device: str = "cpu") -> bool:
-    """``auto`` picks oneDNN for float32 on CPU. PyTorch's default float32 GEMM (MKL) runs its
+def linear_kernel(linear: str, dtype: torch.dtype, device: str = "cpu") -> str:
+    """The kernel ``linear`` resolves to, ``onednn`` or ``torch``.
+
+    ``auto`` picks oneDNN for float32 on CPU. PyTorch's default float32 GEMM (MKL) runs its
     AVX2 path on non-Intel CPUs and is slow for the few-row products of decoding and tree
     verification; oneDNN's is 1.3x faster for one token and about 1.5x for 9-25, with the
     same float32 arithmetic. bfloat16 matrices already go through oneDNN."""
     if linear not in LINEARS:
         raise ValueError(f"unknown linear kernel '{linear}'; choose from {', '.join(LINEARS)}")
     if linear == "torch":
-        return False
+        return "torch"
     usable = device == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
     if linear == "onednn" and not usable:
         raise ValueError(f"--linear onednn needs float32 weights on a CPU with oneDNN "
                          f"(got {dtype} on {device})")
-    return usable
+    return "onednn" if usable else "torch"
 
 
 def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device: str = "cpu",
                layers: int | None = None, linear: str = "auto") -> tuple[PreTrainedModel, object]:
     """(model, tokenizer) in eval mode; ``layers`` keeps only the first K decoder layers.
 
-    With oneDNN linears (see ``uses_onednn``) the weights are prepacked once and the model is
+    With oneDNN linears (see ``linear_kernel``) the weights are prepacked once and the model is
     for inference only: its ``nn.Linear`` layers no longer expose a plain ``.weight``.
     """
     path = resolve(spec)
@@ -163,7 +165,7 @@ def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     if layers is not None:
         truncate_layers(model, layers)
-    if uses_onednn(linear, dtype, device):
+    if linear_kernel(linear, dtype, device) == "onednn":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             import torch.utils.mkldnn

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from starhub.models import load_model, set_threads, uses_onednn
+from starhub.models import linear_kernel, load_model, set_threads
 from targets.generate import SpeculativeGenerator, encode_prompt
 
 log = logging.getLogger("starhub.target")
@@ -45,7 +45,7 @@ def run(hub: str | None, model_spec: str, prompts: str, out: str, max_new_tokens
     model, tokenizer = load_model(model_spec, dtype=dtype, linear=linear)
     gen = SpeculativeGenerator(model, tokenizer, hub, name=name)
     log.info("%s: %d prompts, %s weights, %s linear, torch threads=%d, hub=%s", name,
-             len(items), model.dtype, "onednn" if uses_onednn(linear, model.dtype) else "torch",
+             len(items), model.dtype, linear_kernel(linear, model.dtype),
              threads, hub if gen.client else "none")
     tokens = 0
     with open(out, "w", encoding="utf-8") as fh, tqdm(total=len(items), desc=name, unit="prompt",

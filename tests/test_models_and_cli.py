@@ -83,17 +83,17 @@ def test_dtype_auto_keeps_cpu_targets_exact_and_gives_eagle_heads_native_bf16(ti
 def test_onednn_linears_keep_float32_logits_and_greedy_tokens(tiny_dir):
     import torch
 
-    from starhub.models import load_model, uses_onednn
+    from starhub.models import linear_kernel, load_model
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN")
-    assert uses_onednn("auto", torch.float32)
-    assert not uses_onednn("auto", torch.bfloat16)
-    assert not uses_onednn("auto", torch.float32, device="cuda")
+    assert linear_kernel("auto", torch.float32) == "onednn"
+    assert linear_kernel("auto", torch.bfloat16) == "torch"
+    assert linear_kernel("auto", torch.float32, device="cuda") == "torch"
     with pytest.raises(ValueError, match="needs float32"):
-        uses_onednn("onednn", torch.bfloat16)
+        linear_kernel("onednn", torch.bfloat16)
     with pytest.raises(ValueError, match="unknown linear kernel 'blas'"):
-        uses_onednn("blas", torch.float32)
+        linear_kernel("blas", torch.float32)
     plain, _ = load_model(str(tiny_dir), linear="torch")
     packed, _ = load_model(str(tiny_dir), linear="onednn")
     assert type(packed.lm_head) is not torch.nn.Linear
