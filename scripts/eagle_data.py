@@ -213,6 +213,12 @@ class FeatureStore:
                     prompt_lens=torch.tensor([s.prompt_len for s in seqs]))
 
 
+def eos_and_pad(tokenizer) -> tuple[int, int]:
+    """Left padding uses the pad token, or EOS where the tokenizer has none."""
+    eos = tokenizer.eos_token_id
+    return eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+
+
 def generate(model, tokenizer, rows: list[tuple[object, str]], path: Path, max_new_tokens: int,
              batch_size: int, temperature: float = 0.0, seed: int = 0,
              store: FeatureStore | None = None, record: Record | None = None) -> list[Seq]:
@@ -230,8 +236,7 @@ def generate(model, tokenizer, rows: list[tuple[object, str]], path: Path, max_n
     prompts = [(sid, encode_prompt(tokenizer, prompt)) for sid, prompt in rows]
     todo = sorted({tuple(p): (sid, p) for sid, p in prompts if tuple(p) not in done}.values(),
                   key=lambda x: len(x[1]))
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    eos, pad = eos_and_pad(tokenizer)
     batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
     generator = torch.Generator().manual_seed(seed + len(done))
     with path.open("a") as out:
@@ -273,8 +278,7 @@ def synthesize_prompts(model, tokenizer, count: int, path: Path, batch_size: int
         rows = [(r["id"], r["prompt"]) for r in map(json.loads, path.read_text().splitlines())]
     seen |= {p.lower() for _, p in rows}
     prefix = user_turn_prefix(tokenizer)
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    eos, pad = eos_and_pad(tokenizer)
     generator = torch.Generator().manual_seed(seed + len(rows))
     with path.open("a") as out, tqdm(total=count, initial=min(len(rows), count),
                                      desc="synthesize prompts", unit="prompt") as bar:

@@ -41,7 +41,15 @@ from scripts.eagle_data import (
     generate,
     synthesize_prompts,
 )
-from starhub.eagle_head import EAGLE, EAGLE3, EagleHead, KVCache, head_config, save_eagle_head
+from starhub.eagle_head import (
+    EAGLE,
+    EAGLE3,
+    EagleHead,
+    KVCache,
+    default_feature_layers,
+    head_config,
+    save_eagle_head,
+)
 from starhub.models import DTYPES, load_model, native_bf16_cpu
 from targets.runner import read_prompts
 
@@ -428,11 +436,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows += synthesize_prompts(data_model, tokenizer, args.synth_prompts,
                                    work / f"synth-prompts{data_tag}.jsonl", args.gen_batch,
                                    seed=args.seed, exclude={p for _, p in eval_rows})
-    layers = (-1,)
-    if args.kind == EAGLE3:
-        n = model.config.num_hidden_layers
-        layers = (2, n // 2, n - 3)
-    record = Record(layers, args.teacher_topk)
+    record = Record(default_feature_layers(args.kind, model.config.num_hidden_layers),
+                    args.teacher_topk)
     store = FeatureStore(work / (f"features-k{args.teacher_topk}{data_tag}"
                                  + ("-eagle3" if args.kind == EAGLE3 else "")))
     seqs = []

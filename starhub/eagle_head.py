@@ -192,6 +192,14 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def default_feature_layers(kind: str, target_layers: int) -> tuple[int, ...]:
+    """Target hidden states a head reads: the last for EAGLE-1/2, low/middle/high for
+    EAGLE-3."""
+    if kind == EAGLE3:
+        return (2, target_layers // 2, target_layers - 3)
+    return (-1,)
+
+
 class EagleHead(nn.Module):
     """EAGLE-1/2 (``kind="eagle"``) or EAGLE-3 (``kind="eagle3"``) draft head.
 
@@ -218,13 +226,13 @@ class EagleHead(nn.Module):
         if kind == EAGLE:
             self.fc = nn.Linear(2 * h, h, bias=fc_bias)
             self.layers = nn.ModuleList([DecoderLayer(cfg, eagle3=False)])
-            self.feature_layers = feature_layers or (-1,)
+            self.feature_layers = feature_layers or default_feature_layers(kind, 0)
         else:
             self.fc = nn.Linear(3 * self.target_hidden_size, h, bias=False)
             self.midlayer = DecoderLayer(cfg, eagle3=True)
             self.norm = RMSNorm(h, cfg.rms_norm_eps)
-            n = target_num_layers or cfg.num_hidden_layers
-            self.feature_layers = feature_layers or (2, n // 2, n - 3)
+            self.feature_layers = feature_layers or default_feature_layers(
+                kind, target_num_layers or cfg.num_hidden_layers)
         reduced = self.draft_vocab_size != vocab
         if kind == EAGLE3 or reduced:
             self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
