@@ -66,8 +66,13 @@ class HubClient:
         return reply
 
     def request(self, msg: Message, tag: int = 0, ref: int = 0) -> Message:
-        """Send ``msg`` and wait for the reply that belongs to it, dropping stale ones."""
+        """Send ``msg`` and wait for the reply that belongs to it."""
         self.send(msg)
+        return self.reply_for(tag, ref)
+
+    def reply_for(self, tag: int = 0, ref: int = 0) -> Message:
+        """Wait for the reply to an earlier request for ``tag`` or ``ref``, dropping stale
+        ones."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             left = deadline - time.monotonic()

@@ -10,7 +10,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -131,8 +131,13 @@ class SpeculativeGenerator:
         first, feats = target.prefill(list(prompt_ids))
         stats.prefill_s = time.perf_counter() - start
         produced = 0
-        for chunk in itertools.chain([[first]], self._rounds(target, prompt_ids, first, feats,
-                                                              temperature, top_p, seed, stats)):
+
+        def finishes(chunk: list[int]) -> bool:
+            return produced + len(chunk) >= max_new_tokens or any(t in self.eos for t in chunk)
+
+        rounds = self._rounds(target, prompt_ids, first, feats, temperature, top_p, seed, stats,
+                              finishes)
+        for chunk in itertools.chain([[first]], rounds):
             chunk = self._clip(chunk, max_new_tokens - produced)
             produced += len(chunk)
             if chunk:
@@ -178,8 +183,13 @@ class SpeculativeGenerator:
 
     def _rounds(self, target: TargetModel, prompt_ids: list[int], first: int,
                 feats: torch.Tensor | None, temperature: float, top_p: float, seed: int,
-                stats: GenerationStats) -> Iterator[list[int]]:
-        """Rounds with the hub while it serves us; then plain steps forever (caller stops)."""
+                stats: GenerationStats, finishes: Callable[[list[int]], bool]
+                ) -> Iterator[list[int]]:
+        """Rounds with the hub while it serves us; then plain steps forever (caller stops).
+
+        A round's COMMIT leaves as soon as its tokens are known, unless they end the request;
+        the cache compaction and the caller's handling of the tokens then overlap the hub's
+        drafting of the next tree."""
         if self.client is not None:
             tag = 0
             try:
@@ -196,11 +206,16 @@ class SpeculativeGenerator:
                     verdict = target.verify(tree)
                     stats.verify_s += time.perf_counter() - t0
                     self._count(stats, len(verdict.path), len(tree))
+                    if finishes(verdict.tokens):
+                        yield verdict.tokens
+                        return
+                    t0 = time.perf_counter()
+                    self.client.send(Commit(tag=tag, seq=reply.seq, accepted=len(verdict.path),
+                                            tokens=torch.tensor(verdict.tokens, dtype=torch.int32),
+                                            features=self._half(verdict.features)))
+                    target.compact()
                     yield verdict.tokens
-                    reply = self._ask(Commit(tag=tag, seq=reply.seq, accepted=len(verdict.path),
-                                             tokens=torch.tensor(verdict.tokens, dtype=torch.int32),
-                                             features=self._half(verdict.features)),
-                                      stats, tag=tag)
+                    reply = self._await(stats, t0, tag=tag)
             except (HubUnavailable, HubError) as exc:
                 log.warning("%s: %s; finishing this request on its own", self.name, exc)
                 stats.note = str(exc)
@@ -212,8 +227,13 @@ class SpeculativeGenerator:
 
     def _ask(self, msg, stats: GenerationStats, tag: int = 0, ref: int = 0) -> Propose:
         t0 = time.perf_counter()
-        reply = self.client.request(msg, tag=tag, ref=ref)
-        stats.hub_wait_s += time.perf_counter() - t0
+        self.client.send(msg)
+        return self._await(stats, t0, tag=tag, ref=ref)
+
+    def _await(self, stats: GenerationStats, sent_at: float, tag: int = 0,
+               ref: int = 0) -> Propose:
+        reply = self.client.reply_for(tag=tag, ref=ref)
+        stats.hub_wait_s += time.perf_counter() - sent_at
         if not isinstance(reply, Propose):
             raise HubUnavailable(f"expected PROPOSE, got {reply.TYPE}")
         return reply

@@ -1,7 +1,9 @@
 """The target model's side of a round: prefill, verify a tree in one pass, compact the cache.
 
 Invariant: the KV cache holds every committed token except the last, which is the root of
-the next tree and is fed together with it.
+the next tree and is fed together with it. After a verify the cache still holds the whole
+tree until ``compact``, which the next pass calls if nobody did, so that a caller can send
+its COMMIT first and compact while the hub drafts.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class TargetModel:
         self.cache = DynamicCache(config=model.config)
         self.device = next(model.parameters()).device
         self.last: int | None = None
+        self._keep: tuple[int, list[int]] | None = None
 
     def features_of(self, out) -> torch.Tensor | None:
         if not self.feature_layers:
@@ -45,7 +48,15 @@ class TargetModel:
         states = out.hidden_states
         return torch.cat([states[i][0] for i in self.feature_layers], -1)
 
+    @torch.inference_mode()
+    def compact(self) -> None:
+        """Drop the rejected tree nodes of the last verify from the cache."""
+        if self._keep is not None:
+            keep_rows(self.cache, *self._keep)
+            self._keep = None
+
     def _forward(self, ids: list[int], **kwargs):
+        self.compact()
         return self.model(torch.tensor([ids], device=self.device), past_key_values=self.cache,
                           use_cache=True, output_hidden_states=bool(self.feature_layers),
                           **kwargs)
@@ -71,6 +82,7 @@ class TargetModel:
 
     @torch.inference_mode()
     def verify(self, tree: DraftTree) -> Verdict:
+        self.compact()
         cached = self.cache.get_seq_length()
         n = len(tree)
         mask = torch.ones(n + 1, cached + n + 1, dtype=torch.bool)
@@ -86,7 +98,7 @@ class TargetModel:
         else:
             path, bonus = accept_sampled(tree, logits, self.sampling, self.generator)
         keep = [0] + [i + 1 for i in path]
-        keep_rows(self.cache, cached, keep)
+        self._keep = (cached, keep)
         feats = self.features_of(out)
         self.last = bonus
         return Verdict(path=path, tokens=[int(tree.tokens[i]) for i in path] + [bonus],
