@@ -2,8 +2,8 @@
 
 Invariant: the KV cache holds every committed token except the last, which is the root of
 the next tree and is fed together with it. After a verify the cache still holds the whole
-tree until ``compact``, which the next pass calls if nobody did, so that a caller can send
-its COMMIT first and compact while the hub drafts.
+tree until ``compact``, which the next step or verify calls if nobody did, so that a caller
+can send its COMMIT first and compact while the hub drafts.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ class TargetModel:
             self._keep = None
 
     def _forward(self, ids: list[int], **kwargs):
-        self.compact()
         return self.model(torch.tensor([ids], device=self.device), past_key_values=self.cache,
                           use_cache=True, output_hidden_states=bool(self.feature_layers),
                           **kwargs)
@@ -76,6 +75,7 @@ class TargetModel:
     @torch.inference_mode()
     def step(self) -> int:
         """One plain autoregressive step, for decoding without a hub."""
+        self.compact()
         out = self._forward([self.last])
         self.last = self.next_token(out.logits[0, -1])
         return self.last
