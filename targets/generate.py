@@ -138,11 +138,12 @@ class SpeculativeGenerator:
         rounds = self._rounds(target, prompt_ids, first, feats, temperature, top_p, seed, stats,
                               finishes)
         for chunk in itertools.chain([[first]], rounds):
+            last = finishes(chunk)
             chunk = self._clip(chunk, max_new_tokens - produced)
             produced += len(chunk)
             if chunk:
                 yield chunk
-            if produced >= max_new_tokens or (chunk and chunk[-1] in self.eos):
+            if last:
                 break
         stats.new_tokens = produced
         stats.wall_s = time.perf_counter() - start
