@@ -60,9 +60,10 @@ def _add_weight_args(p: argparse.ArgumentParser) -> None:
                         "AVX512-BF16 or AMX, bfloat16 verifies a tree for little more than "
                         "the cost of one token")
     p.add_argument("--linear", choices=LINEARS, default="auto",
-                   help="the target's matrix-multiply kernel. auto: oneDNN for float32 on CPU "
-                        "(weights prepacked at load; faster than PyTorch's default for the "
-                        "few-row products of decoding and verification), torch otherwise")
+                   help="the target's matrix-multiply kernel. auto: oneDNN on CPU, for float32 "
+                        "and, where the CPU has it natively, bfloat16 (weights prepacked at "
+                        "load; faster than PyTorch's default for the few-row products of "
+                        "decoding and verification), torch otherwise")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

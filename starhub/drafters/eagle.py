@@ -18,7 +18,7 @@ from transformers import AutoConfig
 
 from starhub.drafters.base import DraftContext, Drafter, TreeShape
 from starhub.eagle_head import EagleHead, KVCache, load_eagle_head
-from starhub.models import resolve
+from starhub.models import onednn_packs, prepack_linears, resolve
 from starhub.protocol import Hello
 from starhub.tree import DraftTree, TreeFeed, build_greedy_tree, build_sampled_tree
 
@@ -59,7 +59,10 @@ class EagleDrafter(Drafter):
         self.head = head
         self.label = label
         self.feature_layers = list(head.feature_layers)
-        self.dtype = next(head.parameters()).dtype
+        weight = next(head.parameters())
+        self.dtype = weight.dtype
+        if onednn_packs(weight.dtype, weight.device.type):
+            prepack_linears(head)
 
     @classmethod
     def load(cls, head_dir: str | Path | None, model: str = "default",
