@@ -22,7 +22,7 @@ BASELINES = ("hf-generate", "hf-prompt-lookup", "colocated")
 THREADS_NOTE = ("every process sets its torch thread count: each target from --threads and the "
                 "hub from --hub-threads (via their own --threads flag), the benchmark process, "
                 "which runs the baselines, from --threads via torch.set_num_threads; child "
-                "processes also get OMP_NUM_THREADS/MKL_NUM_THREADS and GOMP_SPINCOUNT=30000; "
+                "processes also get OMP_NUM_THREADS/MKL_NUM_THREADS; "
                 "each row lists the count every process reported")
 METRIC_NOTES = {
     "system_tok_s": "committed tokens over the run's wall time, from the first target's "
