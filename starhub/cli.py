@@ -44,7 +44,7 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
                    help="paths expanded per layer, and children per expanded node")
     p.add_argument("--max-nodes", type=int, default=DEFAULT_SHAPE.max_nodes,
                    help="node budget of a tree. The defaults suit a small CPU target, where a "
-                        "16-node tree verifies for about 1.7 one-token steps. On GPUs, where "
+                        "10-node tree verifies for about 1.4 one-token steps. On GPUs, where "
                         "dozens of nodes verify for about the price of one, larger trees pay "
                         "(EAGLE-2 uses --depth 6 --topk 10 --max-nodes 60)")
     p.add_argument("--draft-dtype", choices=DTYPES, default="auto",

@@ -14,9 +14,9 @@ from starhub.tree import DraftTree
 
 @dataclass
 class TreeShape:
-    depth: int = 6
+    depth: int = 5
     topk: int = 4
-    max_nodes: int = 16
+    max_nodes: int = 10
     support: int = 16
 
 
