@@ -183,8 +183,8 @@ class OneDNNLinear(torch.nn.Module):
     """An inference-only ``nn.Linear`` whose weight oneDNN reordered once into its own layout.
 
     Inputs and outputs stay dense. ``torch.utils.mkldnn.to_mkldnn`` instead converts every
-    activation to oneDNN's layout and back around each product, which cost a quarter of a
-    17-token verification of SmolLM2-135M and more of a one-token step."""
+    activation to oneDNN's layout and back around each product: with it a float32 forward
+    pass of SmolLM2-135M took 63 ms for one token and 119 ms for 17, against 40 and 70."""
 
     PACK_ROWS = 16
     """The row count oneDNN picks the weight layout for; any count runs, and 8-32 run
