@@ -26,7 +26,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--model", default="default", help="the targets' model")
     p.add_argument("--drafter", default=None, help="the hub's drafter (default: the hub's)")
     p.add_argument("--draft", default=None, help="drafter weights, as for `starhub hub`")
-    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--depth", default=None,
+                   help="comma list of tree depths or 'auto' (e.g. 2,4,6,auto); each value "
+                        "gets its own star row for every N, measured in the same run "
+                        "(default: the hub's; emulation: the spec's depth=)")
+    p.add_argument("--max-targets", default="0",
+                   help="comma list of the hub's admission setting (0, N or auto); each value "
+                        "gets its own star row for every N")
     p.add_argument("--topk", type=int, default=None)
     p.add_argument("--max-nodes", type=int, default=None)
     p.add_argument("--draft-dtype", default=None, choices=DTYPES,
@@ -81,6 +87,21 @@ def hub_defaults() -> dict:
     return {k: getattr(args, k) for k in TREE_ARGS}
 
 
+def parse_list(text: str, parse, flag: str) -> list:
+    """A comma list of values for one comparison option; each value gets its own rows."""
+    out = []
+    for item in (x.strip() for x in str(text).split(",")):
+        if not item:
+            continue
+        try:
+            out.append(parse(item))
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+    if not out:
+        raise ValueError(f"{flag} needs at least one value")
+    return out
+
+
 def parse_targets(text: str) -> list[int]:
     try:
         ns = [int(x) for x in text.split(",") if x.strip()]
@@ -93,12 +114,16 @@ def parse_targets(text: str) -> list[int]:
 
 def main(args: argparse.Namespace) -> int:
     from bench.report import markdown_table, text_table
+    from starhub.cli import depth_arg, max_targets_arg
 
     ns = parse_targets(args.targets)
+    depths = parse_list(args.depth, depth_arg, "--depth") if args.depth else None
+    admission = parse_list(args.max_targets, max_targets_arg, "--max-targets")
     tree = hub_defaults()
     for key in TREE_ARGS:
-        if getattr(args, key) is not None:
+        if key != "depth" and getattr(args, key) is not None:
             tree[key] = getattr(args, key)
+    tree["depth"] = depths or [tree["depth"]]
     if args.emulate:
         from bench.emulate import EmulateOptions, EmulateSpec, emulated_doc
 
@@ -107,7 +132,8 @@ def main(args: argparse.Namespace) -> int:
                               procs=args.emulate_procs,
                               max_new_tokens=args.max_new_tokens or 512,
                               metrics_port=args.metrics_port, log_dir=args.log_dir)
-        doc = emulated_doc(spec, ns, opts, progress=not args.no_progress)
+        doc = emulated_doc(spec, ns, opts, progress=not args.no_progress,
+                           depths=depths or [spec.depth], max_targets=admission)
     else:
         from bench.run import BASELINES, BenchConfig, run_real
 
@@ -117,7 +143,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown baselines {sorted(unknown)}; choose from {BASELINES}")
         cfg = BenchConfig(targets=ns, model=args.model, prompts=args.prompts,
                           max_new_tokens=args.max_new_tokens or 64, threads=args.threads,
-                          hub_threads=args.hub_threads,
+                          hub_threads=args.hub_threads, max_targets=admission,
                           baselines=baselines, log_dir=args.log_dir, dtype=args.dtype,
                           linear=args.linear, **tree)
         doc = run_real(cfg, progress=not args.no_progress)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.baselines import PromptRun, colocated, hf_generate
+from starhub.drafters.base import TreeShape
 
 METRICS = ("system_tok_s", "per_target_tok_s", "t_s_ms", "t_wait_ms", "t_idle_ms", "r_q",
            "r_p", "load", "mean_accept_len")
@@ -47,7 +48,8 @@ class BenchConfig:
     targets: list[int]
     drafter: str
     draft: str | None
-    depth: int
+    depth: list[int | str]
+    """Star rows run once per value: a fixed depth or ``auto``."""
     topk: int
     max_nodes: int
     draft_dtype: str = "auto"
@@ -60,12 +62,27 @@ class BenchConfig:
     hub_threads: int = 1
     baselines: list[str] = field(default_factory=lambda: list(BASELINES))
     log_dir: str | None = None
+    max_targets: list[int | str] = field(default_factory=lambda: [0])
+    """Star rows run once per value: the hub's ``--max-targets``."""
 
-    def hub_flags(self) -> list[str]:
+    def __post_init__(self) -> None:
+        if not isinstance(self.depth, list):
+            self.depth = [self.depth]
+
+    @property
+    def fixed_depth(self) -> int:
+        """The depth of the baselines that need one: the first fixed value given."""
+        return next((d for d in self.depth if isinstance(d, int)), TreeShape().depth)
+
+    def hub_flags(self, depth: int | str, max_targets: int | str = 0) -> list[str]:
         draft = ["--draft", self.draft] if self.draft else []
         return ["--model", self.model, "--drafter", self.drafter, *draft,
-                "--depth", str(self.depth), "--topk", str(self.topk),
-                "--max-nodes", str(self.max_nodes), "--draft-dtype", self.draft_dtype]
+                "--depth", str(depth), "--topk", str(self.topk),
+                "--max-nodes", str(self.max_nodes), "--draft-dtype", self.draft_dtype,
+                "--max-targets", str(max_targets)]
+
+    def star_variants(self) -> list[tuple[int | str, int | str]]:
+        return [(d, m) for d in self.depth for m in self.max_targets]
 
 
 def machine_info() -> dict:
@@ -127,10 +144,26 @@ def lossless_check(runs, reference: dict | None) -> dict:
     return {"lossless": not mismatches, "lossless_mismatches": mismatches}
 
 
+def per_target_rows(results: list[list[dict]]) -> list[dict]:
+    """Each target's speed, whether the hub admitted it, and its own standalone speed."""
+    out = []
+    for i, target in enumerate(results):
+        wall = sum(g["stats"]["wall_s"] for g in target)
+        steps = [g["stats"].get("step_ms", 0.0) for g in target if g["stats"].get("step_ms")]
+        step = sum(steps) / len(steps) if steps else 0.0
+        out.append({"name": f"target{i}",
+                    "tok_s": sum(len(g["output_ids"]) for g in target) / wall if wall else 0.0,
+                    "admitted": any(not g["stats"]["standalone"] for g in target),
+                    "standalone_tok_s": 1e3 / step if step else None,
+                    "plain_tokens": sum(g["stats"].get("plain_tokens", 0) for g in target)})
+    return out
+
+
 def star_row(cfg: BenchConfig, n: int, results: list[list[dict]], hub: dict,
-             reference: dict | None) -> dict:
+             reference: dict | None, depth: int | str | None = None,
+             max_targets: int | str = 0) -> dict:
     """One N from the targets' JSONL results and the hub's STATS reply."""
-    row = empty_row("star", n, cfg.drafter, cfg.depth)
+    row = empty_row("star", n, cfg.drafter, cfg.fixed_depth if depth is None else depth)
     gens = [g for target in results for g in target]
     tokens = sum(len(g["output_ids"]) for g in gens)
     starts = [g["stats"]["started_at"] for g in gens]
@@ -148,7 +181,7 @@ def star_row(cfg: BenchConfig, n: int, results: list[list[dict]], hub: dict,
         hist.update({int(k): v for k, v in g["stats"]["accept_len_hist"].items()})
         at_depth.update({k + 1: v for k, v in enumerate(g["stats"]["accepted_at_depth"])})
     rounds = sum(hist.values())
-    split_keys = ("prefill_s", "verify_s", "hub_queue_s", "hub_draft_s", "comm_s")
+    split_keys = ("prefill_s", "verify_s", "plain_s", "hub_queue_s", "hub_draft_s", "comm_s")
     split = {k: sum(g["stats"].get(k, 0.0) for g in gens) for k in split_keys}
     split["other_s"] = max(0.0, sum(g["stats"]["wall_s"] for g in gens) - sum(split.values()))
     row.update(
@@ -164,10 +197,18 @@ def star_row(cfg: BenchConfig, n: int, results: list[list[dict]], hub: dict,
         threads={"hub": hub.get("threads"),
                  "targets": [target[0]["stats"].get("threads") for target in results if target]},
         standalone_prompts=sum(bool(g["stats"]["standalone"]) for g in gens),
+        max_targets=max_targets,
+        per_target=per_target_rows(results),
+        n_max=hub.get("n_max"),
+        n_full=hub.get("n_full"),
+        choices=hub.get("choices"),
+        plain_tokens=sum(g["stats"].get("plain_tokens", 0) for g in gens),
         **{k: hub.get(k) for k in ("t_s_ms", "t_wait_ms", "t_idle_ms", "r_q", "load")},
         hub={k: hub.get(k) for k in ("wall_s", "rounds", "t_idle_gap_ms", "t_sched_ms",
                                      "z_ms", "hub_split", "system_tok_s", "mean_accept_len")},
     )
+    row.update(admitted=sum(t["admitted"] for t in row["per_target"]),
+               rejected=sum(not t["admitted"] for t in row["per_target"]))
     row.update(lossless_check([PromptRun(g["id"], g["output_ids"], 0.0, 0) for g in gens],
                               reference))
     return row
@@ -182,16 +223,20 @@ def add_speedups(rows: list[dict]) -> None:
 
 
 def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
-             tick=lambda k: None) -> dict:
+             tick=lambda k: None, depth: int | str | None = None,
+             max_targets: int | str = 0) -> dict:
     from starhub.launch import child_env, spawn_hub, target_command
     from starhub.protocol import Stats
     from targets.client import HubClient
     from targets.runner import iter_results
 
-    with open(f"{log_dir}/hub-n{n}.log", "w") as hub_log, \
-            spawn_hub(cfg.hub_flags(), threads=cfg.hub_threads, log_file=hub_log) as hub, \
-            open(f"{log_dir}/targets-n{n}.log", "w") as target_log:
-        outs = [f"{log_dir}/n{n}-target{i}.jsonl" for i in range(n)]
+    depth = cfg.fixed_depth if depth is None else depth
+    name = f"n{n}-d{depth}-m{max_targets}"
+    with open(f"{log_dir}/hub-{name}.log", "w") as hub_log, \
+            spawn_hub(cfg.hub_flags(depth, max_targets), threads=cfg.hub_threads,
+                      log_file=hub_log) as hub, \
+            open(f"{log_dir}/targets-{name}.log", "w") as target_log:
+        outs = [f"{log_dir}/{name}-target{i}.jsonl" for i in range(n)]
         procs = []
         for i, out in enumerate(outs):
             cmd = target_command(hub.address, cfg.prompts, out, threads=cfg.threads,
@@ -215,7 +260,8 @@ def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
         client = HubClient(hub.address, timeout_s=30)
         stats = client.request(Stats()).body
         client.close()
-    return star_row(cfg, n, [list(iter_results(out)) for out in outs], stats, reference)
+    return star_row(cfg, n, [list(iter_results(out)) for out in outs], stats, reference,
+                    depth, max_targets)
 
 
 def _lines(path: str) -> int:
@@ -242,7 +288,8 @@ def run_real(cfg: BenchConfig, progress: bool = True) -> dict:
     prompts = [(str(id_), encode_prompt(tokenizer, text)) for id_, text in items]
     rows: list[dict] = []
     reference: dict | None = None
-    total = len(prompts) * (len(cfg.baselines) + len(cfg.targets))
+    variants = cfg.star_variants()
+    total = len(prompts) * (len(cfg.baselines) + len(cfg.targets) * len(variants))
     with tqdm(total=total, unit="prompt", disable=not progress, file=sys.stderr) as bar:
         def tick(k: int = 1) -> None:
             bar.update(k)
@@ -254,21 +301,23 @@ def run_real(cfg: BenchConfig, progress: bool = True) -> dict:
             rows.append(baseline_row("hf-generate", runs, "none", None, threads, None))
         if "hf-prompt-lookup" in cfg.baselines:
             bar.set_description("hf-prompt-lookup")
-            runs = hf_generate(model, prompts, cfg.max_new_tokens, prompt_lookup=cfg.depth,
-                               tick=tick)
-            rows.append(baseline_row("hf-prompt-lookup", runs, "prompt-lookup", cfg.depth,
-                                     threads, reference))
+            runs = hf_generate(model, prompts, cfg.max_new_tokens,
+                               prompt_lookup=cfg.fixed_depth, tick=tick)
+            rows.append(baseline_row("hf-prompt-lookup", runs, "prompt-lookup",
+                                     cfg.fixed_depth, threads, reference))
         if "colocated" in cfg.baselines:
             bar.set_description("colocated")
             drafter = make_drafter(cfg.drafter, cfg.draft, cfg.model, cfg.draft_dtype)
-            shape = TreeShape(cfg.depth, cfg.topk, cfg.max_nodes)
+            shape = TreeShape(cfg.fixed_depth, cfg.topk, cfg.max_nodes)
             runs = colocated(model, drafter, shape, prompts, cfg.max_new_tokens, tick=tick)
-            rows.append(baseline_row("colocated", runs, cfg.drafter, cfg.depth, threads,
+            rows.append(baseline_row("colocated", runs, cfg.drafter, cfg.fixed_depth, threads,
                                      reference))
             del drafter
         for n in cfg.targets:
-            bar.set_description(f"star N={n}")
-            rows.append(run_star(cfg, n, log_dir, reference, tick=tick))
+            for depth, max_targets in variants:
+                bar.set_description(f"star N={n} depth={depth} max-targets={max_targets}")
+                rows.append(run_star(cfg, n, log_dir, reference, tick=tick, depth=depth,
+                                     max_targets=max_targets))
     add_speedups(rows)
     config = {k: v for k, v in asdict(cfg).items() if k != "log_dir"}
     config.update(linear=linear_kernel(cfg.linear, model.dtype))

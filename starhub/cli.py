@@ -12,11 +12,41 @@ import time
 from pathlib import Path
 
 from bench import cli as bench_cli
+from starhub.control import AUTO, MAX_AUTO_DEPTH
 from starhub.drafters import DRAFTERS, TreeShape
 from starhub.launch import READY, child_env, spawn_hub, target_command
 from starhub.models import DTYPES, LINEARS
 
 DEFAULT_SHAPE = TreeShape()
+DEFAULT_DEPTH: int | str = DEFAULT_SHAPE.depth
+
+
+def depth_arg(text: str) -> int | str:
+    """``--depth``: a number of tree layers, or ``auto``."""
+    if str(text).strip().lower() == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a depth >= 1 or 'auto', got '{text}'") \
+            from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"depth must be at least 1, got {value}")
+    return value
+
+
+def max_targets_arg(text: str) -> int | str:
+    """``--max-targets``: ``auto``, a number, or 0 for no limit."""
+    if str(text).strip().lower() == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a count >= 0, got '{text}'") \
+            from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"max-targets must be >= 0, got {value}")
+    return value
 DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "scripts" / "prompts" / "demo.jsonl"
 
 
@@ -37,9 +67,13 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
                         "model). model: 'self' (the target's weights; every token is accepted, "
                         "for tests), 'self:layers=K' (its first K layers; the default), or a "
                         "model spec with the target's tokenizer")
-    p.add_argument("--depth", type=int, default=DEFAULT_SHAPE.depth,
-                   help="most tree layers drafted per round (fewer when no deeper node could "
-                        "make the budget)")
+    p.add_argument("--depth", type=depth_arg, default=DEFAULT_DEPTH,
+                   help="tree layers drafted per round (fewer when no deeper node could make "
+                        "the budget), or 'auto': the hub picks each session's depth every "
+                        f"round, up to {MAX_AUTO_DEPTH}, for the most tokens per second "
+                        "given its measured acceptance, its target's verify cost and the "
+                        "hub's load, and lets a session that no tree speeds up decode "
+                        "plainly (re-probing it now and then)")
     p.add_argument("--topk", type=int, default=DEFAULT_SHAPE.topk,
                    help="paths expanded per layer, and children per expanded node")
     p.add_argument("--max-nodes", type=int, default=DEFAULT_SHAPE.max_nodes,
@@ -98,9 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "shares with targets, takes cores from them")
     hub.add_argument("--ttl", type=float, default=120.0,
                      help="seconds without messages after which a session is released")
-    hub.add_argument("--max-targets", type=int, default=0,
-                     help="admission limit N_max: further targets are rejected and decode "
-                          "alone (0: no limit)")
+    hub.add_argument("--max-targets", type=max_targets_arg, default=0,
+                     help="admission. auto: admit a target only while every admitted target "
+                          "stays at or above its own standalone speed (the load model's "
+                          "N_max); N: at most N targets; 0: no limit. A rejected target "
+                          "decodes on its own and asks again later")
     hub.add_argument("--max-message-mb", type=float, default=64.0,
                      help="larger messages are refused with an ERROR")
     hub.add_argument("--metrics-port", type=int, default=0,
@@ -169,7 +205,9 @@ def cmd_hub(args: argparse.Namespace) -> int:
     threads = args.threads or set_threads(None)
     set_threads(1)
     drafter = make_drafter(args.drafter, args.draft, args.model, args.draft_dtype)
-    config = HubConfig(bind=args.bind, shape=TreeShape(args.depth, args.topk, args.max_nodes),
+    adaptive = args.depth == AUTO
+    shape = TreeShape(MAX_AUTO_DEPTH if adaptive else args.depth, args.topk, args.max_nodes)
+    config = HubConfig(bind=args.bind, shape=shape, adaptive=adaptive,
                        ttl_s=args.ttl, max_targets=args.max_targets,
                        max_message_bytes=int(args.max_message_mb * (1 << 20)),
                        metrics_port=args.metrics_port, threads=threads)

@@ -19,6 +19,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from starhub.control import AUTO, ControlConfig, Controller
 from starhub.drafters.base import Drafter, TreeShape
 from starhub.metrics import HubMetrics, PrometheusCollector, serve_prometheus
 from starhub.protocol import (
@@ -50,13 +51,26 @@ class HubConfig:
     shape: TreeShape = field(default_factory=TreeShape)
     ttl_s: float = 120.0
     max_message_bytes: int = Limits().max_message_bytes
-    max_targets: int = 0
-    """Admission limit (N_max); 0 admits every target."""
+    adaptive: bool = False
+    """``--depth auto``: each round's depth and node budget are chosen for goodput, and a
+    session no tree can speed up decodes plainly; otherwise every round uses ``shape``."""
+    max_targets: int | str = 0
+    """Admission: 0 admits every target, N at most N, ``auto`` while every admitted target
+    stays at or above its standalone speed (N_max)."""
+    retry_after_s: float = 1.0
+    """Told to a rejected target: when to ask again."""
+    peer_grace_s: float = 5.0
+    """A peer without sessions for this long gives its admission slot back."""
     log_every_s: float = 10.0
     metrics_port: int = 0
     """Serve Prometheus text on 127.0.0.1:PORT/metrics; 0 serves none."""
     threads: int = 0
     """Torch threads of the drafting thread; 0 keeps torch's setting."""
+
+    def control(self) -> ControlConfig:
+        return ControlConfig(depth=AUTO if self.adaptive else self.shape.depth,
+                             topk=self.shape.topk, max_nodes=self.shape.max_nodes,
+                             max_targets=self.max_targets, retry_after_s=self.retry_after_s)
 
 
 @dataclass
@@ -85,6 +99,7 @@ class Hub:
         self.limits = Limits(self.config.max_message_bytes)
         self.table = SessionTable(self.config.ttl_s)
         self.metrics = HubMetrics()
+        self.control = Controller(self.config.control())
         self.buffer: collections.deque[Request] = collections.deque()
         self.outbox: asyncio.Queue[tuple[bytes, Message]] = asyncio.Queue()
         self._work = asyncio.Event()
@@ -107,6 +122,7 @@ class Hub:
             server, _ = serve_prometheus(PrometheusCollector(self.stats, self.metrics.counters),
                                          self.config.metrics_port)
             log.info("metrics on http://127.0.0.1:%d/metrics", self.config.metrics_port)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.calibrate)
         self.ready.set()
         tasks = [asyncio.create_task(coro) for coro in (
             self.receiver(sock), self.worker(), self.sender(sock), self.housekeeping())]
@@ -120,6 +136,23 @@ class Hub:
             if server is not None:
                 server.shutdown()
                 server.server_close()
+
+    def calibrate(self) -> None:
+        """Time each tree shape the controller may choose once, so that its first
+        admission and shape decisions rest on this machine's drafting speed."""
+        config = self.control.config
+        for depth, nodes in config.shapes():
+            shape = TreeShape(depth, config.topk, nodes, self.config.shape.support)
+            for rep in range(2):
+                ctx = self.drafter.probe_context()
+                start = time.perf_counter()
+                try:
+                    self.drafter.propose(ctx, shape)
+                except Exception as exc:
+                    log.warning("could not time a depth-%d draft: %s", depth, exc)
+                    return
+                if rep:
+                    self.control.observe_draft(depth, nodes, time.perf_counter() - start)
 
     async def receiver(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -151,33 +184,50 @@ class Hub:
             self.handle_commit(identity, msg)
         elif isinstance(msg, Close):
             self.table.get(msg.tag, identity)
-            self.table.close(msg.tag)
+            self.close(msg.tag)
         else:
             raise ProtocolError(ErrorCode.BAD_TYPE, f"a hub does not accept {msg.TYPE}",
                                 tag=msg.tag)
 
     def handle_hello(self, identity: bytes, msg: Hello) -> None:
         reason = self.drafter.check_target(msg)
+        retry = 0.0
         peers = self.table.peers
-        if reason is None and self.config.max_targets and identity not in peers \
-                and len(peers) >= self.config.max_targets:
-            reason = (f"hub is at its admission limit of {self.config.max_targets} targets; "
-                      f"decode on your own")
+        if reason is None:
+            reason = self.control.join(identity, msg.name, msg.step_ms / 1e3, time.monotonic())
+            retry = self.config.retry_after_s
         if reason is not None:
-            log.info("rejecting %s (%s): %s", msg.name, identity.hex()[:8], reason)
-            self.reply(identity, Reject(code=int(ErrorCode.REJECTED), reason=reason))
+            log.log(logging.DEBUG if reason == "saturated" else logging.INFO,
+                    "rejecting %s (%s): %s", msg.name, identity.hex()[:8], reason)
+            self.reply(identity, Reject(code=int(ErrorCode.REJECTED), reason=reason,
+                                        retry_after_s=retry))
             return
         self.metrics.peer(identity, msg.name)
         known = peers.get(identity)
         peers[identity] = Peer(identity, msg.name, msg.vocab_size, msg.hidden_size,
                                msg.num_layers, known.sessions if known else set())
-        log.info("target %s (%s) joined; %d connected", msg.name, identity.hex()[:8], len(peers))
+        if known is not None:
+            peers[identity].idle_since = known.idle_since
+        log.info("target %s (%s) joined; %d admitted", msg.name, identity.hex()[:8], len(peers))
         shape = self.config.shape
         self.reply(identity, Welcome(drafter=self.drafter.name,
                                      feature_layers=list(self.drafter.feature_layers),
                                      depth=shape.depth, topk=shape.topk,
                                      max_nodes=shape.max_nodes, ttl_s=self.config.ttl_s,
                                      max_message_bytes=self.limits.max_message_bytes))
+
+    def close(self, tag: int) -> None:
+        self.table.close(tag)
+        self.control.close(tag)
+
+    def free_idle_slots(self) -> None:
+        """A peer whose last session ended a grace period ago gives its slot back."""
+        for identity in self.table.idle_peers(self.config.peer_grace_s):
+            peer = self.table.peers.pop(identity)
+            self.control.leave(identity)
+            self.metrics.forget(identity)
+            log.info("target %s (%s) left; %d admitted", peer.name, identity.hex()[:8],
+                     len(self.table.peers))
 
     def _peer(self, identity: bytes, msg: Message) -> Peer:
         peer = self.table.peers.get(identity)
@@ -201,6 +251,7 @@ class Hub:
         self._check_ids(peer, msg)
         features = [to_torch(msg.features)] if msg.features is not None else []
         session = self.table.open(identity, msg, features)
+        self.control.open(session.tag, identity, msg.step_ms / 1e3)
         self.metrics.sessions_opened += 1
         self.enqueue(identity, session, msg.ref)
 
@@ -211,21 +262,45 @@ class Hub:
             raise ProtocolError(ErrorCode.STALE,
                                 f"COMMIT seq {msg.seq} does not answer the outstanding "
                                 f"PROPOSE (seq {session.seq}, busy={session.busy})", tag=msg.tag)
-        if msg.accepted > session.last_tree_size:
+        plain = session.choice.plain
+        if plain and (msg.accepted or len(msg.tokens) > plain):
+            raise ProtocolError(ErrorCode.BAD_FIELD,
+                                f"COMMIT after a plain round of {plain} tokens carries "
+                                f"{len(msg.tokens)} with {msg.accepted} accepted", tag=msg.tag)
+        if not plain and (msg.accepted > session.last_tree_size
+                          or len(msg.tokens) != msg.accepted + 1):
             raise ProtocolError(ErrorCode.BAD_FIELD,
                                 f"COMMIT accepts {msg.accepted} nodes of a "
-                                f"{session.last_tree_size}-node tree", tag=msg.tag)
+                                f"{session.last_tree_size}-node tree with {len(msg.tokens)} "
+                                f"tokens", tag=msg.tag)
         self._check_ids(peer, msg)
+        now = time.monotonic()
         session.ctx.tokens.extend(msg.tokens.tolist())
         if msg.features is not None:
             session.ctx.features.append(to_torch(msg.features))
         session.seq += 1
-        self.metrics.committed(msg.accepted, len(msg.tokens), identity)
+        returned = now - session.proposed_at if session.proposed_at is not None else None
+        self.control.observe_commit(session.tag, msg.accepted, session.last_tree_depth,
+                                    session.last_tree_size, msg.verify_ms / 1e3, returned,
+                                    msg.step_ms / 1e3)
+        self.metrics.committed(msg.accepted, len(msg.tokens), identity, plain=bool(plain))
         self.enqueue(identity, session, 0)
 
     def enqueue(self, identity: bytes, session: Session, ref: int) -> None:
-        session.busy = True
+        """Ask the controller for this round's shape: a plain round is answered at once,
+        a tree goes to the global buffer."""
+        choice = self.control.choose(session.tag)
+        session.choice = choice
+        self.metrics.chose(choice.label)
         now = time.monotonic()
+        if choice.plain:
+            self.metrics.returned(session.tag, now)
+            session.last_tree_size = session.last_tree_depth = 0
+            session.proposed_at = now
+            self.reply(identity, Propose(tag=session.tag, seq=session.seq, ref=ref,
+                                         plain=choice.plain))
+            return
+        session.busy = True
         self.metrics.arrived(session.tag, identity, now)
         self.buffer.append(Request(identity, session, ref, now))
         self._work.set()
@@ -233,9 +308,11 @@ class Hub:
     async def worker(self) -> None:
         """Work-conserving: whenever the buffer holds a request, draft it (FIFO)."""
         loop = asyncio.get_running_loop()
+        backlog_since: float | None = None
         while True:
             if not self.buffer:
                 self._work.clear()
+                backlog_since = None
                 await self._work.wait()
                 continue
             req = self.buffer.popleft()
@@ -243,23 +320,32 @@ class Hub:
             if self.table.sessions.get(session.tag) is not session:
                 continue
             started = time.monotonic()
+            if backlog_since is not None:
+                self.control.observe_overhead(started - backlog_since)
             self.metrics.draft_started(req.arrival, started, len(self.table))
+            choice = session.choice
+            shape = TreeShape(choice.depth, self.config.shape.topk, choice.nodes,
+                              self.config.shape.support)
             try:
                 tree = await loop.run_in_executor(self._executor, self.drafter.propose,
-                                                  session.ctx, self.config.shape)
+                                                  session.ctx, shape)
             except Exception as exc:
                 log.exception("drafting failed for tag %d", session.tag)
-                self.table.close(session.tag)
+                self.close(session.tag)
                 self.reply(req.identity, Error(tag=session.tag, ref=req.ref,
                                                code=int(ErrorCode.INTERNAL),
                                                message=f"drafting failed: {exc}"))
                 continue
-            self.metrics.draft_finished(started, time.monotonic(), tree.depth, len(tree),
+            finished = time.monotonic()
+            self.metrics.draft_finished(started, finished, tree.depth, len(tree),
                                         req.arrival, session.tag, req.identity)
+            self.control.observe_draft(choice.depth, choice.nodes, finished - started)
+            backlog_since = finished if self.buffer else None
             session.busy = False
             if self.table.sessions.get(session.tag) is not session:
                 continue
-            session.last_tree_size = len(tree)
+            session.last_tree_size, session.last_tree_depth = len(tree), tree.depth
+            session.proposed_at = finished
             self.reply(req.identity, self.propose_message(session, tree, req.ref))
 
     @staticmethod
@@ -284,28 +370,37 @@ class Hub:
         while True:
             await asyncio.sleep(min(1.0, self.config.ttl_s / 4))
             for tag in self.table.expired():
-                self.table.close(tag)
+                self.close(tag)
                 self.metrics.sessions_expired += 1
                 log.info("session %d expired after %.0fs without messages", tag,
                          self.config.ttl_s)
+            self.free_idle_slots()
             now = time.monotonic()
             if self.config.log_every_s and now - last_log >= self.config.log_every_s:
                 last_log = now
-                if self.metrics.rounds:
-                    log.info(self.metrics.summary_line(len(self.table), len(self.table.peers)))
+                if self.metrics.rounds or self.metrics.plain_rounds:
+                    log.info("%s admitted=%d n_max=%s rejections=%d",
+                             self.metrics.summary_line(len(self.table), len(self.table.peers)),
+                             len(self.table.peers), self.control.n_max(),
+                             self.control.rejections)
 
     def stats(self) -> dict:
         snap = self.metrics.snapshot(len(self.table), len(self.table.peers))
-        snap.update(drafter=self.drafter.name, depth=self.config.shape.depth,
+        control = self.control.snapshot(time.monotonic())
+        snap.update(drafter=self.drafter.name,
+                    depth=AUTO if self.config.adaptive else self.config.shape.depth,
                     topk=self.config.shape.topk, max_nodes=self.config.shape.max_nodes,
-                    queue=len(self.buffer), threads=torch.get_num_threads())
+                    queue=len(self.buffer), threads=torch.get_num_threads(),
+                    max_targets=self.config.max_targets, admitted=control["admitted"],
+                    n_max=control["n_max"], n_full=control["n_full"],
+                    rejections=control["rejections"], control=control)
         return snap
 
     def stats_reply(self, identity: bytes, request: dict) -> dict:
         """STATS body: the snapshot; ``{"peer": true}`` asks for the sender's own totals
         (its time split), ``{"counters": true}`` adds raw totals for windowed rates."""
         if request.get("peer"):
-            totals = self.metrics.peers.get(identity)
+            totals = self.metrics.totals_of(identity)
             return {"peer": totals.to_dict() if totals else {}}
         body = self.stats()
         if request.get("counters"):

@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import astuple, dataclass, field, fields
 from wsgiref.simple_server import WSGIServer
 
 SCALARS = ("rounds", "draft_s", "draft_layers", "wait_s", "idle_s", "sched_s", "idle_gaps",
-           "iterations", "return_s", "returns", "commits", "committed_tokens", "proposed_nodes")
+           "iterations", "return_s", "returns", "commits", "committed_tokens", "proposed_nodes",
+           "plain_rounds", "plain_tokens")
 """Counters that add up over time; two ``counters()`` readings give any window's rates."""
 
 _PENDING_LIMIT = 1 << 16
+DEPARTED_LIMIT = 256
+"""Totals kept for peers that have left, so memory stays bounded as targets come and go."""
 
 
 @dataclass
@@ -64,32 +67,57 @@ class HubMetrics:
     commits: int = 0
     committed_tokens: int = 0
     proposed_nodes: int = 0
+    plain_rounds: int = 0
+    plain_tokens: int = 0
+    choices: Counter = field(default_factory=Counter)
+    """Rounds by the controller's choice: ``d{depth}n{nodes}`` or ``plain``."""
     accept_lengths: Counter = field(default_factory=Counter)
     accepted_at_depth: Counter = field(default_factory=Counter)
     errors: Counter = field(default_factory=Counter)
     sessions_opened: int = 0
     sessions_expired: int = 0
     peers: dict[bytes, PeerTotals] = field(default_factory=dict)
+    departed: OrderedDict = field(default_factory=OrderedDict)
     _busy_until: float | None = None
     _proposed_at: dict[int, float] = field(default_factory=dict)
 
     def peer(self, identity: bytes, name: str = "") -> PeerTotals:
         totals = self.peers.get(identity)
+        if totals is None and identity in self.departed:
+            totals = self.peers[identity] = self.departed.pop(identity)
         if totals is None:
             totals = self.peers[identity] = PeerTotals(name=name or identity.hex()[:8])
         elif name:
             totals.name = name
         return totals
 
+    def forget(self, identity: bytes) -> None:
+        """A peer left: keep its totals among the last ``DEPARTED_LIMIT`` departed."""
+        totals = self.peers.pop(identity, None)
+        if totals is not None:
+            self.departed[identity] = totals
+            while len(self.departed) > DEPARTED_LIMIT:
+                self.departed.popitem(last=False)
+
+    def totals_of(self, identity: bytes) -> PeerTotals | None:
+        return self.peers.get(identity) or self.departed.get(identity)
+
+    def chose(self, label: str) -> None:
+        self.choices[label] += 1
+
+    def returned(self, key: int, now: float) -> None:
+        """A COMMIT came back: closes the return time Z of ``key``'s last draft, if any."""
+        sent = self._proposed_at.pop(key, None)
+        if sent is not None:
+            self.return_s += now - sent
+            self.returns += 1
+
     def arrived(self, key: int, identity: bytes, now: float) -> None:
         """A request entered the buffer; closes the return time Z of ``key``'s last draft."""
         if self.first_arrival is None:
             self.first_arrival = now
         self.last_event = now
-        sent = self._proposed_at.pop(key, None)
-        if sent is not None:
-            self.return_s += now - sent
-            self.returns += 1
+        self.returned(key, now)
         totals = self.peer(identity)
         if not totals.first:
             totals.first = now
@@ -122,12 +150,18 @@ class HubMetrics:
             totals.draft_s += now - started
             totals.queue_s += started - (started if arrival is None else arrival)
 
-    def committed(self, accepted: int, tokens: int, identity: bytes = b"") -> None:
-        self.commits += 1
-        self.committed_tokens += tokens
-        self.accept_lengths[accepted + 1] += 1
-        for k in range(1, accepted + 1):
-            self.accepted_at_depth[k] += 1
+    def committed(self, accepted: int, tokens: int, identity: bytes = b"",
+                  plain: bool = False) -> None:
+        """A COMMIT; a plain round's tokens count toward throughput, not toward tau."""
+        if plain:
+            self.plain_rounds += 1
+            self.plain_tokens += tokens
+        else:
+            self.commits += 1
+            self.committed_tokens += tokens
+            self.accept_lengths[accepted + 1] += 1
+            for k in range(1, accepted + 1):
+                self.accepted_at_depth[k] += 1
         if identity:
             totals = self.peer(identity)
             totals.commits += 1
@@ -141,8 +175,10 @@ class HubMetrics:
         out.update(now=now, t0=self.first_arrival or now, t1=self.last_event or now,
                    accept_len_hist=_str_keys(self.accept_lengths),
                    accepted_at_depth=_str_keys(self.accepted_at_depth),
+                   choices=dict(self.choices),
                    peers=[[totals.name, *astuple(totals)[1:]]
-                          for totals in list(self.peers.values())[:512]] if peers else [])
+                          for totals in [*self.departed.values(), *self.peers.values()][-512:]]
+                   if peers else [])
         return out
 
     def snapshot(self, active_sessions: int = 0, peers: int = 0) -> dict:
@@ -158,7 +194,7 @@ class HubMetrics:
                 f"r_q={s['r_q']:.1f}/s r_p={s['r_p']:.1f}/s load={s['load']:.2f} "
                 f"t_s={s['t_s_ms']:.2f}ms wait={s['t_wait_ms']:.1f}ms "
                 f"idle={s['t_idle_ms']:.1f}ms tau={s['mean_accept_len']:.2f} "
-                f"tok/s={s['system_tok_s']:.1f}")
+                f"tok/s={s['system_tok_s']:.1f} plain_rounds={s['plain_rounds']}")
 
 
 def _str_keys(counter: Counter) -> dict[str, int]:
@@ -188,7 +224,7 @@ def derive(c0: dict | None, c1: dict, targets: int | None = None) -> dict:
     at_depth = _hist_delta(c0, c1, "accepted_at_depth")
     peer_rates = _peer_rates(c0, c1)
     n = targets or len(peer_rates) or 1
-    system = d["committed_tokens"] / wall
+    system = (d["committed_tokens"] + d["plain_tokens"]) / wall
     if c0 is None and peer_rates and not targets:
         per_target = sum(tok for tok, _ in peer_rates) / len(peer_rates)
         r_p = sum(rp for _, rp in peer_rates) / len(peer_rates)
@@ -198,7 +234,10 @@ def derive(c0: dict | None, c1: dict, targets: int | None = None) -> dict:
         "wall_s": wall,
         "rounds": d["rounds"],
         "commits": d["commits"],
-        "tokens": d["committed_tokens"],
+        "tokens": d["committed_tokens"] + d["plain_tokens"],
+        "plain_rounds": d["plain_rounds"],
+        "plain_tokens": d["plain_tokens"],
+        "choices": _choice_delta(c0, c1),
         "system_tok_s": system,
         "per_target_tok_s": per_target,
         "t_s_ms": 1e3 * d["draft_s"] / max(d["draft_layers"], 1),
@@ -221,6 +260,12 @@ def derive(c0: dict | None, c1: dict, targets: int | None = None) -> dict:
     }
 
 
+def _choice_delta(c0: dict | None, c1: dict) -> dict[str, int]:
+    before = c0.get("choices", {}) if c0 is not None else {}
+    out = {k: v - before.get(k, 0) for k, v in c1.get("choices", {}).items()}
+    return {k: v for k, v in sorted(out.items()) if v}
+
+
 def _peer_rates(c0: dict | None, c1: dict) -> list[tuple[float, float]]:
     """(tokens/s, rounds/s) of each peer that committed, over its own active window; every
     draft sent is one verification round, the last of a session (never committed) too."""
@@ -235,10 +280,12 @@ def _peer_rates(c0: dict | None, c1: dict) -> list[tuple[float, float]]:
 
 GAUGES = ("system_tok_s", "per_target_tok_s", "t_s_ms", "t_wait_ms", "t_idle_ms",
           "t_idle_gap_ms", "t_sched_ms", "z_ms", "r_q", "r_p", "load", "mean_accept_len",
-          "active_sessions", "peers", "queue", "depth")
+          "active_sessions", "peers", "queue", "admitted", "n_max", "n_full")
 COUNTERS = {"rounds": "draft rounds", "commits": "verification rounds (COMMITs)",
             "tokens": "committed tokens", "sessions_opened": "sessions opened",
-            "sessions_expired": "sessions released by TTL"}
+            "sessions_expired": "sessions released by TTL",
+            "rejections": "targets refused admission (they decode on their own)",
+            "plain_rounds": "rounds a target decoded on its own because no tree paid"}
 
 
 class PrometheusCollector:
@@ -302,6 +349,9 @@ _HELP = {
     "r_p": "verification rounds per second per target",
     "load": "fraction of wall time the drafter is busy",
     "mean_accept_len": "committed tokens per round, bonus included",
+    "admitted": "targets holding an admission slot",
+    "n_max": "the load model's N_max: most typical targets that all keep standalone speed",
+    "n_full": "the load model's N_full = ceil(Z/S) + 1",
 }
 
 

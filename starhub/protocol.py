@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-VERSION = 1
+VERSION = 2
 MAX_TREE_NODES = 1024
 MAX_TOKENS = 1 << 20
 
@@ -82,10 +82,13 @@ class Hello(Message):
     tokenizer_fp: str = ""
     hidden_size: int = 0
     num_layers: int = 0
+    step_ms: float = 0.0
+    """The target's own one-token step, measured: its standalone speed (0: unknown)."""
 
     def check(self) -> None:
         if self.vocab_size <= 0:
             self.fail("vocab_size must be positive")
+        _check_ms(self, "step_ms", self.step_ms)
 
 
 @dataclass
@@ -107,6 +110,9 @@ class Reject(Message):
     TYPE: ClassVar[str] = "REJECT"
     code: int = 0
     reason: str = ""
+    """``saturated`` when admission would slow a target below its standalone speed."""
+    retry_after_s: float = 0.0
+    """When asking again may succeed; 0: it will not."""
 
 
 @dataclass
@@ -122,11 +128,13 @@ class Open(Message):
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    step_ms: float = 0.0
     tokens: np.ndarray = array("int32", 1)
     features: np.ndarray | None = array(FEATURE_DTYPES, 2, optional=True)
 
     def check(self) -> None:
         n = len(self.tokens)
+        _check_ms(self, "step_ms", self.step_ms)
         if n < 1 or n > MAX_TOKENS:
             self.fail(f"tokens must hold 1..{MAX_TOKENS} ids, got {n}")
         if not 0 < self.prompt_len < n + 1:
@@ -143,11 +151,13 @@ class Propose(Message):
     """A draft tree. ``parents[i]`` is -1 for children of the last committed token.
 
     Siblings appear in the order they were drawn; for sampling, row 0 of ``dist_*`` is the
-    draft distribution at the root and row i+1 the one at node i.
+    draft distribution at the root and row i+1 the one at node i. ``plain`` > 0 carries no
+    tree: the target decodes that many tokens on its own, then commits them.
     """
 
     TYPE: ClassVar[str] = "PROPOSE"
     ref: int = 0
+    plain: int = 0
     tokens: np.ndarray = array("int32", 1)
     parents: np.ndarray = array("int32", 1)
     dist_ids: np.ndarray | None = array("int32", 2, optional=True)
@@ -157,6 +167,9 @@ class Propose(Message):
         n = len(self.tokens)
         if n > MAX_TREE_NODES:
             self.fail(f"{n} nodes exceed the limit of {MAX_TREE_NODES}")
+        if not 0 <= self.plain <= MAX_TREE_NODES + 1 or (self.plain and n):
+            self.fail(f"plain={self.plain}: a plain round carries 1..{MAX_TREE_NODES + 1} "
+                      f"tokens to decode and no tree")
         if len(self.parents) != n:
             self.fail(f"parents has {len(self.parents)} entries for {n} tokens")
         if n and np.any((self.parents < -1) | (self.parents >= np.arange(n))):
@@ -172,14 +185,19 @@ class Propose(Message):
 
 @dataclass
 class Commit(Message):
-    """The tokens a round added: accepted tree nodes then the bonus token.
+    """The tokens a round added: accepted tree nodes then the bonus token, or after a plain
+    round the tokens the target decoded alone (``accepted`` 0).
 
     ``features`` carries one row per new token, for the token before it and the accepted
     ones: the bonus token's own feature is not known until the next verification.
+    ``verify_ms`` is the target's time for this round's verification (or plain steps) and
+    ``step_ms`` its latest one-token step: the hub's load model learns from both.
     """
 
     TYPE: ClassVar[str] = "COMMIT"
     accepted: int = 0
+    verify_ms: float = 0.0
+    step_ms: float = 0.0
     tokens: np.ndarray = array("int32", 1)
     features: np.ndarray | None = array(FEATURE_DTYPES, 2, optional=True)
 
@@ -187,8 +205,10 @@ class Commit(Message):
         n = len(self.tokens)
         if not 1 <= n <= MAX_TREE_NODES + 1:
             self.fail(f"tokens must hold 1..{MAX_TREE_NODES + 1} ids, got {n}")
-        if self.accepted != n - 1:
+        if not 0 <= self.accepted <= n - 1:
             self.fail(f"accepted={self.accepted} disagrees with {n} tokens")
+        _check_ms(self, "verify_ms", self.verify_ms)
+        _check_ms(self, "step_ms", self.step_ms)
         if self.features is not None and self.features.shape[0] != n:
             self.fail(f"features need {n} rows, got {self.features.shape[0]}")
 
@@ -291,6 +311,11 @@ def build(cls: type[Message], header: dict, arrays: dict[str, np.ndarray]) -> Me
     msg = cls(**kwargs)
     msg.check()
     return msg
+
+
+def _check_ms(msg: Message, name: str, value: float) -> None:
+    if not 0 <= value < 1e7:
+        msg.fail(f"{name} must be a finite duration in [0, 1e7) ms, got {value}")
 
 
 def _is_bf16(arr: np.ndarray, dtypes: tuple[str, ...]) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from starhub.control import Choice
 from starhub.drafters.base import DraftContext
 from starhub.protocol import ErrorCode, Open, ProtocolError
 
@@ -23,6 +24,10 @@ class Session:
     busy: bool = False
     last_tree_size: int = 0
     """Nodes in the PROPOSE awaiting this session's COMMIT; COMMITs must not exceed it."""
+    last_tree_depth: int = 0
+    choice: Choice = Choice()
+    """The controller's plan for the round in flight."""
+    proposed_at: float | None = None
 
 
 @dataclass
@@ -33,6 +38,8 @@ class Peer:
     hidden_size: int
     num_layers: int
     sessions: set[int] = field(default_factory=set)
+    idle_since: float | None = field(default_factory=time.monotonic)
+    """Since when the peer holds no session; its admission slot frees after a grace."""
 
 
 class SessionTable:
@@ -55,6 +62,7 @@ class SessionTable:
         self.sessions[tag] = session
         if owner in self.peers:
             self.peers[owner].sessions.add(tag)
+            self.peers[owner].idle_since = None
         return session
 
     def get(self, tag: int, owner: bytes, ref: int = 0) -> Session:
@@ -71,9 +79,18 @@ class SessionTable:
 
     def close(self, tag: int) -> Session | None:
         session = self.sessions.pop(tag, None)
-        if session is not None and session.owner in self.peers:
-            self.peers[session.owner].sessions.discard(tag)
+        peer = self.peers.get(session.owner) if session is not None else None
+        if peer is not None:
+            peer.sessions.discard(tag)
+            if not peer.sessions:
+                peer.idle_since = time.monotonic()
         return session
+
+    def idle_peers(self, grace_s: float, now: float | None = None) -> list[bytes]:
+        """Peers that have held no session for ``grace_s``: their slots can be freed."""
+        now = time.monotonic() if now is None else now
+        return [i for i, p in self.peers.items()
+                if p.idle_since is not None and now - p.idle_since > grace_s]
 
     def expired(self, now: float | None = None) -> list[int]:
         now = time.monotonic() if now is None else now

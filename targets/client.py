@@ -17,7 +17,11 @@ log = logging.getLogger("starhub.target")
 
 
 class HubUnavailable(RuntimeError):
-    pass
+    """No drafts from this hub for now; ``retry_after_s`` > 0 when it said to ask again."""
+
+    def __init__(self, message: str, retry_after_s: float = 0.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class HubError(RuntimeError):
@@ -58,7 +62,8 @@ class HubClient:
         self.send(hello)
         reply = self.recv()
         if isinstance(reply, Reject):
-            raise HubUnavailable(f"the hub rejected this target: {reply.reason}")
+            raise HubUnavailable(f"the hub rejected this target: {reply.reason}",
+                                 retry_after_s=reply.retry_after_s)
         if not isinstance(reply, Welcome):
             raise HubUnavailable(f"expected WELCOME, got {reply.TYPE}: "
                                  f"{getattr(reply, 'message', '')}")

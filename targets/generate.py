@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -16,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from starhub.models import tokenizer_fingerprint
-from starhub.protocol import Close, Commit, Hello, Open, Propose, Stats
+from starhub.protocol import Close, Commit, ErrorCode, Hello, Open, Propose, Stats
 from starhub.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.client import HubClient, HubError, HubUnavailable
@@ -39,6 +40,12 @@ class GenerationStats:
     hub_queue_s: float = 0.0
     hub_draft_s: float = 0.0
     comm_s: float = 0.0
+    plain_rounds: int = 0
+    """Rounds in which the hub found no tree worth drafting and the target decoded alone."""
+    plain_tokens: int = 0
+    plain_s: float = 0.0
+    step_ms: float = 0.0
+    """This target's measured one-token step: its standalone speed is 1000 / step_ms."""
     started_at: float = 0.0
     """Wall-clock start (time.time()), to line up several targets' runs."""
     threads: int = 0
@@ -70,6 +77,20 @@ def encode_prompt(tokenizer, prompt: str, chat_template: bool = True) -> list[in
     return tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
 
+def measure_step(model, steps: int = 4) -> float:
+    """Seconds of one plain decoding step, timed on a short throwaway sequence: the speed
+    a target reaches on its own, which the hub's admission and tree choice must beat."""
+    probe = TargetModel(model)
+    vocab = model.config.vocab_size
+    probe.prefill([i % vocab for i in range(1, 33)])
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        probe.step()
+        times.append(time.perf_counter() - start)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
 def feature_dtype(model) -> torch.dtype:
     """Features travel at half precision: bf16 models keep bf16, others send fp16."""
     dtype = next(model.parameters()).dtype
@@ -86,30 +107,49 @@ class SpeculativeGenerator:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
+        self.hub = hub
+        self.timeout_s = timeout_s
         self.client: HubClient | None = None
         self.feature_layers: list[int] = []
         self.note = ""
         """Why this generator decodes without a hub, if it does."""
+        self.retry_at = math.inf
+        """When to ask a hub that turned us away again (inf: never)."""
         eos = model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.step_s = measure_step(model) if hub else 0.0
         if hub:
-            self.client = HubClient(hub, timeout_s=timeout_s)
-            try:
-                welcome = self.client.hello(self.hello())
-                self.feature_layers = list(welcome.feature_layers)
-                log.info("%s: hub %s drafts with '%s' (depth %d, topk %d, %d nodes)", name,
-                         hub, welcome.drafter, welcome.depth, welcome.topk, welcome.max_nodes)
-            except HubUnavailable as exc:
-                log.warning("%s: %s; decoding on its own", name, exc)
-                self.client.close()
-                self.client = None
-                self.note = str(exc)
+            self.connect()
+
+    def connect(self) -> bool:
+        """HELLO to the hub. A REJECT is quiet: we decode alone and ask again after the
+        hub's ``retry_after_s``."""
+        self.client = HubClient(self.hub, timeout_s=self.timeout_s)
+        try:
+            welcome = self.client.hello(self.hello())
+        except HubUnavailable as exc:
+            self.client.close()
+            self.client = None
+            self.note = str(exc)
+            retry = exc.retry_after_s
+            self.retry_at = time.monotonic() + retry if retry > 0 else math.inf
+            level = logging.INFO if retry > 0 else logging.WARNING
+            log.log(level, "%s: %s; decoding on its own%s", self.name, exc,
+                    f", asking again in {retry:g}s" if retry > 0 else "")
+            return False
+        self.feature_layers = list(welcome.feature_layers)
+        self.note = ""
+        self.retry_at = math.inf
+        log.info("%s: hub %s drafts with '%s' (depth %d, topk %d, %d nodes)", self.name,
+                 self.hub, welcome.drafter, welcome.depth, welcome.topk, welcome.max_nodes)
+        return True
 
     def hello(self) -> Hello:
         cfg = self.model.config
         return Hello(name=self.name, vocab_size=cfg.vocab_size,
                      tokenizer_fp=tokenizer_fingerprint(self.tokenizer),
-                     hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers)
+                     hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
+                     step_ms=1e3 * self.step_s)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> GenerationResult:
@@ -125,6 +165,8 @@ class SpeculativeGenerator:
                    stats: GenerationStats | None = None) -> Iterator[list[int]]:
         """Yield each round's newly committed ids; ``stats`` is filled in as it goes."""
         stats = stats if stats is not None else GenerationStats()
+        if self.client is None and time.monotonic() >= self.retry_at:
+            self.connect()
         stats.started_at, stats.threads = time.time(), torch.get_num_threads()
         start = time.perf_counter()
         target = TargetModel(self.model, Sampling(temperature, top_p), seed, self.feature_layers)
@@ -151,8 +193,9 @@ class SpeculativeGenerator:
         if stats.rounds:
             hist = Counter(stats.accept_len_hist)
             stats.mean_accept_len = sum(int(k) * v for k, v in hist.items()) / stats.rounds
-        stats.standalone = stats.rounds == 0
+        stats.standalone = stats.rounds == 0 and stats.plain_rounds == 0
         stats.note = stats.note or self.note
+        stats.step_ms = 1e3 * self.step_s
         self._split_hub_wait(stats)
 
     _peer_totals: dict | None = None
@@ -197,10 +240,19 @@ class SpeculativeGenerator:
                 ref = next(self._refs)
                 reply = self._ask(Open(ref=ref, prompt_len=len(prompt_ids),
                                        temperature=temperature, top_p=top_p, seed=seed,
+                                       step_ms=1e3 * self.step_s,
                                        tokens=torch.tensor([*prompt_ids, first], dtype=torch.int32),
                                        features=self._half(feats)), stats, ref=ref)
                 tag = reply.tag
                 while True:
+                    if reply.plain:
+                        commit = yield from self._plain_round(target, reply, stats, finishes)
+                        if commit is None:
+                            return
+                        t0 = time.perf_counter()
+                        self.client.send(commit)
+                        reply = self._await(stats, t0, tag=tag)
+                        continue
                     tree = DraftTree(reply.tokens, reply.parents, reply.dist_ids,
                                      reply.dist_probs)
                     t0 = time.perf_counter()
@@ -212,6 +264,8 @@ class SpeculativeGenerator:
                         return
                     t0 = time.perf_counter()
                     self.client.send(Commit(tag=tag, seq=reply.seq, accepted=len(verdict.path),
+                                            verify_ms=1e3 * (time.perf_counter() - t0),
+                                            step_ms=1e3 * self.step_s,
                                             tokens=torch.tensor(verdict.tokens, dtype=torch.int32),
                                             features=self._half(verdict.features)))
                     target.compact()
@@ -220,11 +274,46 @@ class SpeculativeGenerator:
             except (HubUnavailable, HubError) as exc:
                 log.warning("%s: %s; finishing this request on its own", self.name, exc)
                 stats.note = str(exc)
+                if isinstance(exc, HubError) and exc.error.code == ErrorCode.NO_HELLO:
+                    self.close()
+                    self.retry_at = time.monotonic()
             finally:
                 if tag and self.client is not None:
                     self.client.send(Close(tag=tag))
         while True:
-            yield [target.step()]
+            yield [self._step(target)]
+
+    def _step(self, target: TargetModel) -> int:
+        """One plain step, timed: the step time tells the hub our standalone speed."""
+        start = time.perf_counter()
+        token = target.step()
+        took = time.perf_counter() - start
+        self.step_s = took if not self.step_s else 0.9 * self.step_s + 0.1 * took
+        return token
+
+    def _plain_round(self, target: TargetModel, reply: Propose, stats: GenerationStats,
+                     finishes: Callable[[list[int]], bool]) -> Iterator[list[int]]:
+        """Decode ``reply.plain`` tokens alone, yielding each; return their COMMIT, or None
+        when they end the request (the last round is never committed)."""
+        start = time.perf_counter()
+        tokens: list[int] = []
+        feats: list[torch.Tensor] = []
+        for _ in range(reply.plain):
+            token = self._step(target)
+            if finishes([token]):
+                yield [token]
+                return None
+            tokens.append(token)
+            if target.step_features is not None:
+                feats.append(target.step_features)
+            yield [token]
+        took = time.perf_counter() - start
+        stats.plain_rounds += 1
+        stats.plain_tokens += len(tokens)
+        stats.plain_s += took
+        return Commit(tag=reply.tag, seq=reply.seq, accepted=0, verify_ms=1e3 * took,
+                      step_ms=1e3 * self.step_s, tokens=torch.tensor(tokens, dtype=torch.int32),
+                      features=self._half(torch.cat(feats)) if feats else None)
 
     def _ask(self, msg, stats: GenerationStats, tag: int = 0, ref: int = 0) -> Propose:
         t0 = time.perf_counter()

@@ -40,6 +40,8 @@ class TargetModel:
         self.cache = DynamicCache(config=model.config)
         self.device = next(model.parameters()).device
         self.last: int | None = None
+        self.step_features: torch.Tensor | None = None
+        """Features of the token the last ``step`` fed, when features are wanted."""
         self._keep: tuple[int, list[int]] | None = None
 
     def features_of(self, out) -> torch.Tensor | None:
@@ -77,6 +79,7 @@ class TargetModel:
         """One plain autoregressive step, for decoding without a hub."""
         self.compact()
         out = self._forward([self.last])
+        self.step_features = self.features_of(out)
         self.last = self.next_token(out.logits[0, -1])
         return self.last
 

@@ -12,6 +12,7 @@ from starhub.protocol import (
     Open,
     Propose,
     ProtocolError,
+    Reject,
     Stats,
     Welcome,
 )
@@ -25,7 +26,9 @@ def roundtrip(msg, limits=Limits()):
 def test_every_message_roundtrips_with_its_arrays():
     feats = np.random.rand(4, 8).astype(np.float16)
     msgs = [
-        Hello(name="t", vocab_size=100, tokenizer_fp="ab", hidden_size=8, num_layers=2),
+        Hello(name="t", vocab_size=100, tokenizer_fp="ab", hidden_size=8, num_layers=2,
+              step_ms=41.5),
+        Reject(code=9, reason="saturated", retry_after_s=1.0),
         Welcome(drafter="ngram", feature_layers=[-1], depth=3, topk=2, max_nodes=8, ttl_s=5.0,
                 max_message_bytes=1000),
         Open(ref=7, prompt_len=4, temperature=0.5, top_p=0.9, seed=3,
@@ -33,7 +36,10 @@ def test_every_message_roundtrips_with_its_arrays():
         Propose(tag=9, seq=2, tokens=np.array([5, 6, 7], np.int32),
                 parents=np.array([-1, 0, 0], np.int32),
                 dist_ids=np.zeros((4, 2), np.int32), dist_probs=np.ones((4, 2), np.float32)),
-        Commit(tag=9, seq=2, accepted=1, tokens=np.array([5, 8], np.int32)),
+        Commit(tag=9, seq=2, accepted=1, verify_ms=55.0, step_ms=40.0,
+               tokens=np.array([5, 8], np.int32)),
+        Propose(tag=9, seq=3, plain=16),
+        Commit(tag=9, seq=3, accepted=0, tokens=np.arange(16, dtype=np.int32)),
         Close(tag=9),
         Stats(body={"r_q": 1.5}),
     ]
@@ -77,6 +83,8 @@ def frames_with(header_changes=None, drop=None, arrays=None):
     (frames_with(arrays=[b"\x00" * 7]), ErrorCode.BAD_FRAME),
     (frames_with({"arrays": [["tokens", "object", [1]]]}), ErrorCode.BAD_FIELD),
     (frames_with({"accepted": 3}), ErrorCode.BAD_FIELD),
+    (frames_with({"verify_ms": float("nan")}), ErrorCode.BAD_FIELD),
+    (frames_with({"step_ms": -1.0}), ErrorCode.BAD_FIELD),
 ])
 def test_malformed_messages_raise_protocol_errors_with_codes(frames, code):
     with pytest.raises(ProtocolError) as info:
@@ -96,6 +104,14 @@ def test_tree_with_forward_parent_is_rejected():
     msg = Propose(tag=1, tokens=np.array([1, 2], np.int32), parents=np.array([1, -1], np.int32))
     with pytest.raises(ProtocolError, match="earlier node"):
         roundtrip(msg)
+
+
+def test_a_plain_round_carries_no_tree():
+    msg = Propose(tag=1, plain=4, tokens=np.array([1], np.int32), parents=np.array([-1], np.int32))
+    with pytest.raises(ProtocolError, match="plain"):
+        roundtrip(msg)
+    with pytest.raises(ProtocolError, match="plain"):
+        roundtrip(Propose(tag=1, plain=-2))
 
 
 def test_open_features_must_pair_with_tokens():

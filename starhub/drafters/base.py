@@ -44,6 +44,10 @@ class Drafter(ABC):
     def propose(self, ctx: DraftContext, shape: TreeShape) -> DraftTree:
         """Draft a tree after ``ctx.tokens``; may read and update ``ctx.state``."""
 
+    def probe_context(self) -> DraftContext:
+        """A throwaway session to time drafts on before any target has connected."""
+        return DraftContext(tokens=list(range(1, 17)))
+
     def check_target(self, hello: Hello) -> str | None:
         """Why this drafter cannot serve the target that sent ``hello``, or None."""
         return None

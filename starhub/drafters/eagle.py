@@ -80,6 +80,11 @@ class EagleDrafter(Drafter):
                                dtype=dtype)
         return cls(head, label=str(head_dir))
 
+    def probe_context(self) -> DraftContext:
+        ctx = super().probe_context()
+        ctx.features = [torch.zeros(len(ctx.tokens) - 1, self.head.feature_size)]
+        return ctx
+
     def check_target(self, hello: Hello) -> str | None:
         if hello.vocab_size != self.head.vocab_size:
             return (f"EAGLE head '{self.label}' drafts a {self.head.vocab_size}-token vocabulary,"

@@ -1,0 +1,140 @@
+"""The control plane on synthetic measurements: the load model's N_full and N_max, the
+admission rule, and the tree-shape choice."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from bench.model import expected_accepted
+from starhub.control import AUTO, Acceptance, ControlConfig, Controller, LinearFit
+
+STEP, T_S, T_V, T_C = 25e-3, 1.4e-3, 25e-3, 1e-3
+
+
+def controller(depth=6, max_targets=AUTO, topk=1, max_nodes=6) -> Controller:
+    ctl = Controller(ControlConfig(depth=depth, topk=topk, max_nodes=max_nodes,
+                                   max_targets=max_targets))
+    for d in range(1, 9):
+        for _ in range(3):
+            ctl.observe_draft(d, min(max_nodes, topk * d), d * T_S)
+    return ctl
+
+
+def run_rounds(ctl: Controller, tag: int, beta: float, rounds: int, seed: int = 0) -> None:
+    """A session's rounds as the hub sees them: choose, then the target's COMMIT."""
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        choice = ctl.choose(tag)
+        if choice.plain:
+            ctl.observe_commit(tag, 0, 0, 0, choice.plain * STEP, choice.plain * STEP + T_C,
+                               STEP)
+            continue
+        accepted = 0
+        while accepted < choice.depth and rng.random() < beta:
+            accepted += 1
+        ctl.observe_commit(tag, accepted, choice.depth, choice.nodes, T_V, T_V + T_C, STEP)
+
+
+def test_linear_fit_recovers_a_cost_curve_and_keeps_the_prior_where_data_is_silent():
+    fit = LinearFit([0.0, 0.0])
+    for nodes in (1, 4, 8, 16) * 20:
+        fit.update([1.0, nodes], 0.040 + 0.0017 * nodes)
+    assert fit.predict([1.0, 10]) == pytest.approx(0.057, rel=0.02)
+    flat = LinearFit([0.02, 0.001])
+    for _ in range(50):
+        flat.update([1.0, 10], 0.03)
+    assert flat.predict([1.0, 10]) == pytest.approx(0.03, rel=0.02)
+
+
+def test_acceptance_by_depth_learns_beta_and_starts_new_sessions_from_the_hub_curve():
+    hub = Acceptance()
+    session = Acceptance(parent=hub)
+    rng = random.Random(3)
+    for _ in range(3000):
+        accepted = 0
+        while accepted < 6 and rng.random() < 0.8:
+            accepted += 1
+        session.observe(6, accepted)
+    assert session.betas()[1:4] == pytest.approx([0.8] * 3, abs=0.07)
+    fresh = Acceptance(parent=hub)
+    assert fresh.expected_tokens()[6] == pytest.approx(1 + expected_accepted(0.8, 6), rel=0.1)
+
+
+def test_n_full_and_n_max_follow_the_star_model():
+    """t_s=1.4ms, depth 6, Z=26ms, beta 0.8, t_step 25ms: N_full = 5; every target keeps
+    its standalone speed while N·S <= tau·t_step, so N_max = 11."""
+    ctl = controller()
+    assert ctl.join(b"a", "a", STEP, 0.0) is None
+    ctl.open(1, b"a", STEP)
+    run_rounds(ctl, 1, 0.8, 3000)
+    assert ctl.n_full() == 5
+    tau = 1 + expected_accepted(0.8, 6)
+    assert abs(ctl.n_max() - math.floor(tau * STEP / (6 * T_S))) <= 1
+
+
+def test_auto_admission_stops_at_n_max_and_a_freed_slot_is_reused():
+    ctl = controller()
+    admitted = []
+    for i in range(16):
+        who = f"t{i}".encode()
+        if ctl.join(who, who.decode(), STEP, 0.0) is not None:
+            break
+        ctl.open(i + 1, who, STEP)
+        run_rounds(ctl, i + 1, 0.8, 400, seed=i)
+        admitted.append(who)
+    assert abs(len(admitted) - ctl.n_max()) <= 1
+    assert ctl.join(b"late", "late", STEP, 0.0) == "saturated"
+    assert ctl.rejections >= 1
+    ctl.leave(admitted[0])
+    assert ctl.join(b"late", "late", STEP, 0.0) is None
+
+
+def test_a_fixed_limit_counts_admitted_targets_only():
+    ctl = controller(max_targets=2)
+    assert ctl.join(b"a", "a", STEP, 0.0) is None
+    assert ctl.join(b"b", "b", STEP, 0.0) is None
+    assert "admission limit of 2" in ctl.join(b"c", "c", STEP, 0.0)
+    assert ctl.join(b"a", "a", STEP, 0.0) is None, "a known target is never turned away"
+    ctl.leave(b"b")
+    assert ctl.join(b"c", "c", STEP, 0.0) is None
+
+
+def test_adaptive_depth_goes_deep_for_a_good_drafter_and_plain_for_a_bad_one():
+    ctl = controller(depth=AUTO, max_targets=0, max_nodes=8)
+    ctl.join(b"good", "good", STEP, 0.0)
+    ctl.join(b"bad", "bad", STEP, 0.0)
+    ctl.open(1, b"good", STEP)
+    ctl.open(2, b"bad", STEP)
+    run_rounds(ctl, 1, 0.9, 300)
+    run_rounds(ctl, 2, 0.05, 300)
+    assert ctl.choose(1).depth >= 5
+    choices = [ctl.choose(2) for _ in range(40)]
+    plain = [c for c in choices if c.plain]
+    assert len(plain) >= 30, "a session no tree speeds up decodes plainly"
+    assert any(c.probe for c in choices), "and is re-probed now and then"
+
+
+def test_adaptive_depth_shortens_trees_when_the_hub_saturates():
+    """At saturation every layer one session drafts delays all the others."""
+    alone = controller(depth=AUTO, max_targets=0, max_nodes=8)
+    alone.join(b"t", "t", STEP, 0.0)
+    alone.open(1, b"t", STEP)
+    run_rounds(alone, 1, 0.75, 400)
+    crowd = controller(depth=AUTO, max_targets=0, max_nodes=8)
+    for i in range(24):
+        crowd.join(bytes([i]), str(i), STEP, 0.0)
+        crowd.open(i + 1, bytes([i]), STEP)
+    for _ in range(40):
+        for i in range(24):
+            run_rounds(crowd, i + 1, 0.75, 1, seed=i)
+    deep_alone = alone.choose(1).depth
+    crowd_depths = [crowd.sessions[i + 1].choice.depth for i in range(24)]
+    assert max(crowd_depths) < deep_alone
+
+
+def test_a_target_without_a_known_step_time_is_admitted():
+    ctl = controller()
+    assert ctl.join(b"old", "old", 0.0, 0.0) is None
