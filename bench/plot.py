@@ -9,11 +9,20 @@ from pathlib import Path
 def _series(rows: list[dict], key: str, sub: str | None = None) -> tuple[list, list]:
     xs, ys = [], []
     for row in rows:
-        value = row.get(sub, {}).get(key) if sub else row.get(key)
+        value = (row.get(sub) or {}).get(key) if sub else row.get(key)
         if value is not None:
             xs.append(row["targets"])
             ys.append(value)
     return xs, ys
+
+
+def _variants(star: list[dict]) -> dict[str, list[dict]]:
+    """Star rows by the comparison options they ran with (depth, admission)."""
+    out: dict[str, list[dict]] = {}
+    for row in star:
+        out.setdefault(f"depth {row.get('depth')}, max-targets {row.get('max_targets', 0)}",
+                       []).append(row)
+    return out
 
 
 def plot(doc: dict, out: str | Path) -> None:
@@ -26,6 +35,8 @@ def plot(doc: dict, out: str | Path) -> None:
     baselines = [r for r in doc["rows"] if r["mode"] != "star"]
     emulated = doc["config"].get("mode") == "emulated"
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    groups = _variants(star)
+    first_label, star = next(iter(groups.items()), ("", star))
 
     left.plot(*_series(star, "r_q"), "o-", color="tab:blue", label="$r_q$ (hub drafts/s)")
     left.plot(*_series(star, "r_p"), "s-", color="tab:orange",
@@ -49,11 +60,13 @@ def plot(doc: dict, out: str | Path) -> None:
     handles = left.get_legend_handles_labels()
     more = load_ax.get_legend_handles_labels()
     left.legend(handles[0] + more[0], handles[1] + more[1], fontsize=8, loc="center right")
-    left.set_title("round speeds and load")
+    left.set_title("round speeds and load" + (f" ({first_label})" if len(groups) > 1 else ""))
 
-    right.plot(*_series(star, "system_tok_s"), "o-", color="tab:red", label="system_tok_s")
-    right.plot(*_series(star, "per_target_tok_s"), "s-", color="tab:purple",
-               label="per_target_tok_s")
+    for (label, rows), marker in zip(groups.items(), "osD^v<>p*h" * 4, strict=False):
+        suffix = f" ({label})" if len(groups) > 1 else ""
+        right.plot(*_series(rows, "system_tok_s"), marker + "-", label="system_tok_s" + suffix)
+        right.plot(*_series(rows, "per_target_tok_s"), marker + ":",
+                   label="per_target_tok_s" + suffix)
     if emulated:
         right.plot(*_series(star, "system_tok_s", "model"), "--", color="tab:red", alpha=0.6,
                    label="system_tok_s model")

@@ -18,7 +18,9 @@ from starhub.launch import READY, child_env, spawn_hub, target_command
 from starhub.models import DTYPES, LINEARS
 
 DEFAULT_SHAPE = TreeShape()
-DEFAULT_DEPTH: int | str = DEFAULT_SHAPE.depth
+DEFAULT_DEPTH: int | str = AUTO
+"""The hub chooses each round's depth: on prompts its head knows it drafts as deep as a
+fixed tree would, and where no tree pays the target decodes plainly at its own speed."""
 
 
 def depth_arg(text: str) -> int | str:
@@ -68,12 +70,12 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
                         "for tests), 'self:layers=K' (its first K layers; the default), or a "
                         "model spec with the target's tokenizer")
     p.add_argument("--depth", type=depth_arg, default=DEFAULT_DEPTH,
-                   help="tree layers drafted per round (fewer when no deeper node could make "
-                        "the budget), or 'auto': the hub picks each session's depth every "
-                        f"round, up to {MAX_AUTO_DEPTH}, for the most tokens per second "
-                        "given its measured acceptance, its target's verify cost and the "
-                        "hub's load, and lets a session that no tree speeds up decode "
-                        "plainly (re-probing it now and then)")
+                   help="'auto' (default): the hub picks each session's depth every round, "
+                        f"up to {MAX_AUTO_DEPTH}, for the most tokens per second given its "
+                        "measured acceptance, its target's verify cost and the hub's load, "
+                        "and lets a session that no tree speeds up decode plainly "
+                        "(re-probing it now and then). A number fixes the tree layers drafted "
+                        "per round (fewer when no deeper node could make the budget)")
     p.add_argument("--topk", type=int, default=DEFAULT_SHAPE.topk,
                    help="paths expanded per layer, and children per expanded node")
     p.add_argument("--max-nodes", type=int, default=DEFAULT_SHAPE.max_nodes,

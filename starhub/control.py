@@ -15,116 +15,22 @@ where no tree pays. The hub calls this module; it never touches sockets.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+from starhub.estimators import MAX_AUTO_DEPTH, Acceptance, Ema, LinearFit
+
 AUTO = "auto"
-MAX_AUTO_DEPTH = 8
 PLAIN_TOKENS = 16
 """Tokens a target decodes on its own per plain round: the round trip is paid once."""
 MAX_PROBE_GAP = 8
-"""Plain rounds between two probes of a plain session grow 1, 2, 4, ... up to this."""
+"""Plain rounds between two probes of a target's plain sessions: 2, 4, then this many."""
+PROBE_DEPTH = 2
+"""Probes draft at most this deep: acceptance near the root says whether trees pay, and
+a shallow tree costs least when they do not."""
 MARGIN = 1.02
 """A tree must beat plain decoding by this factor: the estimates are noisy, plain is not."""
-
-
-@dataclass
-class LinearFit:
-    """``y ≈ w·x`` by exponentially weighted least squares, pulled toward a prior ``w0``.
-
-    ``forget`` sets the memory (about ``1 / (1 - forget)`` samples) so the fit follows a
-    machine whose speed drifts; the prior keeps directions the data never spans sane.
-    """
-
-    prior: np.ndarray
-    forget: float = 0.97
-    strength: float = 0.5
-    a: np.ndarray = field(init=False)
-    b: np.ndarray = field(init=False)
-    samples: int = 0
-
-    def __post_init__(self) -> None:
-        self.prior = np.asarray(self.prior, float)
-        self.a = np.zeros((len(self.prior), len(self.prior)))
-        self.b = np.zeros(len(self.prior))
-        self._w = self.prior.copy()
-
-    def update(self, x, y: float) -> None:
-        x = np.asarray(x, float)
-        self.a = self.forget * self.a + np.outer(x, x)
-        self.b = self.forget * self.b + x * y
-        self.samples += 1
-        scale = self.strength * np.eye(len(x))
-        self._w = np.linalg.solve(self.a + scale, self.b + scale @ self.prior)
-
-    def predict(self, x) -> float:
-        return float(np.asarray(x, float) @ self._w)
-
-    @property
-    def weights(self) -> list[float]:
-        return self._w.tolist()
-
-
-@dataclass
-class Ema:
-    value: float | None = None
-    alpha: float = 0.1
-
-    def update(self, x: float) -> float:
-        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
-        return self.value
-
-    def get(self, default: float) -> float:
-        return default if self.value is None else self.value
-
-
-class Acceptance:
-    """Per-depth conditional acceptance ``beta_k = P(node at depth k accepted | depth k-1
-    was)``, from decayed counts, shrunk toward a prior curve (the parent's) when data is
-    thin: a new session starts from its target's curve, which starts from the hub's."""
-
-    def __init__(self, parent: Acceptance | None = None, prior: float = 0.5,
-                 pseudo: float = 8.0, forget: float = 0.995):
-        self.parent, self.prior, self.pseudo, self.forget = parent, prior, pseudo, forget
-        self.hits = np.zeros(MAX_AUTO_DEPTH + 1)
-        self.trials = np.zeros(MAX_AUTO_DEPTH + 1)
-
-    def observe(self, depth: int, accepted: int) -> None:
-        """A round that drafted ``depth`` layers and had ``accepted`` nodes accepted."""
-        depth = min(depth, MAX_AUTO_DEPTH)
-        self.hits *= self.forget
-        self.trials *= self.forget
-        reached = min(accepted + 1, depth)
-        self.trials[1:reached + 1] += 1
-        self.hits[1:min(accepted, depth) + 1] += 1
-        if self.parent is not None:
-            self.parent.observe(depth, accepted)
-
-    def betas(self) -> np.ndarray:
-        """``beta_k`` for k = 1..MAX_AUTO_DEPTH (index 0 unused, 1.0).
-
-        Deep nodes are tried less often, so each depth's prior carries what shallower data
-        says: the parent's ``beta_k`` scaled by how this curve compares with the parent's
-        one layer up (at the hub, which has no parent, the previous layer's estimate)."""
-        parent = self.parent.betas() if self.parent is not None else None
-        out = np.ones(MAX_AUTO_DEPTH + 1)
-        for k in range(1, MAX_AUTO_DEPTH + 1):
-            if parent is None:
-                prior = out[k - 1] if k > 1 else self.prior
-            else:
-                prior = parent[k] * out[k - 1] / max(parent[k - 1], 1e-6)
-            prior = min(max(prior, 0.0), 1.0)
-            out[k] = (self.hits[k] + self.pseudo * prior) / (self.trials[k] + self.pseudo)
-        return out
-
-    def expected_tokens(self) -> np.ndarray:
-        """``E(d)`` for d = 0..MAX_AUTO_DEPTH: committed tokens a round, the bonus included."""
-        return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.betas()[1:]))])
-
-    def by_depth(self) -> list[float]:
-        """Unconditional acceptance of the node at depth k, as the metrics report it."""
-        return np.cumprod(self.betas()[1:]).round(4).tolist()
 
 
 @dataclass(frozen=True)
@@ -180,6 +86,10 @@ class TargetModel:
         self.verify = LinearFit([base, config.verify_slope_prior * base])
         self.acceptance = Acceptance(parent=hub)
         self.sessions: set[int] = set()
+        self.plain_streak = 0
+        self.probe_gap = 2
+        """Plain rounds until the next probe; it doubles after each probe, up to
+        MAX_PROBE_GAP, and is kept across the target's sessions."""
 
     def step_s(self) -> float:
         return self.step.get(0.0)
@@ -199,8 +109,6 @@ class SessionModel:
     """Hub time per round at the current choice (0 when plain)."""
     z: float = 0.0
     e: float = 1.0
-    plain_streak: int = 0
-    probes: int = 0
 
 
 class Controller:
@@ -265,6 +173,8 @@ class Controller:
         if reason is not None:
             self.rejections += 1
             self.rejected_recently[identity] = now
+            if len(self.rejected_recently) > 1024:
+                self._forget_rejected(now)
             return reason
         self.rejected_recently.pop(identity, None)
         self.targets[identity] = candidate
@@ -323,10 +233,13 @@ class Controller:
         if sm is not None:
             sm.target.sessions.discard(tag)
 
-    def _round(self, sm: SessionModel, depth: int, nodes: int) -> tuple[float, float, float]:
+    def _round(self, sm: SessionModel, depth: int, nodes: int,
+               expected: np.ndarray | None = None) -> tuple[float, float, float]:
+        """(S, Z, E) of one round of this shape; ``expected`` is E by depth, if known."""
         s = self.service_s(depth, nodes)
         z = sm.target.t_c.get(self.config.t_c_prior_s) + sm.target.verify_s(nodes)
-        return s, z, float(sm.acceptance.expected_tokens()[min(depth, MAX_AUTO_DEPTH)])
+        expected = sm.acceptance.expected_tokens() if expected is None else expected
+        return s, z, float(expected[min(depth, MAX_AUTO_DEPTH)])
 
     def _load(self, skip: int | None = None) -> float:
         return sum(sm.s for tag, sm in self.sessions.items() if tag != skip)
@@ -348,24 +261,26 @@ class Controller:
 
         step = sm.target.step_s()
         standalone = 1.0 / step if step > 0 else 0.0
-        best, best_total, best_tree = None, others_rate(load) + standalone, None
+        best, best_total, probe = None, others_rate(load) + standalone, None
+        expected = sm.acceptance.expected_tokens()
         for depth, nodes in self.config.shapes():
-            s, z, e = self._round(sm, depth, nodes)
+            s, z, e = self._round(sm, depth, nodes, expected)
             own = e / max(s + z, load + s)
             total = own + others_rate(load + s)
-            if best_tree is None or total > best_tree[0]:
-                best_tree = (total, depth, nodes, s, z, e)
+            if depth <= PROBE_DEPTH and (probe is None or own > probe[0]):
+                probe = (own, depth, nodes, s, z, e)
             if own >= MARGIN * standalone and total > best_total:
                 best, best_total = (depth, nodes, s, z, e), total
+        target = sm.target
         if best is not None:
-            sm.plain_streak = 0
+            target.plain_streak, target.probe_gap = 0, 2
             depth, nodes, s, z, e = best
             return self._set(sm, Choice(depth, nodes), s, z, e)
-        sm.plain_streak += 1
-        if sm.plain_streak > min(2 ** sm.probes, MAX_PROBE_GAP):
-            sm.plain_streak = 0
-            sm.probes += 1
-            _, depth, nodes, s, z, e = best_tree
+        target.plain_streak += 1
+        if target.plain_streak > target.probe_gap:
+            target.plain_streak = 0
+            target.probe_gap = min(2 * target.probe_gap, MAX_PROBE_GAP)
+            _, depth, nodes, s, z, e = probe
             return self._set(sm, Choice(depth, nodes, probe=True), s, z, e)
         return self._set(sm, Choice(plain=self.config.plain_tokens), 0.0, 0.0, 1.0)
 
@@ -415,11 +330,15 @@ class Controller:
         s, z, *_ = self.typical()
         return math.ceil(z / s - 1e-9) + 1
 
-    def snapshot(self, now: float) -> dict:
-        load = self._load()
+    def _forget_rejected(self, now: float) -> None:
+        """Rejected targets count as waiting until they have not asked for a while."""
         for identity, since in list(self.rejected_recently.items()):
             if now - since > max(10.0, 5 * self.config.retry_after_s):
                 del self.rejected_recently[identity]
+
+    def snapshot(self, now: float) -> dict:
+        load = self._load()
+        self._forget_rejected(now)
         s, z, e, step, depth = self.typical()
         per_target = []
         for target in self.targets.values():

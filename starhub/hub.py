@@ -3,6 +3,8 @@
 receiver -> global request buffer -> work-conserving worker (drafts in a thread) -> sender.
 The receiver never waits for drafting, so a slow target never holds up the others, and
 nothing a peer sends can stop the loop: bad input gets an ERROR and serving goes on.
+The controller (``starhub.control``) admits targets at HELLO and shapes every round before
+it enters the buffer; a round it makes plain is answered at once and never drafted.
 """
 
 from __future__ import annotations
@@ -212,7 +214,8 @@ class Hub:
         shape = self.config.shape
         self.reply(identity, Welcome(drafter=self.drafter.name,
                                      feature_layers=list(self.drafter.feature_layers),
-                                     depth=shape.depth, topk=shape.topk,
+                                     depth=0 if self.config.adaptive else shape.depth,
+                                     topk=shape.topk,
                                      max_nodes=shape.max_nodes, ttl_s=self.config.ttl_s,
                                      max_message_bytes=self.limits.max_message_bytes))
 
@@ -292,6 +295,8 @@ class Hub:
         choice = self.control.choose(session.tag)
         session.choice = choice
         self.metrics.chose(choice.label)
+        log.debug("session %d round %d: %s%s", session.tag, session.seq, choice.label,
+                  " (probe)" if choice.probe else "")
         now = time.monotonic()
         if choice.plain:
             self.metrics.returned(session.tag, now)

@@ -107,6 +107,9 @@ class HubMetrics:
 
     def returned(self, key: int, now: float) -> None:
         """A COMMIT came back: closes the return time Z of ``key``'s last draft, if any."""
+        if self.first_arrival is None:
+            self.first_arrival = now
+        self.last_event = now
         sent = self._proposed_at.pop(key, None)
         if sent is not None:
             self.return_s += now - sent
@@ -114,9 +117,6 @@ class HubMetrics:
 
     def arrived(self, key: int, identity: bytes, now: float) -> None:
         """A request entered the buffer; closes the return time Z of ``key``'s last draft."""
-        if self.first_arrival is None:
-            self.first_arrival = now
-        self.last_event = now
         self.returned(key, now)
         totals = self.peer(identity)
         if not totals.first:

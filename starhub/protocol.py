@@ -1,4 +1,4 @@
-"""Protocol v1 messages: small typed dataclasses with strict, declarative validation.
+"""Protocol v2 messages: small typed dataclasses with strict, declarative validation.
 
 Every message travels as one multipart ZeroMQ message (see ``transport``). The header
 fields of each dataclass are checked against their annotations; array fields are checked
@@ -99,6 +99,7 @@ class Welcome(Message):
     drafter: str = ""
     feature_layers: list[int] = field(default_factory=list)
     depth: int = 0
+    """Tree depth, or 0 when the hub chooses it round by round (``--depth auto``)."""
     topk: int = 0
     max_nodes: int = 0
     ttl_s: float = 0.0

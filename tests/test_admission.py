@@ -87,6 +87,22 @@ def test_a_rejected_target_decodes_alone_then_asks_again(tiny_model):
         hub.stop()
 
 
+def test_a_target_whose_idle_slot_was_freed_says_hello_again_and_keeps_speculating(
+        tiny_model):
+    from starhub.drafters.ngram import NgramDrafter
+
+    model, tok = tiny_model
+    hub = HubThread(NgramDrafter(), peer_grace_s=0.3)
+    try:
+        with attach(model, tok, hub.address, name="idle") as session:
+            time.sleep(1.5)
+            assert stats(hub.address)["admitted"] == 0
+            result = session.generate("one two one two one two", max_new_tokens=8)
+            assert not result.stats.standalone and not result.stats.note
+    finally:
+        hub.stop()
+
+
 @pytest.mark.slow
 def test_a_session_no_tree_helps_decodes_plainly_and_stays_lossless(tiny_model, tiny_dir):
     """A one-layer truncation of a random model is almost never right: under --depth auto
@@ -104,3 +120,5 @@ def test_a_session_no_tree_helps_decodes_plainly_and_stays_lossless(tiny_model, 
         body = stats(hub.address)
         assert body["plain_rounds"] == result.stats.plain_rounds
         assert body["depth"] == "auto"
+        intercept, per_node = body["control"]["targets"][0]["verify_ms_fit"]
+        assert intercept + 4 * per_node > 0, "the target reports its verification time"
