@@ -37,9 +37,18 @@ METRIC_NOTES = {
     "load": "fraction of the hub's active window spent drafting",
     "mean_accept_len": "committed tokens per verification round, bonus included",
     "speedup_vs_generate": "per_target_tok_s over the hf-generate row's, same prompts and run",
-    "target_split": "seconds summed over targets: prefill, verify, hub_queue + hub_draft "
-                    "(waiting for the hub, by the hub's own account), comm (the rest of each "
-                    "round trip), other",
+    "target_split": "seconds summed over targets: prefill, verify, plain (rounds the target "
+                    "decoded alone at the hub's word), hub_queue + hub_draft (waiting for "
+                    "the hub, by the hub's own account), comm (the rest of each round trip), "
+                    "other (the last, uncommitted plain round of each request included)",
+    "admitted": "targets that got drafts from the hub (real mode: for at least one prompt; "
+                "emulated: holding a slot at the end of the window); rejected: the others",
+    "n_max": "the hub's load model's N_max at the end of the row: the most typical targets "
+             "that all keep their standalone speed",
+    "per_target": "each target's tokens/s, whether it was admitted, and its standalone speed "
+                  "(1 / its measured plain step)",
+    "choices": "rounds by the hub's shape choice: d{depth}n{nodes} or plain",
+    "control": "the hub's load model at the end of the row (STATS 'control')",
 }
 
 
@@ -202,6 +211,7 @@ def star_row(cfg: BenchConfig, n: int, results: list[list[dict]], hub: dict,
         n_max=hub.get("n_max"),
         n_full=hub.get("n_full"),
         choices=hub.get("choices"),
+        control=hub.get("control"),
         plain_tokens=sum(g["stats"].get("plain_tokens", 0) for g in gens),
         **{k: hub.get(k) for k in ("t_s_ms", "t_wait_ms", "t_idle_ms", "r_q", "load")},
         hub={k: hub.get(k) for k in ("wall_s", "rounds", "t_idle_gap_ms", "t_sched_ms",

@@ -23,32 +23,27 @@ DEFAULT_DEPTH: int | str = AUTO
 fixed tree would, and where no tree pays the target decodes plainly at its own speed."""
 
 
-def depth_arg(text: str) -> int | str:
-    """``--depth``: a number of tree layers, or ``auto``."""
-    if str(text).strip().lower() == AUTO:
-        return AUTO
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a depth >= 1 or 'auto', got '{text}'") \
-            from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"depth must be at least 1, got {value}")
-    return value
+def auto_or_count(minimum: int, what: str):
+    """An argparse type for options that take ``auto`` or a whole number >= ``minimum``."""
+
+    def parse(text: str) -> int | str:
+        if str(text).strip().lower() == AUTO:
+            return AUTO
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected 'auto' or a whole number >= {minimum}, got '{text}'") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{what} must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = what
+    return parse
 
 
-def max_targets_arg(text: str) -> int | str:
-    """``--max-targets``: ``auto``, a number, or 0 for no limit."""
-    if str(text).strip().lower() == AUTO:
-        return AUTO
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a count >= 0, got '{text}'") \
-            from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"max-targets must be >= 0, got {value}")
-    return value
+depth_arg = auto_or_count(1, "depth")
+max_targets_arg = auto_or_count(0, "max-targets")
 DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "scripts" / "prompts" / "demo.jsonl"
 
 

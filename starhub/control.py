@@ -125,6 +125,9 @@ class Controller:
         self.sessions: dict[int, SessionModel] = {}
         self.rejections = 0
         self.rejected_recently: dict[bytes, float] = {}
+        self.hello_step = Ema()
+        """Step times of every target that asked, admitted or not: N_max needs one even
+        when nobody was admitted."""
 
     # --- the load model -------------------------------------------------------------
 
@@ -158,6 +161,8 @@ class Controller:
     def join(self, identity: bytes, name: str, step_s: float, now: float) -> str | None:
         """Admit a target (None) or say why not. An admitted target keeps its slot until
         ``leave``; admission never drops or slows anyone already admitted."""
+        if step_s > 0:
+            self.hello_step.update(step_s)
         if identity in self.targets:
             if step_s > 0:
                 self.targets[identity].step.update(step_s)
@@ -301,7 +306,7 @@ class Controller:
         hub-wide acceptance and the mean of the admitted targets' measurements."""
         targets = list(self.targets.values())
         steps = [t.step_s() for t in targets if t.step_s() > 0]
-        step = float(np.mean(steps)) if steps else 0.0
+        step = float(np.mean(steps)) if steps else self.hello_step.get(0.0)
         t_c = float(np.mean([t.t_c.get(self.config.t_c_prior_s) for t in targets])) \
             if targets else self.config.t_c_prior_s
         expected = self.hub_acceptance.expected_tokens()

@@ -97,3 +97,31 @@ def test_emulated_star_follows_the_model(tmp_path):
         assert row["mean_accept_len"] == pytest.approx(model.tau, rel=0.15)
         assert row["overhead_ms"] < 5
         assert row["z_ms"] == pytest.approx(z, rel=0.2)
+
+
+def test_spec_takes_a_step_time_and_a_beta_range():
+    spec = EmulateSpec.parse("t_step=40ms,beta=0.5..0.9,depth=4")
+    assert spec.step == pytest.approx(0.04)
+    betas = [spec.target_beta(i) for i in range(50)]
+    assert min(betas) >= 0.5 and max(betas) <= 0.9 and len(set(betas)) == 50
+    assert betas == [spec.target_beta(i) for i in range(50)], "the same draw every row"
+    assert EmulateSpec.parse(spec.text()).text() == spec.text()
+    assert EmulateSpec.parse("t_v=30ms").step == pytest.approx(0.03)
+    draw = spec.sampler(random.Random(0), beta=1.0)
+    assert draw(3) == 3 and draw(7) == 7, "a round accepts at most what was drafted"
+
+
+def test_auto_admission_turns_away_targets_a_tree_cannot_speed_up(tmp_path):
+    """Targets whose own step is far faster than any round are all rejected under auto and
+    decode alone; targets whose step is far slower are all admitted. Both rows count every
+    target's own tokens."""
+    opts = EmulateOptions(duration_s=1.0, warmup_s=1.0, log_dir=str(tmp_path))
+    fast, slow = (run_emulated(EmulateSpec.parse(f"t_s=1ms,t_v=20ms,t_c=1ms,t_step={step}"
+                                                 f",beta=0.8,depth=4"), [3], opts,
+                               progress=False, max_targets=["auto"])[0]
+                  for step in ("1ms", "500ms"))
+    assert fast["admitted"] == 0 and fast["rejected"] == 3
+    assert all(t["tok_s"] > 0 and not t["admitted"] for t in fast["per_target"])
+    assert fast["n_max"] == 0
+    assert slow["admitted"] == 3 and slow["n_max"] >= 3
+    assert slow["max_targets"] == "auto" and slow["choices"]
