@@ -161,3 +161,17 @@ def test_target_splits_its_round_trips(tiny_model, ngram_hub):
         assert s.hub_draft_s > 0 and s.comm_s > 0
         assert s.hub_queue_s + s.hub_draft_s + s.comm_s == pytest.approx(s.hub_wait_s, rel=1e-6)
     assert stats[1].hub_draft_s < stats[0].hub_draft_s + stats[1].hub_wait_s
+
+
+def test_departed_peers_totals_stay_bounded():
+    from starhub.metrics import DEPARTED_LIMIT, HubMetrics
+
+    metrics = HubMetrics()
+    for i in range(DEPARTED_LIMIT + 50):
+        who = i.to_bytes(4, "big")
+        metrics.committed(1, 2, who)
+        metrics.forget(who)
+    assert not metrics.peers and len(metrics.departed) == DEPARTED_LIMIT
+    last = (DEPARTED_LIMIT + 49).to_bytes(4, "big")
+    assert metrics.totals_of(last).tokens == 2
+    assert len(metrics.counters()["peers"]) <= 512
