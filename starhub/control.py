@@ -94,6 +94,11 @@ class TargetModel:
     def step_s(self) -> float:
         return self.step.get(0.0)
 
+    def report_step(self, step_s: float) -> None:
+        """A step time the target measured; 0 means it has none yet."""
+        if step_s > 0:
+            self.step.update(step_s)
+
     def verify_s(self, nodes: int) -> float:
         if not self.verify.samples and self.step.value:
             return self.step.value * (1 + self.config.verify_slope_prior * nodes)
@@ -147,8 +152,7 @@ class Controller:
         if sm is None:
             return
         target = sm.target
-        if step_s > 0:
-            target.step.update(step_s)
+        target.report_step(step_s)
         if sm.choice.plain == 0 and depth > 0:
             sm.acceptance.observe(depth, accepted)
             if verify_s > 0:
@@ -164,8 +168,7 @@ class Controller:
         if step_s > 0:
             self.hello_step.update(step_s)
         if identity in self.targets:
-            if step_s > 0:
-                self.targets[identity].step.update(step_s)
+            self.targets[identity].report_step(step_s)
             return None
         limit = self.config.max_targets
         candidate = TargetModel(name, step_s, self.hub_acceptance, self.config)
@@ -217,7 +220,7 @@ class Controller:
     def _others_keep_up(self, load: float) -> bool:
         for sm in self.sessions.values():
             step = sm.target.step_s()
-            if sm.s and step > 0 and sm.e / max(sm.s + sm.z, load) < 1.0 / step:
+            if sm.s and step > 0 and self.predicted_tok_s(sm, load) < 1.0 / step:
                 return False
         return True
 
@@ -228,8 +231,8 @@ class Controller:
         if target is None:
             target = self.targets[identity] = TargetModel(
                 identity.hex()[:8], step_s, self.hub_acceptance, self.config)
-        elif step_s > 0:
-            target.step.update(step_s)
+        else:
+            target.report_step(step_s)
         target.sessions.add(tag)
         self.sessions[tag] = SessionModel(target, Acceptance(parent=target.acceptance))
 
@@ -246,8 +249,8 @@ class Controller:
         expected = sm.acceptance.expected_tokens() if expected is None else expected
         return s, z, float(expected[min(depth, MAX_AUTO_DEPTH)])
 
-    def _load(self, skip: int | None = None) -> float:
-        return sum(sm.s for tag, sm in self.sessions.items() if tag != skip)
+    def _load(self) -> float:
+        return sum(sm.s for sm in self.sessions.values())
 
     def choose(self, tag: int) -> Choice:
         """The shape of this session's next round: fixed, or the one that maximises the
@@ -316,8 +319,7 @@ class Controller:
             verify = [t.verify_s(nodes) for t in targets if t.verify.samples or t.step.value]
             z = t_c + (float(np.mean(verify)) if verify else step)
             e = float(expected[depth])
-            n_max = math.floor(e * step / s) if step and s + z <= e * step else 0
-            key = (n_max, e / (s + z))
+            key = (_n_max(s, z, e, step) or 0, e / (s + z))
             if best is None or key > best[0]:
                 best = (key, s, z, e, depth)
         _, s, z, e, depth = best
@@ -327,13 +329,11 @@ class Controller:
         """The largest N of typical targets that all stay at or above standalone speed;
         None while no target has reported its step time."""
         s, z, e, step, _ = self.typical()
-        if not step:
-            return None
-        return math.floor(e * step / s) if s + z <= e * step else 0
+        return _n_max(s, z, e, step)
 
     def n_full(self) -> int:
         s, z, *_ = self.typical()
-        return math.ceil(z / s - 1e-9) + 1
+        return _n_full(s, z)
 
     def _forget_rejected(self, now: float) -> None:
         """Rejected targets count as waiting until they have not asked for a while."""
@@ -360,7 +360,7 @@ class Controller:
             "depth": self.config.depth, "max_targets": self.config.max_targets,
             "admitted": len(self.targets), "rejections": self.rejections,
             "rejected_waiting": len(self.rejected_recently),
-            "n_max": self.n_max(), "n_full": self.n_full(),
+            "n_max": _n_max(s, z, e, step), "n_full": _n_full(s, z),
             "typical": {"S_ms": 1e3 * s, "Z_ms": 1e3 * z, "tau": e, "step_ms": 1e3 * step,
                         "depth": depth},
             "draft_ms_fit": [1e3 * w for w in self.draft.weights],
@@ -369,3 +369,17 @@ class Controller:
             "acceptance_by_depth": self.hub_acceptance.by_depth(),
             "targets": per_target,
         }
+
+
+def _n_max(s: float, z: float, e: float, step: float) -> int | None:
+    """Targets that can share a hub of service time ``s`` while each, returning after
+    ``z`` with ``e`` tokens a round, keeps its standalone ``1 / step``: N·S <= E·t_step,
+    and none if even one cannot (S + Z > E·t_step). None without a step time."""
+    if not step:
+        return None
+    return math.floor(e * step / s) if s + z <= e * step else 0
+
+
+def _n_full(s: float, z: float) -> int:
+    """StarSD's N_full = ceil(Z / S) + 1: from here on the hub never idles."""
+    return math.ceil(z / s - 1e-9) + 1
