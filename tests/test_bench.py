@@ -109,7 +109,9 @@ def test_real_bench_end_to_end(tiny_dir, tmp_path):
     assert star["targets"] == 2 and star["prompts"] == 2
     assert star["lossless"] is True and star["standalone_prompts"] == 0
     assert star["threads"] == {"hub": 1, "targets": [1, 1]}
-    assert star["tokens"] == doc["rows"][0]["tokens"]
+    generate = doc["rows"][0]
+    assert len(generate["passes_tok_s"]) == 2 and generate["deterministic"] is True
+    assert star["tokens"] * 2 == generate["tokens"] and generate["prompts"] == 2
     assert doc["rows"][0]["speedup_vs_generate"] == 1.0
     assert star["speedup_vs_generate"] == pytest.approx(
         star["per_target_tok_s"] / doc["rows"][0]["per_target_tok_s"])
