@@ -1,4 +1,5 @@
-"""The ``starhub`` command: hub, target, generate, demo, bench, train-eagle."""
+"""The ``starhub`` command: hub, target, generate, demo, bench, train-eagle, and the edge
+topology's verifier and drafter."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 from bench import cli as bench_cli
+from starhub import edge_cli
 from starhub.control import AUTO, MAX_AUTO_DEPTH
 from starhub.drafters import DRAFTERS, TreeShape
 from starhub.launch import READY, child_env, spawn_hub, target_command
@@ -177,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--targets", type=int, default=2)
     _add_weight_args(demo)
+    edge_cli.add_parsers(sub)
     bench_cli.add_parser(sub)
 
     train = sub.add_parser("train-eagle", add_help=False,
@@ -302,7 +305,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"hub": cmd_hub, "target": cmd_target, "generate": cmd_generate, "demo": cmd_demo,
-            "bench": bench_cli.main, "train-eagle": cmd_train_eagle}
+            "bench": bench_cli.main, "train-eagle": cmd_train_eagle, **edge_cli.COMMANDS}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -100,6 +100,18 @@ def load_tokenizer(spec: str):
     return AutoTokenizer.from_pretrained(resolve(spec))
 
 
+def eos_ids(spec: str) -> set[int]:
+    """The ids that end a generation for model ``spec``, as ``generate()`` reads them."""
+    from transformers import GenerationConfig
+
+    path = resolve(spec)
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = AutoTokenizer.from_pretrained(path).eos_token_id
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 

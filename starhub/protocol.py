@@ -1,4 +1,4 @@
-"""Protocol v2 messages: small typed dataclasses with strict, declarative validation.
+"""Protocol v3 messages: small typed dataclasses with strict, declarative validation.
 
 Every message travels as one multipart ZeroMQ message (see ``transport``). The header
 fields of each dataclass are checked against their annotations; array fields are checked
@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-VERSION = 2
+VERSION = 3
 MAX_TREE_NODES = 1024
 MAX_TOKENS = 1 << 20
 
@@ -130,12 +130,16 @@ class Open(Message):
     top_p: float = 1.0
     seed: int = 0
     step_ms: float = 0.0
+    target_tok_s: float = 0.0
+    """Edge: the speed this session asks the verifier for (0: none); deadlines follow."""
     tokens: np.ndarray = array("int32", 1)
     features: np.ndarray | None = array(FEATURE_DTYPES, 2, optional=True)
 
     def check(self) -> None:
         n = len(self.tokens)
         _check_ms(self, "step_ms", self.step_ms)
+        if not 0 <= self.target_tok_s < 1e6:
+            self.fail(f"target_tok_s must lie in [0, 1e6), got {self.target_tok_s}")
         if n < 1 or n > MAX_TOKENS:
             self.fail(f"tokens must hold 1..{MAX_TOKENS} ids, got {n}")
         if not 0 < self.prompt_len < n + 1:
@@ -193,12 +197,15 @@ class Commit(Message):
     ones: the bonus token's own feature is not known until the next verification.
     ``verify_ms`` is the target's time for this round's verification (or plain steps) and
     ``step_ms`` its latest one-token step: the hub's load model learns from both.
+    ``budget`` (edge) is the verifier's grant for the next tree: at most that many nodes
+    (0: no advice).
     """
 
     TYPE: ClassVar[str] = "COMMIT"
     accepted: int = 0
     verify_ms: float = 0.0
     step_ms: float = 0.0
+    budget: int = 0
     tokens: np.ndarray = array("int32", 1)
     features: np.ndarray | None = array(FEATURE_DTYPES, 2, optional=True)
 
@@ -210,6 +217,8 @@ class Commit(Message):
             self.fail(f"accepted={self.accepted} disagrees with {n} tokens")
         _check_ms(self, "verify_ms", self.verify_ms)
         _check_ms(self, "step_ms", self.step_ms)
+        if not 0 <= self.budget <= MAX_TREE_NODES:
+            self.fail(f"budget must lie in [0, {MAX_TREE_NODES}], got {self.budget}")
         if self.features is not None and self.features.shape[0] != n:
             self.fail(f"features need {n} rows, got {self.features.shape[0]}")
 

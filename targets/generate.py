@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from starhub.models import tokenizer_fingerprint
+from starhub.prompts import encode_prompt  # noqa: F401  (re-exported)
 from starhub.protocol import Close, Commit, ErrorCode, Hello, Open, Propose, Stats
 from starhub.tree import DraftTree
 from targets.acceptance import Sampling
@@ -66,15 +67,6 @@ class GenerationResult:
     def to_json(self, id_: object = None) -> dict:
         return {"id": id_, "prompt_ids": self.prompt_ids, "output_ids": self.output_ids,
                 "text": self.text, "stats": asdict(self.stats)}
-
-
-def encode_prompt(tokenizer, prompt: str, chat_template: bool = True) -> list[int]:
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                            add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
 
 def measure_step(model, steps: int = 8) -> float:

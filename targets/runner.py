@@ -11,29 +11,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from starhub.models import linear_kernel, load_model, set_threads
-from targets.generate import SpeculativeGenerator, encode_prompt
+from starhub.prompts import encode_prompt, read_prompts  # noqa: F401  (re-exported)
+from targets.generate import SpeculativeGenerator
 
 log = logging.getLogger("starhub.target")
-
-
-def read_prompts(path: str | Path) -> list[tuple[object, str]]:
-    """(id, prompt) pairs from ``{"id", "prompt"}`` or MT-Bench ``{"question_id", "turns"}``."""
-    out = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not JSON: {exc}") from None
-            if "prompt" in row:
-                out.append((row.get("id", lineno), str(row["prompt"])))
-            elif "turns" in row and row["turns"]:
-                out.append((row.get("question_id", lineno), str(row["turns"][0])))
-            else:
-                raise ValueError(f"{path}:{lineno}: needs 'prompt' or 'turns'")
-    return out
 
 
 def run(hub: str | None, model_spec: str, prompts: str, out: str, max_new_tokens: int,

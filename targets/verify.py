@@ -83,6 +83,12 @@ class TargetModel:
         self.last = self.next_token(out.logits[0, -1])
         return self.last
 
+    def accept(self, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+        """The accepted path and the bonus token, from the logits of the root and nodes."""
+        if self.sampling.greedy:
+            return accept_greedy(tree, logits)
+        return accept_sampled(tree, logits, self.sampling, self.generator)
+
     @torch.inference_mode()
     def verify(self, tree: DraftTree) -> Verdict:
         self.compact()
@@ -95,11 +101,7 @@ class TargetModel:
         out = self._forward([self.last, *tree.tokens.tolist()],
                             position_ids=positions[None].to(self.device),
                             attention_mask=mask[None, None].to(self.device))
-        logits = out.logits[0].float().cpu()
-        if self.sampling.greedy:
-            path, bonus = accept_greedy(tree, logits)
-        else:
-            path, bonus = accept_sampled(tree, logits, self.sampling, self.generator)
+        path, bonus = self.accept(tree, out.logits[0].float().cpu())
         keep = [0] + [i + 1 for i in path]
         self._keep = (cached, keep)
         feats = self.features_of(out)

@@ -1,0 +1,263 @@
+"""The edge drafter: a drafter that owns its users' prompts and sends its trees to a remote
+verifier holding the target (``targets/verifier.py``), over the star's protocol.
+
+Every token it emits comes from a COMMIT: drafts are only ever proposals. If the verifier
+goes silent or forgets a session, the drafter reconnects with backoff and reopens the
+session with everything committed so far as its prompt, so greedy output is unchanged;
+after ``retries`` failed attempts the request fails with ``VerifierUnavailable``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import torch
+import zmq
+
+from starhub.drafters.base import DraftContext, Drafter, TreeShape
+from starhub.protocol import (
+    Close,
+    Commit,
+    Error,
+    ErrorCode,
+    Hello,
+    Message,
+    Open,
+    Propose,
+    ProtocolError,
+    Reject,
+    Welcome,
+)
+from starhub.transport import Limits, configure_socket, decode, encode, to_torch
+
+log = logging.getLogger("starhub.drafter")
+
+
+class VerifierUnavailable(RuntimeError):
+    """The verifier could not be reached, refused us, or kept failing our session."""
+
+
+@dataclass
+class EdgeStats:
+    """Per request, with the keys ``starhub target`` writes where they mean the same."""
+
+    rounds: int = 0
+    new_tokens: int = 0
+    mean_accept_len: float = 0.0
+    tokens_per_s: float = 0.0
+    wall_s: float = 0.0
+    started_at: float = 0.0
+    draft_s: float = 0.0
+    """Drafting trees, on this process."""
+    wait_s: float = 0.0
+    """Waiting for COMMITs: the verifier's queue, its pass, and the link. Idle drafter time."""
+    tree_nodes: int = 0
+    reopened: int = 0
+    threads: int = 0
+    accepted_at_depth: list[int] = field(default_factory=list)
+    accept_len_hist: dict[str, int] = field(default_factory=dict)
+    standalone: bool = False
+
+
+class EdgeDrafter:
+    """One DEALER connection to a verifier, serving this process's requests one at a time."""
+
+    _refs = itertools.count(1)
+
+    def __init__(self, drafter: Drafter, address: str, shape: TreeShape, eos: set[int],
+                 name: str = "drafter", timeout_s: float = 30.0, retries: int = 3,
+                 backoff_s: float = 0.5, limits: Limits = Limits()):
+        self.drafter = drafter
+        self.address = address
+        self.shape = shape
+        self.eos = eos
+        self.name = name
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.limits = limits
+        self.sock: zmq.Socket | None = None
+        self.target: Hello | None = None
+
+    # -- connection -------------------------------------------------------------------
+    def connect(self) -> Hello:
+        """WELCOME the verifier with what we draft; its HELLO describes the target."""
+        self.close()
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        configure_socket(self.sock, self.limits)
+        self.sock.setsockopt(zmq.IDENTITY, f"d{os.getpid()}-{secrets.token_hex(6)}".encode())
+        self.sock.connect(self.address)
+        shape = self.shape
+        self._send(Welcome(drafter=self.drafter.name,
+                           feature_layers=list(self.drafter.feature_layers),
+                           depth=shape.depth, topk=shape.topk, max_nodes=shape.max_nodes))
+        reply = self._recv(lambda m: isinstance(m, Hello | Reject | Error))
+        if isinstance(reply, Reject):
+            raise VerifierUnavailable(f"the verifier refused this drafter: {reply.reason}")
+        if isinstance(reply, Error):
+            raise VerifierUnavailable(f"the verifier answered WELCOME with an error: "
+                                      f"{reply.message}")
+        reason = self.drafter.check_target(reply)
+        if reason:
+            raise VerifierUnavailable(f"cannot draft for the verifier's target: {reason}")
+        self.target = reply
+        log.info("%s: verifier %s serves '%s' (%d-token vocabulary, step %.1f ms)", self.name,
+                 self.address, reply.name, reply.vocab_size, reply.step_ms)
+        return reply
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+
+    def _send(self, msg: Message) -> None:
+        self.sock.send_multipart(encode(msg), copy=False)
+
+    def _recv(self, wanted) -> Message:
+        """The next message ``wanted`` accepts; others (stale replies) are dropped."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000)):
+                raise TimeoutError(f"no reply from the verifier at {self.address} within "
+                                   f"{self.timeout_s:g}s")
+            try:
+                msg = decode(self.sock.recv_multipart(copy=False), self.limits)
+            except ProtocolError as exc:
+                raise TimeoutError(f"the verifier sent an invalid message: {exc.message}") \
+                    from None
+            if wanted(msg):
+                return msg
+            log.debug("%s: dropping a stale %s", self.name, msg.TYPE)
+
+    # -- requests ---------------------------------------------------------------------
+    def generate(self, prompt: list[int], max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, target_tok_s: float = 0.0
+                 ) -> tuple[list[int], EdgeStats]:
+        """Decode one prompt: every returned token was committed by the verifier."""
+        stats = EdgeStats(started_at=time.time(), threads=torch.get_num_threads())
+        start = time.perf_counter()
+        out: list[int] = []
+        failures = 0
+        while not self._done(out, max_new_tokens):
+            try:
+                if self.sock is None:
+                    self.connect()
+                self._session(prompt, out, max_new_tokens, temperature, top_p, seed,
+                              target_tok_s, stats)
+            except (TimeoutError, VerifierUnavailable, _SessionLost) as exc:
+                failures += 1
+                if isinstance(exc, VerifierUnavailable) and "cannot draft" in str(exc):
+                    raise
+                if failures > self.retries:
+                    raise VerifierUnavailable(
+                        f"lost the verifier at {self.address} after {failures} attempts "
+                        f"({len(out)} tokens committed): {exc}") from None
+                delay = self.backoff_s * 2 ** (failures - 1)
+                log.warning("%s: %s; reconnecting in %.1fs (attempt %d of %d)", self.name, exc,
+                            delay, failures, self.retries)
+                self.close()
+                time.sleep(delay)
+                stats.reopened += 1
+        out = self._clip(out, max_new_tokens)
+        stats.new_tokens = len(out)
+        stats.wall_s = time.perf_counter() - start
+        stats.tokens_per_s = len(out) / max(stats.wall_s, 1e-9)
+        if stats.rounds:
+            hist = Counter(stats.accept_len_hist)
+            stats.mean_accept_len = sum(int(k) * v for k, v in hist.items()) / stats.rounds
+        return out, stats
+
+    def _session(self, prompt: list[int], out: list[int], max_new_tokens: int,
+                 temperature: float, top_p: float, seed: int, target_tok_s: float,
+                 stats: EdgeStats) -> None:
+        """OPEN (with everything committed so far), then rounds until done; ``out`` grows
+        by each COMMIT's tokens, so a lost session resumes where it stopped."""
+        ref = next(self._refs)
+        prefix = [*prompt, *out]
+        self._send(Open(ref=ref, prompt_len=len(prompt), temperature=temperature, top_p=top_p,
+                        seed=seed + len(out), target_tok_s=target_tok_s,
+                        tokens=torch.tensor(prefix, dtype=torch.int32)))
+        opened = self._reply(lambda m: isinstance(m, Open) and m.ref == ref, ref=ref)
+        tag = opened.tag
+        first = int(opened.tokens[-1])
+        generator = torch.Generator().manual_seed(seed + len(out))
+        ctx = DraftContext(tokens=opened.tokens.tolist(), temperature=temperature,
+                           generator=generator,
+                           features=[] if opened.features is None else [to_torch(opened.features)])
+        out.append(first)
+        nodes = self.shape.max_nodes
+        seq = 0
+        try:
+            while not self._done(out, max_new_tokens):
+                shape = TreeShape(min(self.shape.depth, nodes), self.shape.topk, nodes,
+                                  self.shape.support)
+                t0 = time.perf_counter()
+                tree = self.drafter.propose(ctx, shape)
+                t1 = time.perf_counter()
+                seq += 1
+                self._send(Propose(tag=tag, seq=seq, tokens=tree.tokens, parents=tree.parents,
+                                   dist_ids=tree.dist_ids, dist_probs=tree.dist_probs))
+                commit = self._reply(lambda m, s=seq: isinstance(m, Commit) and m.tag == tag
+                                     and m.seq == s, tag=tag)
+                stats.draft_s += t1 - t0
+                stats.wait_s += time.perf_counter() - t1
+                tokens = commit.tokens.tolist()
+                if commit.accepted > len(tree) or max(tokens) >= self.target.vocab_size:
+                    raise _SessionLost("the verifier sent an impossible COMMIT")
+                self._count(stats, commit.accepted, len(tree))
+                ctx.tokens.extend(tokens)
+                if commit.features is not None:
+                    ctx.features.append(to_torch(commit.features))
+                out.extend(tokens)
+                nodes = max(1, commit.budget or self.shape.max_nodes)
+        finally:
+            if self.sock is not None:
+                self._send(Close(tag=tag))
+
+    def _reply(self, wanted, tag: int = 0, ref: int = 0) -> Message:
+        msg = self._recv(lambda m: wanted(m) or isinstance(m, Error) and (
+            (tag and m.tag == tag) or (ref and m.ref == ref) or not (m.tag or m.ref)))
+        if isinstance(msg, Error):
+            if msg.code in (ErrorCode.UNKNOWN_TAG, ErrorCode.NO_HELLO, ErrorCode.REJECTED):
+                raise _SessionLost(f"verifier: {msg.message}")
+            raise VerifierUnavailable(f"verifier error {msg.code}: {msg.message}")
+        return msg
+
+    def _done(self, out: list[int], max_new_tokens: int) -> bool:
+        return len(out) >= max_new_tokens or any(t in self.eos for t in out)
+
+    def _clip(self, out: list[int], max_new_tokens: int) -> list[int]:
+        out = out[:max_new_tokens]
+        for i, tok in enumerate(out):
+            if tok in self.eos:
+                return out[: i + 1]
+        return out
+
+    @staticmethod
+    def _count(stats: EdgeStats, accepted: int, nodes: int) -> None:
+        stats.rounds += 1
+        stats.tree_nodes += nodes
+        key = str(accepted + 1)
+        stats.accept_len_hist[key] = stats.accept_len_hist.get(key, 0) + 1
+        while len(stats.accepted_at_depth) < accepted:
+            stats.accepted_at_depth.append(0)
+        for k in range(accepted):
+            stats.accepted_at_depth[k] += 1
+
+
+class _SessionLost(RuntimeError):
+    """The verifier no longer holds our session (it restarted, expired it, or is full)."""
+
+
+def result_json(id_: object, prompt: list[int], output: list[int], text: str,
+                stats: EdgeStats) -> dict:
+    """The line ``starhub target`` writes for a request, from an edge drafter."""
+    return {"id": id_, "prompt_ids": prompt, "output_ids": output, "text": text,
+            "stats": asdict(stats)}

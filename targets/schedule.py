@@ -1,0 +1,253 @@
+"""How the edge verifier shares its forward passes among drafters.
+
+Two decisions, both made by ``Scheduler``: which waiting proposals ride in the next
+batched pass (at most ``budget`` fed tokens and ``max_batch`` rows), and how many tree
+nodes ``S_i`` each drafter may send next. The policies:
+
+- ``fifo``: arrival order, every drafter the same fixed ``S_i``.
+- ``random``: arrival order, ``S_i`` a random split of the budget (a bench baseline).
+- ``goodspeed``: GoodSpeed's gradient scheduling. Split the budget into integer ``S_i``
+  maximising ``sum_i (1/X_i) (1 - a_i^(S_i+1)) / (1 - a_i)`` by a greedy max-heap over
+  marginal gains, where ``a_i`` is drafter i's acceptance per drafted position and ``X_i``
+  its committed tokens per round: proportional fairness (it maximises ``sum log goodput``).
+- ``slo``: WISP-style. A session may ask for a speed; each of its proposals is then due
+  when the session's token count should reach what the round is expected to add. Proposals
+  that would miss their deadline unless served now go first (earliest deadline first),
+  the rest by expected tokens per unit of estimated cost. Anything that has waited
+  ``starve_steps`` passes is served next, so nothing starves.
+
+Nothing here touches sockets or models: the verifier feeds it observations and asks it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+POLICIES = ("fifo", "random", "goodspeed", "slo")
+
+
+@dataclass
+class Waiting:
+    """A PROPOSE waiting for verification."""
+
+    sid: int
+    nodes: int
+    cached: int
+    arrived: float
+    deadline: float = math.inf
+    steps_waited: int = 0
+
+    @property
+    def fed(self) -> int:
+        """Tokens this proposal adds to a forward pass: the root plus its nodes."""
+        return self.nodes + 1
+
+
+@dataclass
+class DrafterState:
+    """One session's running estimates, EMA-smoothed."""
+
+    opened_at: float
+    speed: float = 0.0
+    """Requested tokens/s (0: no SLO)."""
+    accepted: float = 2.0
+    trials: float = 3.0
+    """EMA of accepted positions and of positions tried (accepted plus one rejection)."""
+    goodput: float = 2.0
+    """X_i: EMA of committed tokens per round."""
+    committed: int = 0
+    rounds: int = 0
+    late: int = 0
+
+    @property
+    def alpha(self) -> float:
+        return min(max(self.accepted / max(self.trials, 1e-9), 0.01), 0.99)
+
+
+class VerifyTimeModel:
+    """``T = a·N_new + b·sum(L_cached·L_new) + c·N_cached + d``, fitted online by least
+    squares over the last ``window`` passes. Each pass is predicted before it joins the
+    fit, so ``mape`` is the error on passes the model had not seen."""
+
+    def __init__(self, window: int = 256, prior_ms: float = 20.0):
+        self.rows: deque[tuple[list[float], float]] = deque(maxlen=window)
+        self.coef = np.array([0.0, 0.0, 0.0, prior_ms * 1e-3])
+        self.errors: deque[float] = deque(maxlen=window)
+
+    @staticmethod
+    def features(new: int, cached_x_new: int, cached: int) -> list[float]:
+        return [float(new), float(cached_x_new), float(cached), 1.0]
+
+    def predict(self, new: int, cached_x_new: int, cached: int) -> float:
+        return max(float(np.dot(self.coef, self.features(new, cached_x_new, cached))), 0.0)
+
+    def observe(self, new: int, cached_x_new: int, cached: int, seconds: float) -> None:
+        x = self.features(new, cached_x_new, cached)
+        if len(self.rows) >= 8 and seconds > 0:
+            self.errors.append(abs(self.predict(new, cached_x_new, cached) - seconds) / seconds)
+        self.rows.append((x, seconds))
+        if len(self.rows) >= 4:
+            a = np.array([r[0] for r in self.rows])
+            y = np.array([r[1] for r in self.rows])
+            scale = np.maximum(np.abs(a).max(0), 1e-9)
+            ridge = 1e-6 * np.eye(4)
+            coef = np.linalg.solve((a / scale).T @ (a / scale) + ridge, (a / scale).T @ y)
+            self.coef = coef / scale
+
+    @property
+    def mape(self) -> float | None:
+        return float(np.mean(self.errors)) if self.errors else None
+
+
+def goodspeed_split(alphas: list[float], goodputs: list[float], total: int,
+                    floor: int = 1, cap: int = 64) -> list[int]:
+    """Integer ``S_i`` (each in [floor, cap], summing to at most ``total``) maximising
+    ``sum_i (1/X_i) (1 - a_i^(S_i+1)) / (1 - a_i)``: each step grants one more node to the
+    drafter whose marginal gain ``a_i^(S_i+1) / X_i`` is largest."""
+    sizes = [floor] * len(alphas)
+    left = total - floor * len(alphas)
+    heap = [(-(a ** (floor + 1)) / max(x, 1e-9), i)
+            for i, (a, x) in enumerate(zip(alphas, goodputs, strict=True)) if floor < cap]
+    heapq.heapify(heap)
+    while left > 0 and heap:
+        _, i = heapq.heappop(heap)
+        sizes[i] += 1
+        left -= 1
+        if sizes[i] < cap:
+            heapq.heappush(heap, (-(alphas[i] ** (sizes[i] + 1)) / max(goodputs[i], 1e-9), i))
+    return sizes
+
+
+@dataclass
+class Scheduler:
+    policy: str = "fifo"
+    budget: int = 64
+    """Tokens one forward pass may feed, summed over its rows (C)."""
+    max_batch: int = 0
+    """Rows per pass; 0 means as many as the budget allows."""
+    nodes: int = 10
+    """``fifo``'s fixed S_i and every new session's first one."""
+    cap: int = 32
+    starve_steps: int = 4
+    smoothing: float = 0.2
+    seed: int = 0
+    sessions: dict[int, DrafterState] = field(default_factory=dict)
+    time_model: VerifyTimeModel = field(default_factory=VerifyTimeModel)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown schedule '{self.policy}' ({', '.join(POLICIES)})")
+        if self.budget < 2:
+            raise ValueError("the budget must allow at least one root and one node")
+        self.rng = random.Random(self.seed)
+        self.sizes: dict[int, int] = {}
+
+    # -- sessions ---------------------------------------------------------------------
+    def open(self, sid: int, now: float, speed: float = 0.0) -> None:
+        self.sessions[sid] = DrafterState(opened_at=now, speed=speed)
+        self._resplit()
+
+    def close(self, sid: int) -> None:
+        self.sessions.pop(sid, None)
+        self.sizes.pop(sid, None)
+        self._resplit()
+
+    def observe(self, sid: int, drafted_depth: int, accepted: int, committed: int,
+                finished_at: float, deadline: float = math.inf) -> None:
+        """One verified round: how deep the tree went, how much of it was accepted."""
+        state = self.sessions.get(sid)
+        if state is None:
+            return
+        s = self.smoothing
+        missed = 1 if accepted < drafted_depth else 0
+        state.accepted += s * (accepted - state.accepted)
+        state.trials += s * (accepted + missed - state.trials)
+        state.goodput += s * (committed - state.goodput)
+        state.committed += committed
+        state.rounds += 1
+        state.late += finished_at > deadline
+        self._resplit()
+
+    def nodes_for(self, sid: int) -> int:
+        """The draft budget S_i to send with this session's next COMMIT."""
+        return self.sizes.get(sid, self.nodes)
+
+    def deadline(self, sid: int) -> float:
+        """When this session's next round should be committed to keep its speed."""
+        state = self.sessions.get(sid)
+        if state is None or state.speed <= 0:
+            return math.inf
+        return state.opened_at + (state.committed + state.goodput) / state.speed
+
+    # -- the next pass ----------------------------------------------------------------
+    def pick(self, waiting: list[Waiting], now: float) -> list[Waiting]:
+        """The proposals for the next forward pass (never empty if any wait)."""
+        if not waiting:
+            return []
+        if self.policy == "slo":
+            order = self._slo_order(waiting, now)
+        else:
+            order = sorted(waiting, key=lambda w: w.arrived)
+        rows = self.max_batch or len(order)
+        batch: list[Waiting] = []
+        fed = 0
+        for w in order:
+            if len(batch) >= rows:
+                break
+            if batch and fed + w.fed > self.budget:
+                continue
+            batch.append(w)
+            fed += w.fed
+        for w in waiting:
+            if w not in batch:
+                w.steps_waited += 1
+        return batch
+
+    def _slo_order(self, waiting: list[Waiting], now: float) -> list[Waiting]:
+        alone = {id(w): self.time_model.predict(w.fed, w.cached * w.fed, w.cached)
+                 for w in waiting}
+        critical = [w for w in waiting
+                    if w.steps_waited >= self.starve_steps or w.deadline - now <= 2 * alone[id(w)]]
+        critical.sort(key=lambda w: (w.deadline, w.arrived))
+        rest = [w for w in waiting if w not in critical]
+
+        def utility(w: Waiting) -> float:
+            state = self.sessions.get(w.sid)
+            tokens = state.goodput if state else 1.0
+            cost = self.time_model.coef[0] * w.fed + self.time_model.coef[1] * w.cached * w.fed
+            return tokens / max(cost, 1e-6)
+
+        rest.sort(key=lambda w: (-utility(w), w.arrived))
+        return critical + rest
+
+    def _resplit(self) -> None:
+        sids = list(self.sessions)
+        if not sids or self.policy in ("fifo", "slo"):
+            self.sizes = {}
+            return
+        total = max(self.budget - len(sids), len(sids))
+        if self.policy == "random":
+            cuts = sorted(self.rng.randint(0, total - len(sids)) for _ in sids[1:])
+            bounds = [0, *cuts, total - len(sids)]
+            sizes = [1 + min(bounds[i + 1] - bounds[i], self.cap - 1) for i in range(len(sids))]
+        else:
+            sizes = goodspeed_split([self.sessions[s].alpha for s in sids],
+                                    [self.sessions[s].goodput for s in sids], total,
+                                    cap=self.cap)
+        self.sizes = dict(zip(sids, sizes, strict=True))
+
+    def snapshot(self) -> dict:
+        return {"policy": self.policy, "budget": self.budget, "max_batch": self.max_batch,
+                "time_model_ms": [round(float(c) * 1e3, 6) for c in self.time_model.coef],
+                "time_model_mape": self.time_model.mape,
+                "sessions": {str(sid): {"alpha": round(s.alpha, 3),
+                                        "goodput": round(s.goodput, 3),
+                                        "nodes": self.nodes_for(sid), "rounds": s.rounds,
+                                        "late": s.late}
+                             for sid, s in self.sessions.items()}}

@@ -1,0 +1,363 @@
+"""The edge verifier: one process holding the target model, verifying many drafters' trees
+in batched forward passes (``targets.engine``), shared out by ``targets.schedule``.
+
+The handshake is the star's with the roles swapped, on the same messages: a drafter
+introduces itself with WELCOME (its drafter, the feature layers it needs, its tree shape),
+and the verifier answers with HELLO describing its target (vocabulary, tokenizer, sizes,
+step time), so the drafter checks the target exactly as a hub does. A drafter then OPENs a
+session with its prompt; the verifier prefills it and answers OPEN with the prompt, the
+first token and the prompt's features: what a star target sends its hub. Each PROPOSE is
+answered by a COMMIT with the accepted tokens, the bonus token, their features and the
+next draft budget ``S_i``. CLOSE ends a session; silence past ``ttl_s`` does too.
+
+The loop takes every message that has arrived, then verifies what the scheduler picks in
+one pass: it never waits for a slow drafter, and drafters draft while others verify.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from starhub.models import tokenizer_fingerprint
+from starhub.protocol import (
+    Close,
+    Commit,
+    Error,
+    ErrorCode,
+    Hello,
+    Message,
+    Open,
+    Ping,
+    Pong,
+    Propose,
+    ProtocolError,
+    Reject,
+    Stats,
+    Welcome,
+)
+from starhub.transport import Limits, configure_socket, decode, encode, error_for
+from starhub.tree import DraftTree
+from targets.acceptance import Sampling
+from targets.engine import VerifyEngine
+from targets.generate import feature_dtype, measure_step
+from targets.schedule import Scheduler, Waiting
+
+log = logging.getLogger("starhub.verifier")
+
+
+@dataclass
+class VerifierConfig:
+    bind: str = "tcp://127.0.0.1:5556"
+    budget: int = 128
+    """Tokens one forward pass feeds, over all its rows (C)."""
+    max_batch: int = 0
+    """Rows per pass; 0 (``auto``): as many as the budget holds."""
+    schedule: str = "fifo"
+    nodes: int = 10
+    """The draft budget every session starts with, and ``fifo``'s fixed S_i."""
+    max_nodes: int = 32
+    """The most a schedule grants one tree; larger trees are refused."""
+    ttl_s: float = 120.0
+    max_sessions: int = 256
+    max_message_bytes: int = 64 << 20
+    seed: int = 0
+
+
+@dataclass
+class EdgeSession:
+    tag: int
+    owner: bytes
+    greedy: bool
+    opened_at: float
+    last_seen: float
+    rounds: int = 0
+    committed: int = 0
+
+
+@dataclass
+class Pending:
+    waiting: Waiting
+    tree: DraftTree
+    seq: int
+
+
+@dataclass
+class VerifierStats:
+    steps: int = 0
+    rows: int = 0
+    fed: int = 0
+    verify_s: float = 0.0
+    rounds: int = 0
+    committed: int = 0
+    accepted: int = 0
+    deadlined: int = 0
+    late: int = 0
+    opened: int = 0
+    closed: int = 0
+    expired: int = 0
+    started: float = field(default_factory=time.monotonic)
+    batch_hist: Counter = field(default_factory=Counter)
+    errors: Counter = field(default_factory=Counter)
+
+
+class Verifier:
+    def __init__(self, model, tokenizer, config: VerifierConfig, name: str = "verifier"):
+        self.model = model
+        self.config = config
+        self.limits = Limits(config.max_message_bytes)
+        self.engine = VerifyEngine(model)
+        self.scheduler = Scheduler(config.schedule, config.budget, config.max_batch,
+                                   config.nodes, cap=config.max_nodes, seed=config.seed)
+        cfg = model.config
+        self.step_s = measure_step(model)
+        self.hello = Hello(name=name, vocab_size=cfg.vocab_size,
+                           tokenizer_fp=tokenizer_fingerprint(tokenizer),
+                           hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
+                           step_ms=1e3 * self.step_s)
+        self.peers: dict[bytes, Welcome] = {}
+        self.sessions: dict[int, EdgeSession] = {}
+        self.pending: dict[int, Pending] = {}
+        self.stats = VerifierStats()
+        self.outbox: list[tuple[bytes, Message]] = []
+        self.bound = ""
+
+    # -- the loop ---------------------------------------------------------------------
+    def serve(self, ready: Callable[[str], None] = lambda address: None,
+              stop: Callable[[], bool] = lambda: False) -> None:
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        configure_socket(sock, self.limits)
+        sock.bind(self.config.bind)
+        self.bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        log.info("verifier on %s: schedule %s, budget %d tokens, max batch %s, step %.1f ms",
+                 self.bound, self.config.schedule, self.config.budget,
+                 self.config.max_batch or "auto", 1e3 * self.step_s)
+        ready(self.bound)
+        last_sweep = time.monotonic()
+        try:
+            while not stop():
+                timeout = 0 if self.pending else 100
+                while sock.poll(timeout):
+                    self.receive(sock)
+                    timeout = 0
+                if self.pending:
+                    self.step()
+                self.flush(sock)
+                if time.monotonic() - last_sweep > 1.0:
+                    self.expire()
+                    last_sweep = time.monotonic()
+        finally:
+            sock.close(0)
+
+    def receive(self, sock: zmq.Socket) -> None:
+        frames = sock.recv_multipart(copy=False)
+        identity = frames[0].bytes
+        try:
+            self.handle(identity, decode(frames[1:], self.limits))
+        except ProtocolError as exc:
+            self.stats.errors[exc.code.name] += 1
+            log.warning("drafter %s: %s", identity.hex()[:8], exc.message)
+            self.outbox.append((identity, error_for(exc)))
+        except Exception:
+            log.exception("internal error on a message from %s", identity.hex()[:8])
+            self.stats.errors["INTERNAL"] += 1
+            self.outbox.append((identity, Error(code=int(ErrorCode.INTERNAL),
+                                                message="internal error; see the verifier log")))
+
+    def flush(self, sock: zmq.Socket) -> None:
+        for identity, msg in self.outbox:
+            sock.send_multipart([identity, *encode(msg)], copy=False)
+        self.outbox.clear()
+
+    # -- messages ---------------------------------------------------------------------
+    def handle(self, identity: bytes, msg: Message) -> None:
+        if isinstance(msg, Welcome):
+            self.handle_welcome(identity, msg)
+        elif isinstance(msg, Open):
+            self.handle_open(identity, msg)
+        elif isinstance(msg, Propose):
+            self.handle_propose(identity, msg)
+        elif isinstance(msg, Close):
+            self._session(identity, msg.tag)
+            self.close(msg.tag)
+        elif isinstance(msg, Ping):
+            self.outbox.append((identity, Pong(nonce=msg.nonce)))
+        elif isinstance(msg, Stats):
+            self.outbox.append((identity, Stats(body=self.snapshot())))
+        else:
+            raise ProtocolError(ErrorCode.BAD_TYPE,
+                                f"a verifier does not accept {msg.TYPE}: drafters send WELCOME, "
+                                f"OPEN, PROPOSE and CLOSE (is this a hub's address?)",
+                                tag=msg.tag)
+
+    def handle_welcome(self, identity: bytes, msg: Welcome) -> None:
+        layers = self.hello.num_layers
+        bad = [i for i in msg.feature_layers if not -(layers + 1) <= i <= layers]
+        if bad:
+            self.outbox.append((identity, Reject(
+                code=int(ErrorCode.BAD_FIELD),
+                reason=f"feature layers {bad} do not exist in a {layers}-layer target")))
+            return
+        self.peers[identity] = msg
+        log.info("drafter %s (%s) joined", identity.hex()[:8], msg.drafter or "?")
+        self.outbox.append((identity, self.hello))
+
+    def handle_open(self, identity: bytes, msg: Open) -> None:
+        peer = self.peers.get(identity)
+        if peer is None:
+            raise ProtocolError(ErrorCode.NO_HELLO, "send WELCOME before OPEN", ref=msg.ref)
+        if len(self.sessions) >= self.config.max_sessions:
+            raise ProtocolError(ErrorCode.REJECTED, f"saturated: {len(self.sessions)} sessions "
+                                f"open, the limit is {self.config.max_sessions}", ref=msg.ref)
+        prompt = msg.tokens.tolist()
+        self._check_ids(prompt, msg)
+        tag = secrets.randbits(62) or 1
+        while tag in self.sessions:
+            tag = secrets.randbits(62) or 1
+        now = time.monotonic()
+        first, feats = self.engine.open(tag, prompt, Sampling(msg.temperature, msg.top_p),
+                                        msg.seed, list(peer.feature_layers))
+        self.sessions[tag] = EdgeSession(tag, identity, msg.temperature <= 0, now, now)
+        self.scheduler.open(tag, now, msg.target_tok_s)
+        self.stats.opened += 1
+        self.outbox.append((identity, Open(
+            tag=tag, ref=msg.ref, prompt_len=msg.prompt_len, temperature=msg.temperature,
+            top_p=msg.top_p, seed=msg.seed, step_ms=1e3 * self.step_s,
+            target_tok_s=msg.target_tok_s,
+            tokens=torch.tensor([*prompt, first], dtype=torch.int32),
+            features=self._half(feats))))
+
+    def handle_propose(self, identity: bytes, msg: Propose) -> None:
+        session = self._session(identity, msg.tag)
+        if msg.tag in self.pending:
+            raise ProtocolError(ErrorCode.STALE, "a PROPOSE for this session is already waiting",
+                                tag=msg.tag)
+        if msg.plain:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "a verifier takes trees, not plain rounds",
+                                tag=msg.tag)
+        if not 1 <= len(msg.tokens) <= self.config.max_nodes:
+            raise ProtocolError(ErrorCode.TOO_LARGE,
+                                f"trees hold 1..{self.config.max_nodes} nodes here, got "
+                                f"{len(msg.tokens)}", tag=msg.tag)
+        self._check_ids(msg.tokens.tolist(), msg)
+        if not session.greedy and msg.dist_ids is None:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "a sampled session needs draft "
+                                "distributions (dist_ids, dist_probs)", tag=msg.tag)
+        if msg.dist_ids is not None:
+            self._check_ids(msg.dist_ids.reshape(-1).tolist(), msg)
+        now = time.monotonic()
+        session.last_seen = now
+        tree = DraftTree(msg.tokens, msg.parents, msg.dist_ids, msg.dist_probs)
+        waiting = Waiting(msg.tag, len(tree), self.engine.cached(msg.tag), now,
+                          self.scheduler.deadline(msg.tag))
+        self.pending[msg.tag] = Pending(waiting, tree, msg.seq)
+
+    def _session(self, identity: bytes, tag: int) -> EdgeSession:
+        session = self.sessions.get(tag)
+        if session is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_TAG, f"no session {tag} (closed or expired)",
+                                tag=tag)
+        if session.owner != identity:
+            raise ProtocolError(ErrorCode.NOT_OWNER, "this session belongs to another drafter",
+                                tag=tag)
+        return session
+
+    def _check_ids(self, ids: list[int], msg: Message) -> None:
+        vocab = self.hello.vocab_size
+        if ids and not 0 <= min(ids) <= max(ids) < vocab:
+            raise ProtocolError(ErrorCode.BAD_FIELD,
+                                f"{msg.TYPE}: token ids must lie in [0, {vocab})", tag=msg.tag,
+                                ref=getattr(msg, "ref", 0))
+
+    def close(self, tag: int) -> None:
+        if self.sessions.pop(tag, None) is not None:
+            self.stats.closed += 1
+        self.pending.pop(tag, None)
+        self.engine.close(tag)
+        self.scheduler.close(tag)
+
+    def expire(self) -> None:
+        cutoff = time.monotonic() - self.config.ttl_s
+        for tag in [t for t, s in self.sessions.items() if s.last_seen < cutoff]:
+            log.info("session %x expired after %.0fs of silence", tag, self.config.ttl_s)
+            self.stats.expired += 1
+            self.close(tag)
+
+    # -- verification -----------------------------------------------------------------
+    def step(self) -> None:
+        """Verify one batch the scheduler picks from what is waiting; COMMIT each row."""
+        picked = self.scheduler.pick([p.waiting for p in self.pending.values()],
+                                     time.monotonic())
+        batch = [self.pending.pop(w.sid) for w in picked]
+        work = [(p.waiting.sid, p.tree) for p in batch]
+        cost = self.engine.cost(work)
+        start = time.perf_counter()
+        try:
+            verdicts = self.engine.verify(work)
+        except Exception:
+            log.exception("verification failed; closing the batch's sessions")
+            for p in batch:
+                self.outbox.append((self.sessions[p.waiting.sid].owner, Error(
+                    tag=p.waiting.sid, code=int(ErrorCode.INTERNAL),
+                    message="verification failed; see the verifier log")))
+                self.close(p.waiting.sid)
+            return
+        took = time.perf_counter() - start
+        done = time.monotonic()
+        self.scheduler.time_model.observe(cost.new_tokens, cost.cached_x_new,
+                                          cost.cached_tokens, took)
+        st = self.stats
+        st.steps += 1
+        st.rows += len(batch)
+        st.fed += cost.new_tokens
+        st.verify_s += took
+        st.batch_hist[len(batch)] += 1
+        for p, verdict in zip(batch, verdicts, strict=True):
+            sid = p.waiting.sid
+            session = self.sessions[sid]
+            accepted = len(verdict.path)
+            self.scheduler.observe(sid, p.tree.depth, accepted, len(verdict.tokens), done,
+                                   p.waiting.deadline)
+            session.rounds += 1
+            session.committed += len(verdict.tokens)
+            st.rounds += 1
+            st.accepted += accepted
+            st.committed += len(verdict.tokens)
+            if math.isfinite(p.waiting.deadline):
+                st.deadlined += 1
+                st.late += done > p.waiting.deadline
+            self.outbox.append((session.owner, Commit(
+                tag=sid, seq=p.seq, accepted=accepted, verify_ms=1e3 * took,
+                step_ms=1e3 * self.step_s, budget=self.scheduler.nodes_for(sid),
+                tokens=torch.tensor(verdict.tokens, dtype=torch.int32),
+                features=self._half(verdict.features))))
+
+    def _half(self, feats: torch.Tensor | None) -> torch.Tensor | None:
+        return None if feats is None else feats.to(feature_dtype(self.model))
+
+    def snapshot(self) -> dict:
+        st = self.stats
+        wall = time.monotonic() - st.started
+        return {
+            "role": "verifier", "schedule": self.config.schedule,
+            "budget": self.config.budget, "max_batch": self.config.max_batch,
+            "sessions": len(self.sessions), "drafters": len(self.peers),
+            "steps": st.steps, "rounds": st.rounds, "committed": st.committed,
+            "accepted": st.accepted, "opened": st.opened, "closed": st.closed,
+            "expired": st.expired, "wall_s": wall, "verify_s": st.verify_s,
+            "mean_batch": st.rows / st.steps if st.steps else 0.0,
+            "verify_ms_per_step": 1e3 * st.verify_s / st.steps if st.steps else 0.0,
+            "fed_per_step": st.fed / st.steps if st.steps else 0.0,
+            "batch_hist": {str(k): v for k, v in sorted(st.batch_hist.items())},
+            "slo_rounds": st.deadlined, "slo_late": st.late,
+            "errors": dict(st.errors), "threads": torch.get_num_threads(),
+            "step_ms": 1e3 * self.step_s, "scheduler": self.scheduler.snapshot(),
+        }
