@@ -68,6 +68,21 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="emulation: processes the targets are spread over")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="emulation: the hub serves Prometheus text on this port")
+    edge = p.add_argument_group(
+        "edge topology", "--topology edge: one verifier and N drafters instead of one hub and "
+        "N targets; one row per combination of --drafters, --schedule and --max-batch")
+    edge.add_argument("--topology", choices=("star", "edge"), default="star")
+    edge.add_argument("--drafters", default="4", help="comma list of drafter counts N")
+    edge.add_argument("--schedule", default="fifo",
+                      help="comma list of verifier schedules: fifo, goodspeed, slo, random")
+    edge.add_argument("--max-batch", default="auto",
+                      help="comma list of the verifier's sessions per pass (auto or N)")
+    edge.add_argument("--budget", type=int, default=128,
+                      help="the verifier's tokens per forward pass (C)")
+    edge.add_argument("--nodes", type=int, default=None,
+                      help="tree nodes per draft (fifo's fixed S_i; default: --max-nodes)")
+    edge.add_argument("--verifier-threads", type=int, default=1,
+                      help="torch threads of the verifier process")
     p.add_argument("--log-dir", default=None, help="hub and target logs (default: a temp dir)")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -112,9 +127,44 @@ def parse_targets(text: str) -> list[int]:
     return ns
 
 
+def edge_doc(args: argparse.Namespace) -> dict:
+    from bench.edge import EdgeConfig, run_edge_real
+    from starhub.edge_cli import SCHEDULES, batch_arg
+
+    def schedule(text: str) -> str:
+        if text not in SCHEDULES:
+            raise argparse.ArgumentTypeError(f"unknown schedule '{text}' ({', '.join(SCHEDULES)})")
+        return text
+
+    def as_given(text: str) -> int | str:
+        batch_arg(text)
+        return "auto" if text.strip().lower() == "auto" else int(text)
+
+    tree = hub_defaults()
+    cfg = EdgeConfig(drafters=parse_targets(args.drafters),
+                     schedules=parse_list(args.schedule, schedule, "--schedule"),
+                     max_batch=parse_list(args.max_batch, as_given, "--max-batch"),
+                     drafter=args.drafter or tree["drafter"], draft=args.draft,
+                     model=args.model, prompts=args.prompts,
+                     max_new_tokens=args.max_new_tokens or 64, threads=args.threads,
+                     verifier_threads=args.verifier_threads, budget=args.budget,
+                     nodes=args.nodes or args.max_nodes or tree["max_nodes"],
+                     depth=int(args.depth) if args.depth else 5,
+                     topk=args.topk or tree["topk"], log_dir=args.log_dir,
+                     baselines=[b for b in args.baselines.split(",") if b == "hf-generate"])
+    if args.emulate:
+        from bench.emulate_edge import EdgeSpec, run_edge_emulated
+
+        return run_edge_emulated(cfg, EdgeSpec.parse(args.emulate), args.warmup,
+                                 args.duration, progress=not args.no_progress)
+    return run_edge_real(cfg, progress=not args.no_progress)
+
+
 def main(args: argparse.Namespace) -> int:
-    from bench.report import markdown_table, text_table
     from starhub.cli import depth_arg, max_targets_arg
+
+    if args.topology == "edge":
+        return write(args, edge_doc(args))
 
     ns = parse_targets(args.targets)
     depths = parse_list(args.depth, depth_arg, "--depth") if args.depth else None
@@ -147,15 +197,22 @@ def main(args: argparse.Namespace) -> int:
                           baselines=baselines, log_dir=args.log_dir, dtype=args.dtype,
                           linear=args.linear, **tree)
         doc = run_real(cfg, progress=not args.no_progress)
+    return write(args, doc)
+
+
+def write(args: argparse.Namespace, doc: dict) -> int:
+    """Print the table; write JSON, Markdown and the plot where asked."""
+    from bench.report import markdown_table, text_table
+
     print(text_table(doc))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(doc, indent=1) + "\n")
     if args.markdown:
         Path(args.markdown).write_text(markdown_table(doc))
     if args.plot:
-        from bench.plot import plot
+        from bench.plot import plot, plot_edge
 
-        plot(doc, args.plot)
+        (plot_edge if doc["config"].get("topology") == "edge" else plot)(doc, args.plot)
     for path in filter(None, (args.json_out, args.markdown, args.plot)):
         print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -95,3 +95,43 @@ def plot(doc: dict, out: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def plot_edge(doc: dict, out: str | Path) -> None:
+    """Edge rows side by side: total goodput (left), each drafter's goodput (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in doc["rows"] if r["mode"] != "hf-generate"]
+    labels = [f"N={r['drafters']}\n{r['schedule']}\nbatch {r['max_batch']}" for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    left.bar(range(len(rows)), [r["system_tok_s"] for r in rows], color="tab:blue")
+    for row in doc["rows"]:
+        if row["mode"] == "hf-generate":
+            left.axhline(row["per_target_tok_s"], color="black", linestyle="--",
+                         label=f"hf-generate ({row['per_target_tok_s']:.1f} tok/s)")
+            left.legend(fontsize=8)
+    left.set_xticks(range(len(rows)), labels, fontsize=7)
+    left.set_ylabel("committed tokens per second, all drafters")
+    left.set_title("system goodput")
+    width = 0.8 / max((len(r["per_drafter_tok_s"]) for r in rows), default=1)
+    for i, row in enumerate(rows):
+        for j, rate in enumerate(row["per_drafter_tok_s"]):
+            right.bar(i - 0.4 + (j + 0.5) * width, rate, width, color=f"C{j % 10}")
+        jain = row.get("jain")
+        if jain is not None:
+            right.text(i, max(row["per_drafter_tok_s"], default=0), f"J={jain:.2f}",
+                       ha="center", va="bottom", fontsize=7)
+    right.set_xticks(range(len(rows)), labels, fontsize=7)
+    right.set_ylabel("tokens per second")
+    right.set_title("per drafter (J: Jain's fairness index)")
+    for ax in (left, right):
+        ax.grid(alpha=0.3, axis="y")
+    cfg = doc["config"]
+    what = cfg.get("emulate") or f"{cfg['drafter']} drafters, {cfg['n_prompts']} prompts"
+    fig.suptitle(f"starhub edge topology: {what}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

@@ -33,6 +33,25 @@ EMULATED_EXTRA = [
 ]
 
 
+EDGE_COLUMNS = [
+    ("mode", "mode", "{}"),
+    ("N", "drafters", "{}"),
+    ("schedule", "schedule", "{}"),
+    ("batch", "max_batch", "{}"),
+    ("system_tok_s", "system_tok_s", "{:.1f}"),
+    ("per_drafter_tok_s", "per_drafter_tok_s", "{:.1f}"),
+    ("jain", "jain", "{:.3f}"),
+    ("sum_log", "sum_log_goodput", "{:.2f}"),
+    ("slo", "slo_attainment", "{:.3f}"),
+    ("mean_batch", "mean_batch", "{:.2f}"),
+    ("verify_ms", "verify_ms_per_step", "{:.1f}"),
+    ("idle", "drafter_idle", "{:.2f}"),
+    ("tau", "mean_accept_len", "{:.2f}"),
+]
+EDGE_REAL_EXTRA = [("lossless", "lossless", "{}")]
+EDGE_EMULATED_EXTRA = [("mape", "time_model_mape", "{:.3f}")]
+
+
 def _get(row: dict, key):
     if isinstance(key, tuple):
         for part in key:
@@ -45,6 +64,8 @@ def _cell(row: dict, key, fmt: str) -> str:
     value = _get(row, key)
     if value is None:
         return "-"
+    if isinstance(value, list):
+        return "/".join(_cell({"v": v}, "v", fmt) for v in value)
     try:
         return fmt.format(value)
     except (ValueError, TypeError):
@@ -53,6 +74,8 @@ def _cell(row: dict, key, fmt: str) -> str:
 
 def columns(doc: dict) -> list[tuple[str, object, str]]:
     emulated = doc["config"].get("mode") == "emulated"
+    if doc["config"].get("topology") == "edge":
+        return EDGE_COLUMNS + (EDGE_EMULATED_EXTRA if emulated else EDGE_REAL_EXTRA)
     return COLUMNS + (EMULATED_EXTRA if emulated else REAL_EXTRA)
 
 
@@ -65,6 +88,12 @@ def table_cells(doc: dict) -> tuple[list[str], list[list[str]]]:
 def preamble(doc: dict) -> list[str]:
     cfg = doc["config"]
     lines = []
+    if cfg.get("topology") == "edge":
+        what = (f"emulated {cfg['emulate']}" if cfg.get("mode") == "emulated" else
+                f"real: {cfg['n_prompts']} prompts from {cfg['prompts']}, "
+                f"{cfg['max_new_tokens']} new tokens, {cfg['drafter']} drafters")
+        return [f"edge, {what}; verifier budget {cfg['budget']} tokens per pass",
+                cfg.get("threads_note", "")]
     if cfg.get("mode") == "emulated":
         m = cfg["model"]
         lines.append(f"emulated {cfg['emulate']}: S(d)={m['S_ms']:.2f}ms Z(d)={m['Z_ms']:.2f}ms "

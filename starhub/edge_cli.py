@@ -112,7 +112,7 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     config = VerifierConfig(bind=args.bind, budget=args.budget, max_batch=args.max_batch,
                             schedule=args.schedule, nodes=args.nodes, max_nodes=args.max_nodes,
                             ttl_s=args.ttl)
-    verifier = Verifier(model, tokenizer, config)
+    verifier = Verifier.for_model(model, tokenizer, config)
     logging.getLogger("starhub.verifier").info("torch threads=%d, %s weights", threads,
                                                model.dtype)
     try:

@@ -15,6 +15,7 @@ import os
 import secrets
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -72,7 +73,8 @@ class EdgeDrafter:
 
     def __init__(self, drafter: Drafter, address: str, shape: TreeShape, eos: set[int],
                  name: str = "drafter", timeout_s: float = 30.0, retries: int = 3,
-                 backoff_s: float = 0.5, limits: Limits = Limits()):
+                 backoff_s: float = 0.5, limits: Limits = Limits(),
+                 on_commit: Callable[[int], None] = lambda tokens: None):
         self.drafter = drafter
         self.address = address
         self.shape = shape
@@ -82,6 +84,11 @@ class EdgeDrafter:
         self.retries = retries
         self.backoff_s = backoff_s
         self.limits = limits
+        self.on_commit = on_commit
+        """Called with each COMMIT's token count, as it arrives (for live progress)."""
+        self.draft_s = 0.0
+        self.wait_s = 0.0
+        """Totals over this drafter's life: drafting, and waiting for COMMITs."""
         self.sock: zmq.Socket | None = None
         self.target: Hello | None = None
 
@@ -206,8 +213,11 @@ class EdgeDrafter:
                                    dist_ids=tree.dist_ids, dist_probs=tree.dist_probs))
                 commit = self._reply(lambda m, s=seq: isinstance(m, Commit) and m.tag == tag
                                      and m.seq == s, tag=tag)
+                waited = time.perf_counter() - t1
                 stats.draft_s += t1 - t0
-                stats.wait_s += time.perf_counter() - t1
+                stats.wait_s += waited
+                self.draft_s += t1 - t0
+                self.wait_s += waited
                 tokens = commit.tokens.tolist()
                 if commit.accepted > len(tree) or max(tokens) >= self.target.vocab_size:
                     raise _SessionLost("the verifier sent an impossible COMMIT")
@@ -216,6 +226,7 @@ class EdgeDrafter:
                 if commit.features is not None:
                     ctx.features.append(to_torch(commit.features))
                 out.extend(tokens)
+                self.on_commit(len(tokens))
                 nodes = max(1, commit.budget or self.shape.max_nodes)
         finally:
             if self.sock is not None:

@@ -10,8 +10,9 @@ nodes ``S_i`` each drafter may send next. The policies:
   maximising ``sum_i (1/X_i) (1 - a_i^(S_i+1)) / (1 - a_i)`` by a greedy max-heap over
   marginal gains, where ``a_i`` is drafter i's acceptance per drafted position and ``X_i``
   its committed tokens per round: proportional fairness (it maximises ``sum log goodput``).
-- ``slo``: WISP-style. A session may ask for a speed; each of its proposals is then due
-  when the session's token count should reach what the round is expected to add. Proposals
+- ``slo``: WISP-style. A session may ask for a speed v; a round that commits X tokens
+  must then take at most X/v, so a proposal is due X/v after the drafter's last COMMIT
+  (its drafting time comes out of that). Proposals
   that would miss their deadline unless served now go first (earliest deadline first),
   the rest by expected tokens per unit of estimated cost. Anything that has waited
   ``starve_steps`` passes is served next, so nothing starves.
@@ -64,6 +65,7 @@ class DrafterState:
     committed: int = 0
     rounds: int = 0
     late: int = 0
+    last_commit: float | None = None
 
     @property
     def alpha(self) -> float:
@@ -135,7 +137,7 @@ class Scheduler:
     """``fifo``'s fixed S_i and every new session's first one."""
     cap: int = 32
     starve_steps: int = 4
-    smoothing: float = 0.2
+    smoothing: float = 0.1
     seed: int = 0
     sessions: dict[int, DrafterState] = field(default_factory=dict)
     time_model: VerifyTimeModel = field(default_factory=VerifyTimeModel)
@@ -147,6 +149,8 @@ class Scheduler:
             raise ValueError("the budget must allow at least one root and one node")
         self.rng = random.Random(self.seed)
         self.sizes: dict[int, int] = {}
+        self.pass_s = 0.0
+        """EMA of a forward pass's duration."""
 
     # -- sessions ---------------------------------------------------------------------
     def open(self, sid: int, now: float, speed: float = 0.0) -> None:
@@ -157,6 +161,11 @@ class Scheduler:
         self.sessions.pop(sid, None)
         self.sizes.pop(sid, None)
         self._resplit()
+
+    def observe_pass(self, new: int, cached_x_new: int, cached: int, seconds: float) -> None:
+        """One forward pass's size and duration."""
+        self.time_model.observe(new, cached_x_new, cached, seconds)
+        self.pass_s = seconds if not self.pass_s else self.pass_s + 0.2 * (seconds - self.pass_s)
 
     def observe(self, sid: int, drafted_depth: int, accepted: int, committed: int,
                 finished_at: float, deadline: float = math.inf) -> None:
@@ -172,18 +181,21 @@ class Scheduler:
         state.committed += committed
         state.rounds += 1
         state.late += finished_at > deadline
+        state.last_commit = finished_at
         self._resplit()
 
     def nodes_for(self, sid: int) -> int:
         """The draft budget S_i to send with this session's next COMMIT."""
         return self.sizes.get(sid, self.nodes)
 
-    def deadline(self, sid: int) -> float:
-        """When this session's next round should be committed to keep its speed."""
+    def deadline(self, sid: int, now: float) -> float:
+        """When the proposal arriving ``now`` must be committed for its session to keep
+        its speed: a round of X tokens may take X/v from the previous COMMIT."""
         state = self.sessions.get(sid)
         if state is None or state.speed <= 0:
             return math.inf
-        return state.opened_at + (state.committed + state.goodput) / state.speed
+        start = state.opened_at if state.last_commit is None else state.last_commit
+        return max(now, start + state.goodput / state.speed)
 
     # -- the next pass ----------------------------------------------------------------
     def pick(self, waiting: list[Waiting], now: float) -> list[Waiting]:
@@ -210,12 +222,18 @@ class Scheduler:
         return batch
 
     def _slo_order(self, waiting: list[Waiting], now: float) -> list[Waiting]:
-        alone = {id(w): self.time_model.predict(w.fed, w.cached * w.fed, w.cached)
-                 for w in waiting}
-        critical = [w for w in waiting
-                    if w.steps_waited >= self.starve_steps or w.deadline - now <= 2 * alone[id(w)]]
-        critical.sort(key=lambda w: (w.deadline, w.arrived))
-        rest = [w for w in waiting if w not in critical]
+        """Starved proposals first; then those that make their deadline only if served in
+        this pass, earliest deadline first; then the rest by expected tokens per unit of
+        cost; last, those that will be late whatever happens (serving them first would
+        only make others late too)."""
+        pass_s = self.pass_s or self.time_model.predict(self.budget, 0, 0)
+
+        def rank(w: Waiting) -> int:
+            if w.steps_waited >= self.starve_steps:
+                return 0
+            if w.deadline < now + pass_s:
+                return 3
+            return 1 if w.deadline < now + 2 * pass_s else 2
 
         def utility(w: Waiting) -> float:
             state = self.sessions.get(w.sid)
@@ -223,8 +241,8 @@ class Scheduler:
             cost = self.time_model.coef[0] * w.fed + self.time_model.coef[1] * w.cached * w.fed
             return tokens / max(cost, 1e-6)
 
-        rest.sort(key=lambda w: (-utility(w), w.arrived))
-        return critical + rest
+        return sorted(waiting, key=lambda w: (r := rank(w), w.arrived if r == 0 else
+                                              w.deadline if r == 1 else -utility(w)))
 
     def _resplit(self) -> None:
         sids = list(self.sessions)

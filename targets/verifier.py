@@ -110,25 +110,35 @@ class VerifierStats:
 
 
 class Verifier:
-    def __init__(self, model, tokenizer, config: VerifierConfig, name: str = "verifier"):
-        self.model = model
+    """The server loop around an engine: ``VerifyEngine`` for a real model (``for_model``),
+    or any object with its methods (the benchmark's emulated engine)."""
+
+    def __init__(self, engine, hello: Hello, config: VerifierConfig,
+                 feature_dtype: torch.dtype = torch.float16):
+        self.engine = engine
+        self.hello = hello
+        self.step_s = hello.step_ms / 1e3
+        self.feature_dtype = feature_dtype
         self.config = config
         self.limits = Limits(config.max_message_bytes)
-        self.engine = VerifyEngine(model)
         self.scheduler = Scheduler(config.schedule, config.budget, config.max_batch,
                                    config.nodes, cap=config.max_nodes, seed=config.seed)
-        cfg = model.config
-        self.step_s = measure_step(model)
-        self.hello = Hello(name=name, vocab_size=cfg.vocab_size,
-                           tokenizer_fp=tokenizer_fingerprint(tokenizer),
-                           hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
-                           step_ms=1e3 * self.step_s)
         self.peers: dict[bytes, Welcome] = {}
         self.sessions: dict[int, EdgeSession] = {}
         self.pending: dict[int, Pending] = {}
         self.stats = VerifierStats()
         self.outbox: list[tuple[bytes, Message]] = []
         self.bound = ""
+
+    @classmethod
+    def for_model(cls, model, tokenizer, config: VerifierConfig,
+                  name: str = "verifier") -> Verifier:
+        cfg = model.config
+        hello = Hello(name=name, vocab_size=cfg.vocab_size,
+                      tokenizer_fp=tokenizer_fingerprint(tokenizer),
+                      hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
+                      step_ms=1e3 * measure_step(model))
+        return cls(VerifyEngine(model), hello, config, feature_dtype(model))
 
     # -- the loop ---------------------------------------------------------------------
     def serve(self, ready: Callable[[str], None] = lambda address: None,
@@ -164,10 +174,10 @@ class Verifier:
             self.handle(identity, decode(frames[1:], self.limits))
         except ProtocolError as exc:
             self.stats.errors[exc.code.name] += 1
-            log.warning("drafter %s: %s", identity.hex()[:8], exc.message)
+            log.warning("drafter %s: %s", _name(identity), exc.message)
             self.outbox.append((identity, error_for(exc)))
         except Exception:
-            log.exception("internal error on a message from %s", identity.hex()[:8])
+            log.exception("internal error on a message from %s", _name(identity))
             self.stats.errors["INTERNAL"] += 1
             self.outbox.append((identity, Error(code=int(ErrorCode.INTERNAL),
                                                 message="internal error; see the verifier log")))
@@ -207,7 +217,7 @@ class Verifier:
                 reason=f"feature layers {bad} do not exist in a {layers}-layer target")))
             return
         self.peers[identity] = msg
-        log.info("drafter %s (%s) joined", identity.hex()[:8], msg.drafter or "?")
+        log.info("drafter %s (%s) joined", _name(identity), msg.drafter or "?")
         self.outbox.append((identity, self.hello))
 
     def handle_open(self, identity: bytes, msg: Open) -> None:
@@ -257,7 +267,7 @@ class Verifier:
         session.last_seen = now
         tree = DraftTree(msg.tokens, msg.parents, msg.dist_ids, msg.dist_probs)
         waiting = Waiting(msg.tag, len(tree), self.engine.cached(msg.tag), now,
-                          self.scheduler.deadline(msg.tag))
+                          self.scheduler.deadline(msg.tag, now))
         self.pending[msg.tag] = Pending(waiting, tree, msg.seq)
 
     def _session(self, identity: bytes, tag: int) -> EdgeSession:
@@ -312,8 +322,8 @@ class Verifier:
             return
         took = time.perf_counter() - start
         done = time.monotonic()
-        self.scheduler.time_model.observe(cost.new_tokens, cost.cached_x_new,
-                                          cost.cached_tokens, took)
+        self.scheduler.observe_pass(cost.new_tokens, cost.cached_x_new, cost.cached_tokens,
+                                    took)
         st = self.stats
         st.steps += 1
         st.rows += len(batch)
@@ -341,7 +351,7 @@ class Verifier:
                 features=self._half(verdict.features))))
 
     def _half(self, feats: torch.Tensor | None) -> torch.Tensor | None:
-        return None if feats is None else feats.to(feature_dtype(self.model))
+        return None if feats is None else feats.to(self.feature_dtype)
 
     def snapshot(self) -> dict:
         st = self.stats
@@ -361,3 +371,7 @@ class Verifier:
             "errors": dict(st.errors), "threads": torch.get_num_threads(),
             "step_ms": 1e3 * self.step_s, "scheduler": self.scheduler.snapshot(),
         }
+
+
+def _name(identity: bytes) -> str:
+    return identity.decode("ascii", "replace")[:32]
