@@ -108,21 +108,29 @@ class VerifyTimeModel:
 
 
 def goodspeed_split(alphas: list[float], goodputs: list[float], total: int,
-                    floor: int = 1, cap: int = 64) -> list[int]:
+                    floor: int = 1, cap: int = 64, min_gain: float = 0.01) -> list[int]:
     """Integer ``S_i`` (each in [floor, cap], summing to at most ``total``) maximising
     ``sum_i (1/X_i) (1 - a_i^(S_i+1)) / (1 - a_i)``: each step grants one more node to the
-    drafter whose marginal gain ``a_i^(S_i+1) / X_i`` is largest."""
+    drafter whose marginal gain ``a_i^(S_i+1) / X_i`` is largest. A node whose chance of
+    being accepted, ``a_i^(S_i+1)``, is under ``min_gain`` is not worth its verification
+    and is never granted, so budget can be left over."""
     sizes = [floor] * len(alphas)
     left = total - floor * len(alphas)
-    heap = [(-(a ** (floor + 1)) / max(x, 1e-9), i)
-            for i, (a, x) in enumerate(zip(alphas, goodputs, strict=True)) if floor < cap]
+
+    def entry(i: int) -> tuple[float, int] | None:
+        chance = alphas[i] ** (sizes[i] + 1)
+        if sizes[i] >= cap or chance < min_gain:
+            return None
+        return -chance / max(goodputs[i], 1e-9), i
+
+    heap = [e for e in map(entry, range(len(alphas))) if e]
     heapq.heapify(heap)
     while left > 0 and heap:
         _, i = heapq.heappop(heap)
         sizes[i] += 1
         left -= 1
-        if sizes[i] < cap:
-            heapq.heappush(heap, (-(alphas[i] ** (sizes[i] + 1)) / max(goodputs[i], 1e-9), i))
+        if (e := entry(i)) is not None:
+            heapq.heappush(heap, e)
     return sizes
 
 

@@ -1,0 +1,179 @@
+"""The edge topology over real sockets: drafters get exactly generate()'s tokens from a
+batched verifier, recover when it restarts or forgets them, and bad input gets errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from starhub.drafters.base import TreeShape
+from starhub.drafters.model import ModelDrafter
+from starhub.edge_drafter import EdgeDrafter, VerifierUnavailable
+from starhub.protocol import Close, Error, ErrorCode, Hello, Open, Propose, Stats, Welcome
+from starhub.transport import decode, encode
+from targets.verifier import Verifier, VerifierConfig
+
+PROMPTS = [[1, 5, 9, 14, 3], list(range(20, 43)), [7, 7, 8, 100, 4000], [11] * 9]
+
+
+class VerifierThread:
+    def __init__(self, model, tokenizer, bind: str = "tcp://127.0.0.1:0", **config):
+        self.verifier = Verifier.for_model(model, tokenizer, VerifierConfig(bind=bind, **config))
+        self._stop = threading.Event()
+        ready = threading.Event()
+        self.thread = threading.Thread(
+            target=self.verifier.serve, daemon=True,
+            kwargs={"ready": lambda _: ready.set(), "stop": self._stop.is_set})
+        self.thread.start()
+        assert ready.wait(30)
+        self.address = self.verifier.bound
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(10)
+
+
+@pytest.fixture
+def verifier(tiny_model):
+    v = VerifierThread(*tiny_model, ttl_s=30.0)
+    yield v
+    v.stop()
+
+
+def _reference(model, prompt, n):
+    return model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                          eos_token_id=None)[0, len(prompt):].tolist()
+
+
+def _edge(model, address, **kwargs) -> EdgeDrafter:
+    return EdgeDrafter(ModelDrafter(model, label="self"), address, TreeShape(4, 2, 6),
+                       eos=set(), **kwargs)
+
+
+def test_drafters_get_generate_tokens_from_a_batched_verifier(tiny_model, verifier):
+    model, _ = tiny_model
+    results: dict[int, tuple] = {}
+
+    def run(i: int) -> None:
+        edge = _edge(model, verifier.address, name=f"d{i}")
+        results[i] = edge.generate(PROMPTS[i], max_new_tokens=24)
+        edge.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, prompt in enumerate(PROMPTS):
+        out, stats = results[i]
+        assert out == _reference(model, prompt, 24)
+        assert stats.rounds < 24 and stats.mean_accept_len > 1.5
+    body = verifier.verifier.snapshot()
+    assert body["rounds"] > 0 and body["sessions"] == 0 and body["closed"] == len(PROMPTS)
+
+
+def test_drafter_resumes_after_the_verifier_restarts(tiny_model):
+    model, tokenizer = tiny_model
+    first = VerifierThread(model, tokenizer)
+    address = first.address
+    edge = _edge(model, address, timeout_s=2.0, backoff_s=0.1)
+    try:
+        assert edge.generate(PROMPTS[0], 12)[0] == _reference(model, PROMPTS[0], 12)
+        first.stop()
+        second = VerifierThread(model, tokenizer, bind=address)
+        out, stats = edge.generate(PROMPTS[1], 12)
+        assert out == _reference(model, PROMPTS[1], 12) and stats.reopened >= 1
+        assert second.verifier.stats.rounds > 0
+        second.stop()
+    finally:
+        edge.close()
+
+
+def test_drafter_reopens_a_session_the_verifier_expired(tiny_model):
+    model, tokenizer = tiny_model
+    v = VerifierThread(model, tokenizer, ttl_s=0.3)
+    edge = _edge(model, v.address, backoff_s=0.05)
+    slow = edge.drafter.propose
+    calls = []
+
+    def propose(ctx, shape):
+        calls.append(1)
+        if len(calls) == 3:
+            time.sleep(1.6)
+        return slow(ctx, shape)
+
+    edge.drafter.propose = propose
+    try:
+        out, stats = edge.generate(PROMPTS[2], 20)
+        assert out == _reference(model, PROMPTS[2], 20)
+        assert stats.reopened == 1 and v.verifier.stats.expired == 1
+    finally:
+        edge.close()
+        v.stop()
+
+
+def test_drafter_fails_clearly_without_a_verifier(tiny_model):
+    model, _ = tiny_model
+    edge = _edge(model, "tcp://127.0.0.1:9", timeout_s=0.2, retries=1, backoff_s=0.01)
+    with pytest.raises(VerifierUnavailable, match="after 2 attempts"):
+        edge.generate(PROMPTS[0], 8)
+    edge.close()
+
+
+class Raw:
+    def __init__(self, address: str):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.connect(address)
+
+    def ask(self, msg):
+        self.sock.send_multipart(encode(msg))
+        assert self.sock.poll(10_000)
+        return decode(self.sock.recv_multipart())
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def test_verifier_answers_bad_input_with_errors_and_keeps_serving(tiny_model, verifier):
+    model, _ = tiny_model
+    a, b = Raw(verifier.address), Raw(verifier.address)
+    try:
+        reply = a.ask(Hello(vocab_size=10))
+        assert isinstance(reply, Error) and reply.code == ErrorCode.BAD_TYPE
+        assert "hub's address" in reply.message
+        reply = a.ask(Open(ref=1, prompt_len=2, tokens=np.array([1, 2], np.int32)))
+        assert isinstance(reply, Error) and reply.code == ErrorCode.NO_HELLO
+        assert isinstance(a.ask(Welcome(drafter="raw")), Hello)
+        reply = a.ask(Welcome(drafter="raw", feature_layers=[99]))
+        assert reply.TYPE == "REJECT" and "do not exist" in reply.reason
+        reply = a.ask(Open(ref=2, prompt_len=2, tokens=np.array([1, 10**6], np.int32)))
+        assert isinstance(reply, Error) and reply.code == ErrorCode.BAD_FIELD
+        opened = a.ask(Open(ref=3, prompt_len=3, temperature=0.7,
+                            tokens=np.array([1, 2, 3], np.int32)))
+        assert isinstance(opened, Open) and len(opened.tokens) == 4
+        tag = opened.tag
+        tree = {"tokens": np.array([5, 6], np.int32), "parents": np.array([-1, 0], np.int32)}
+        reply = a.ask(Propose(tag=tag, seq=1, **tree))
+        assert reply.code == ErrorCode.BAD_FIELD and "distributions" in reply.message
+        assert isinstance(b.ask(Welcome(drafter="other")), Hello)
+        reply = b.ask(Propose(tag=tag, seq=1, **tree))
+        assert reply.code == ErrorCode.NOT_OWNER
+        reply = a.ask(Propose(tag=tag, seq=1, tokens=np.arange(40, dtype=np.int32),
+                              parents=np.arange(-1, 39, dtype=np.int32)))
+        assert reply.code == ErrorCode.TOO_LARGE
+        reply = a.ask(Propose(tag=tag + 1, seq=1, **tree))
+        assert reply.code == ErrorCode.UNKNOWN_TAG
+        a.sock.send_multipart(encode(Close(tag=tag)))
+        body = a.ask(Stats()).body
+        assert body["sessions"] == 0 and body["errors"]["BAD_FIELD"] == 2
+    finally:
+        a.close()
+        b.close()
+    edge = _edge(model, verifier.address)
+    assert edge.generate(PROMPTS[3], 10)[0] == _reference(model, PROMPTS[3], 10)
+    edge.close()

@@ -1,0 +1,93 @@
+"""The batched verification engine: several sessions' trees in one forward pass give each
+session exactly what verifying it alone gives, greedy and sampled."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from starhub.drafters.base import DraftContext, TreeShape
+from starhub.drafters.model import ModelDrafter
+from targets.acceptance import Sampling
+from targets.engine import VerifyEngine
+from targets.verify import TargetModel
+
+PROMPTS = [[1, 5, 9, 14, 3], list(range(20, 43)), [7, 7, 8]]
+SHAPES = [TreeShape(4, 3, 9), TreeShape(2, 2, 3), TreeShape(5, 1, 5)]
+
+
+def _drafter(model) -> ModelDrafter:
+    """A drafter with the target's own weights: trees hold the target's path, plus
+    siblings that get rejected, so rounds accept several tokens and refuse others."""
+    return ModelDrafter(model, label="self")
+
+
+def _run(model, sampling: Sampling, batched: bool, rounds: int = 6):
+    drafter = _drafter(model)
+    engine = VerifyEngine(model)
+    singles = {}
+    ctxs, outs = [], []
+    for sid, prompt in enumerate(PROMPTS):
+        if batched:
+            first, _ = engine.open(sid, prompt, sampling, seed=sid)
+        else:
+            singles[sid] = TargetModel(model, sampling, seed=sid)
+            first, _ = singles[sid].prefill(prompt)
+        gen = torch.Generator().manual_seed(100 + sid)
+        ctxs.append(DraftContext(tokens=[*prompt, first], temperature=sampling.temperature,
+                                 generator=gen))
+        outs.append([first])
+    accepted = []
+    for _ in range(rounds):
+        trees = [drafter.propose(ctx, shape) for ctx, shape in zip(ctxs, SHAPES, strict=True)]
+        if batched:
+            verdicts = engine.verify(list(enumerate(trees)))
+        else:
+            verdicts = [singles[sid].verify(tree) for sid, tree in enumerate(trees)]
+        for ctx, out, verdict in zip(ctxs, outs, verdicts, strict=True):
+            ctx.tokens.extend(verdict.tokens)
+            out.extend(verdict.tokens)
+            accepted.append(len(verdict.path))
+    return outs, accepted
+
+
+def test_batched_greedy_verification_equals_generate(tiny_model):
+    model, _ = tiny_model
+    outs, accepted = _run(model, Sampling(), batched=True)
+    assert max(accepted) >= 2, "the self drafter's trees must get tokens accepted"
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=len(out), do_sample=False,
+                             eos_token_id=None)[0, len(prompt):].tolist()
+        assert out == ref
+
+
+def test_batched_sampled_verification_equals_one_session_at_a_time(tiny_model):
+    model, _ = tiny_model
+    # The tiny random model is nearly flat over its vocabulary: a low temperature gives it
+    # distributions peaked enough for draws to be accepted, and some to be refused.
+    sampling = Sampling(temperature=0.05)
+    batched, accepted = _run(model, sampling, batched=True)
+    alone, _ = _run(model, sampling, batched=False)
+    assert batched == alone
+    assert sum(accepted) > len(accepted) and min(accepted) < max(SHAPES[0].depth, 1)
+
+
+def test_batched_features_match_single_session_features(tiny_model):
+    model, _ = tiny_model
+    engine = VerifyEngine(model)
+    drafter = _drafter(model)
+    single = TargetModel(model, feature_layers=[-1])
+    first, feats = single.prefill(PROMPTS[1])
+    e_first, e_feats = engine.open(1, PROMPTS[1], feature_layers=[-1])
+    engine.open(0, PROMPTS[0])
+    assert first == e_first and torch.allclose(feats, e_feats)
+    ctx = DraftContext(tokens=[*PROMPTS[1], first])
+    tree = drafter.propose(copy.deepcopy(ctx), SHAPES[0])
+    other = drafter.propose(DraftContext(tokens=[*PROMPTS[0], engine.sessions[0].last]),
+                            SHAPES[1])
+    alone = single.verify(tree)
+    together = engine.verify([(0, other), (1, tree)])[1]
+    assert together.tokens == alone.tokens
+    assert torch.allclose(together.features, alone.features, atol=1e-5)
+    assert engine.cached(1) == len(PROMPTS[1]) + len(alone.tokens)
