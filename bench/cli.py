@@ -73,12 +73,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "N targets; one row per combination of --drafters, --schedule and --max-batch")
     edge.add_argument("--topology", choices=("star", "edge"), default="star")
     edge.add_argument("--drafters", default="4", help="comma list of drafter counts N")
-    edge.add_argument("--schedule", default="fifo",
+    edge.add_argument("--schedule", default="goodspeed",
                       help="comma list of verifier schedules: fifo, goodspeed, slo, random")
     edge.add_argument("--max-batch", default="auto",
                       help="comma list of the verifier's sessions per pass (auto or N)")
-    edge.add_argument("--budget", type=int, default=128,
-                      help="the verifier's tokens per forward pass (C)")
+    edge.add_argument("--budget", default="auto",
+                      help="the verifier's tokens per forward pass (C), or auto (as "
+                           "`starhub verifier`; emulated: where a pass costs 1.5x one token)")
     edge.add_argument("--nodes", type=int, default=None,
                       help="tree nodes per draft (fifo's fixed S_i; default: --max-nodes)")
     edge.add_argument("--verifier-threads", type=int, default=1,
@@ -129,7 +130,7 @@ def parse_targets(text: str) -> list[int]:
 
 def edge_doc(args: argparse.Namespace) -> dict:
     from bench.edge import EdgeConfig, run_edge_real
-    from starhub.edge_cli import SCHEDULES, batch_arg
+    from starhub.edge_cli import SCHEDULES, batch_arg, budget_arg
 
     def schedule(text: str) -> str:
         if text not in SCHEDULES:
@@ -147,7 +148,8 @@ def edge_doc(args: argparse.Namespace) -> dict:
                      drafter=args.drafter or tree["drafter"], draft=args.draft,
                      model=args.model, prompts=args.prompts,
                      max_new_tokens=args.max_new_tokens or 64, threads=args.threads,
-                     verifier_threads=args.verifier_threads, budget=args.budget,
+                     verifier_threads=args.verifier_threads,
+                     budget=budget_arg(args.budget),
                      nodes=args.nodes or args.max_nodes or tree["max_nodes"],
                      depth=int(args.depth) if args.depth else 5,
                      topk=args.topk or tree["topk"], log_dir=args.log_dir,

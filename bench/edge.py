@@ -46,7 +46,8 @@ class EdgeConfig:
     max_new_tokens: int = 64
     threads: int = 1
     verifier_threads: int = 1
-    budget: int = 128
+    budget: int = 0
+    """The verifier's tokens per pass; 0: auto."""
     nodes: int = 10
     depth: int = 5
     topk: int = 4
@@ -87,6 +88,7 @@ def edge_row(n: int, schedule: str, max_batch: int | str, per_drafter: list[list
     slo_rounds = verifier.get("slo_rounds") or 0
     row = {
         "mode": mode, "drafters": n, "schedule": schedule, "max_batch": max_batch,
+        "budget": verifier.get("budget"),
         "system_tok_s": tokens / span if span else 0.0,
         "per_drafter_tok_s": rates,
         "jain": jain(rates),
@@ -163,7 +165,7 @@ def _run_variant(cfg: EdgeConfig, n: int, schedule: str, max_batch: int | str, l
     cmd = [sys.executable, "-m", "starhub", "verifier", "--bind", "tcp://127.0.0.1:0",
            "--model", cfg.model, "--threads", str(cfg.verifier_threads),
            "--schedule", schedule, "--max-batch", batch_flag(max_batch),
-           "--budget", str(cfg.budget), "--nodes", str(cfg.nodes)]
+           "--budget", str(cfg.budget or "auto"), "--nodes", str(cfg.nodes)]
     verifier, address = _spawn_ready(cmd, f"{log_dir}/verifier-{name}.log")
     outs = [f"{log_dir}/{name}-drafter{i}.jsonl" for i in range(n)]
     try:

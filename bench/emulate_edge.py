@@ -95,6 +95,11 @@ class EdgeSpec:
                 f"t_d={d},beta={b},slo={'/'.join(f'{v:g}' for v in self.slo)},"
                 f"prompt={self.prompt}")
 
+    @property
+    def budget(self) -> int:
+        """``--budget auto`` here: the most tokens a pass feeds for 1.5x one token's cost."""
+        return max(2, int(0.5 * self.t_v / max(self.t_tok, 1e-9) + 1.5))
+
     def drafter(self, index: int, count: int) -> tuple[float, float, float]:
         """(beta, t_d, slo) of drafter ``index`` of ``count``: betas spread evenly from LO
         to HI, draft times from HI to LO in a shuffled order (so that speed and acceptance
@@ -188,13 +193,13 @@ def verifier_main(argv: list[str]) -> int:
     p.add_argument("--spec", required=True)
     p.add_argument("--schedule", default="fifo")
     p.add_argument("--max-batch", type=batch_arg, default=0)
-    p.add_argument("--budget", type=int, default=128)
+    p.add_argument("--budget", type=int, default=0)
     p.add_argument("--nodes", type=int, default=10)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     spec = EdgeSpec.parse(args.spec)
     hello = Hello(name="emulated", vocab_size=VOCAB, step_ms=1e3 * (spec.t_v + spec.t_tok))
-    config = VerifierConfig(bind="tcp://127.0.0.1:0", budget=args.budget,
+    config = VerifierConfig(bind="tcp://127.0.0.1:0", budget=args.budget or spec.budget,
                             max_batch=args.max_batch, schedule=args.schedule, nodes=args.nodes)
     try:
         Verifier(EmulatedEngine(spec), hello, config).serve(

@@ -92,7 +92,8 @@ def preamble(doc: dict) -> list[str]:
         what = (f"emulated {cfg['emulate']}" if cfg.get("mode") == "emulated" else
                 f"real: {cfg['n_prompts']} prompts from {cfg['prompts']}, "
                 f"{cfg['max_new_tokens']} new tokens, {cfg['drafter']} drafters")
-        return [f"edge, {what}; verifier budget {cfg['budget']} tokens per pass",
+        budget = cfg["budget"] or "auto"
+        return [f"edge, {what}; verifier budget {budget} tokens per pass (rows: 'budget')",
                 cfg.get("threads_note", "")]
     if cfg.get("mode") == "emulated":
         m = cfg["model"]

@@ -29,6 +29,16 @@ def batch_arg(text: str) -> int:
     return value
 
 
+def budget_arg(text: str) -> int:
+    """``auto`` (0: measured at start) or a token count >= 2."""
+    if text.strip().lower() == "auto":
+        return 0
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"budget must be at least 2, got {value}")
+    return value
+
+
 def add_parsers(sub) -> None:
     ver = sub.add_parser(
         "verifier", help="edge: hold the target and verify many drafters' trees in batches",
@@ -41,16 +51,19 @@ def add_parsers(sub) -> None:
     ver.add_argument("--model", default="default",
                      help="'default' (the embedded SmolLM2-135M-Instruct), a model folder, a "
                           ".gguf file, or a model id already in the local Hugging Face cache")
-    ver.add_argument("--budget", type=int, default=128,
+    ver.add_argument("--budget", type=budget_arg, default=0,
                      help="tokens one forward pass may feed, summed over its sessions (C): "
-                          "each session's tree nodes plus one")
+                          "each session's tree nodes plus one. auto (default): the most a "
+                          "pass feeds for about the price of one token, measured at start "
+                          "(about 16 on a small CPU, hundreds on a GPU)")
     ver.add_argument("--max-batch", type=batch_arg, default=0,
                      help="sessions per forward pass. auto (default): as many as the budget "
                           "holds; 1 verifies one session at a time")
-    ver.add_argument("--schedule", choices=SCHEDULES, default="fifo",
-                     help="fifo (default): arrival order, every drafter --nodes nodes. "
-                          "goodspeed: split the budget into per-drafter tree sizes for "
-                          "proportional fairness (GoodSpeed). slo: sessions that ask for a "
+    ver.add_argument("--schedule", choices=SCHEDULES, default="goodspeed",
+                     help="goodspeed (default): split the budget into per-drafter tree "
+                          "sizes for proportional fairness (GoodSpeed), so that every "
+                          "waiting drafter fits one pass. fifo: arrival order, every drafter "
+                          "--nodes nodes. slo: sessions that ask for a "
                           "speed are served by deadline (WISP). random: random tree sizes, a "
                           "baseline for comparisons")
     ver.add_argument("--nodes", type=int, default=DEFAULT_SHAPE.max_nodes,

@@ -22,7 +22,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import zmq
@@ -47,7 +47,7 @@ from starhub.protocol import (
 from starhub.transport import Limits, configure_socket, decode, encode, error_for
 from starhub.tree import DraftTree
 from targets.acceptance import Sampling
-from targets.engine import VerifyEngine
+from targets.engine import VerifyEngine, measure_budget
 from targets.generate import feature_dtype, measure_step
 from targets.schedule import Scheduler, Waiting
 
@@ -57,11 +57,11 @@ log = logging.getLogger("starhub.verifier")
 @dataclass
 class VerifierConfig:
     bind: str = "tcp://127.0.0.1:5556"
-    budget: int = 128
-    """Tokens one forward pass feeds, over all its rows (C)."""
+    budget: int = 0
+    """Tokens one forward pass feeds, over all its rows (C); 0: measured at start."""
     max_batch: int = 0
     """Rows per pass; 0 (``auto``): as many as the budget holds."""
-    schedule: str = "fifo"
+    schedule: str = "goodspeed"
     nodes: int = 10
     """The draft budget every session starts with, and ``fifo``'s fixed S_i."""
     max_nodes: int = 32
@@ -70,6 +70,8 @@ class VerifierConfig:
     max_sessions: int = 256
     max_message_bytes: int = 64 << 20
     seed: int = 0
+    gather_fraction: float = 0.3
+    """How long, as a fraction of a pass, to wait for proposals about to arrive."""
 
 
 @dataclass
@@ -81,6 +83,10 @@ class EdgeSession:
     last_seen: float
     rounds: int = 0
     committed: int = 0
+    committed_at: float = 0.0
+    """When its last COMMIT left: the drafter is drafting since then."""
+    turnaround: float = 0.0
+    """EMA of COMMIT out to next PROPOSE in: the drafter's draft time plus the link."""
 
 
 @dataclass
@@ -138,6 +144,8 @@ class Verifier:
                       tokenizer_fp=tokenizer_fingerprint(tokenizer),
                       hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
                       step_ms=1e3 * measure_step(model))
+        if not config.budget:
+            config = replace(config, budget=max(measure_budget(model), 2))
         return cls(VerifyEngine(model), hello, config, feature_dtype(model))
 
     # -- the loop ---------------------------------------------------------------------
@@ -159,6 +167,7 @@ class Verifier:
                     self.receive(sock)
                     timeout = 0
                 if self.pending:
+                    self.gather(sock)
                     self.step()
                 self.flush(sock)
                 if time.monotonic() - last_sweep > 1.0:
@@ -166,6 +175,25 @@ class Verifier:
                     last_sweep = time.monotonic()
         finally:
             sock.close(0)
+
+    def gather(self, sock: zmq.Socket) -> None:
+        """Wait briefly for proposals about to arrive, so that they share this pass.
+
+        A pass over a few rows costs about what one row costs while the weights' reads
+        dominate; without this, drafters fall into cohorts that alternate half-empty passes.
+        Only drafters expected within ``gather_fraction`` of a pass are waited for: never a
+        slow one."""
+        cap = self.config.gather_fraction * self.scheduler.pass_s
+        while cap > 0:
+            now = time.monotonic()
+            soon = [s.committed_at + s.turnaround for t, s in self.sessions.items()
+                    if t not in self.pending and s.committed_at and s.turnaround
+                    and s.committed_at + s.turnaround <= now + cap]
+            if not soon or max(soon) <= now or not sock.poll(1e3 * (max(soon) - now)):
+                return
+            self.receive(sock)
+            while sock.poll(0):
+                self.receive(sock)
 
     def receive(self, sock: zmq.Socket) -> None:
         frames = sock.recv_multipart(copy=False)
@@ -265,6 +293,10 @@ class Verifier:
             self._check_ids(msg.dist_ids.reshape(-1).tolist(), msg)
         now = time.monotonic()
         session.last_seen = now
+        if session.committed_at:
+            gap = now - session.committed_at
+            session.turnaround = gap if not session.turnaround else \
+                session.turnaround + 0.2 * (gap - session.turnaround)
         tree = DraftTree(msg.tokens, msg.parents, msg.dist_ids, msg.dist_probs)
         waiting = Waiting(msg.tag, len(tree), self.engine.cached(msg.tag), now,
                           self.scheduler.deadline(msg.tag, now))
@@ -338,6 +370,7 @@ class Verifier:
                                    p.waiting.deadline)
             session.rounds += 1
             session.committed += len(verdict.tokens)
+            session.committed_at = done
             st.rounds += 1
             st.accepted += accepted
             st.committed += len(verdict.tokens)

@@ -177,3 +177,12 @@ def test_verifier_answers_bad_input_with_errors_and_keeps_serving(tiny_model, ve
     edge = _edge(model, verifier.address)
     assert edge.generate(PROMPTS[3], 10)[0] == _reference(model, PROMPTS[3], 10)
     edge.close()
+
+
+def test_sampled_edge_output_is_reproducible_for_a_seed(tiny_model, verifier):
+    model, _ = tiny_model
+    edge = _edge(model, verifier.address)
+    runs = [edge.generate(PROMPTS[1], 16, temperature=0.05, seed=s)[0] for s in (3, 3, 4)]
+    edge.close()
+    assert runs[0] == runs[1] and len(runs[0]) == 16
+    assert all(0 <= t < model.config.vocab_size for t in runs[2])
