@@ -1,5 +1,5 @@
-"""The ``starhub`` command: hub, target, generate, demo, bench, train-eagle, and the edge
-topology's verifier and drafter.
+"""The ``starhub`` command: hub, target, generate, demo, bench, train-eagle, the edge
+topology's verifier and drafter, and launch and status for whole deployments.
 
 Every handler imports what it needs itself, so ``starhub --help`` loads no model code."""
 
@@ -17,6 +17,7 @@ from pathlib import Path
 from bench import cli as bench_cli
 from starhub import edge_cli
 from starhub.launch import READY, child_env, spawn_hub, target_command
+from starhub.launch import cli as launch_cli
 from starhub.options import (  # noqa: F401  (re-exported: earlier homes of these names)
     AUTO,
     DEFAULT_DEPTH,
@@ -136,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_weight_args(demo)
     edge_cli.add_parsers(sub)
     bench_cli.add_parser(sub)
+    launch_cli.add_parsers(sub)
+    sub.choices["launch"].set_defaults(cli_parser=parser)  # launch checks its commands
 
     train = sub.add_parser("train-eagle", add_help=False,
                            help="train an EAGLE head for a target (see train-eagle --help)")
@@ -260,7 +263,8 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"hub": cmd_hub, "target": cmd_target, "generate": cmd_generate, "demo": cmd_demo,
-            "bench": bench_cli.main, "train-eagle": cmd_train_eagle, **edge_cli.COMMANDS}
+            "bench": bench_cli.main, "train-eagle": cmd_train_eagle, **edge_cli.COMMANDS,
+            **launch_cli.COMMANDS}
 
 
 def main(argv: list[str] | None = None) -> int:
