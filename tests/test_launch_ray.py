@@ -62,9 +62,9 @@ def ray_head():
              str(obj), "--num-cpus", "4", "--include-dashboard=false",
              "--object-store-memory", "80000000", "--temp-dir", temp,
              "--disable-usage-stats"]
-    out = subprocess.run(start, capture_output=True, text=True, env=env, timeout=180)
-    assert out.returncode == 0, f"ray start failed:\n{out.stdout}\n{out.stderr}"
     try:
+        out = subprocess.run(start, capture_output=True, text=True, env=env, timeout=180)
+        assert out.returncode == 0, f"ray start failed:\n{out.stdout}\n{out.stderr}"
         yield f"127.0.0.1:{gcs}", env
     finally:
         subprocess.run([ray_cli, "stop"], capture_output=True, env=env, timeout=180)
