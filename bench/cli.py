@@ -7,10 +7,11 @@ import json
 import sys
 from pathlib import Path
 
-from starhub.models import DTYPES, LINEARS
+from starhub.options import DTYPES, LINEARS, depth_arg, max_targets_arg, tree_defaults
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "scripts" / "prompts" / "demo.jsonl"
 TREE_ARGS = ("drafter", "draft", "depth", "topk", "max_nodes", "draft_dtype")
+BASELINES = ("hf-generate", "hf-prompt-lookup", "colocated")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -52,7 +53,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="torch threads of each target and of the baselines")
     p.add_argument("--hub-threads", type=int, default=1,
                    help="torch threads of the hub, as for `starhub hub --threads`")
-    p.add_argument("--baselines", default=",".join(_baselines()),
+    p.add_argument("--baselines", default=",".join(BASELINES),
                    help="comma-separated subset of hf-generate, hf-prompt-lookup, colocated "
                         "('' for none)")
     p.add_argument("--json", dest="json_out", default=None, help="write the results here")
@@ -89,18 +90,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def _baselines() -> tuple[str, ...]:
-    from bench.run import BASELINES
-
-    return BASELINES
-
-
 def hub_defaults() -> dict:
     """The tree settings `starhub hub` uses when given none, so both always agree."""
-    from starhub.cli import build_parser
-
-    args = build_parser().parse_args(["hub"])
-    return {k: getattr(args, k) for k in TREE_ARGS}
+    defaults = tree_defaults()
+    return {k: defaults[k] for k in TREE_ARGS}
 
 
 def parse_list(text: str, parse, flag: str) -> list:
@@ -163,8 +156,6 @@ def edge_doc(args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from starhub.cli import depth_arg, max_targets_arg
-
     if args.topology == "edge":
         return write(args, edge_doc(args))
 
@@ -187,7 +178,7 @@ def main(args: argparse.Namespace) -> int:
         doc = emulated_doc(spec, ns, opts, progress=not args.no_progress,
                            depths=depths or [spec.depth], max_targets=admission)
     else:
-        from bench.run import BASELINES, BenchConfig, run_real
+        from bench.run import BenchConfig, run_real
 
         baselines = [b for b in args.baselines.split(",") if b]
         unknown = set(baselines) - set(BASELINES)

@@ -32,13 +32,13 @@ __all__ = ["EmulateOptions", "EmulateSpec", "emulated_doc", "load_trace", "run_e
 # --- the hub process -------------------------------------------------------------------
 
 def hub_main(args: argparse.Namespace) -> int:
-    from starhub.cli import max_targets_arg
     from starhub.control import AUTO, MAX_AUTO_DEPTH
     from starhub.drafters.base import TreeShape
     from starhub.drafters.emulated import EmulatedDrafter
     from starhub.hub import Hub, HubConfig
     from starhub.launch import READY
     from starhub.models import set_threads
+    from starhub.options import max_targets_arg
 
     set_threads(args.threads)
     adaptive = args.depth == AUTO

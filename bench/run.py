@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.baselines import PromptRun, colocated, hf_generate
+from bench.cli import BASELINES
 from starhub.drafters.base import TreeShape
 
 METRICS = ("system_tok_s", "per_target_tok_s", "t_s_ms", "t_wait_ms", "t_idle_ms", "r_q",
            "r_p", "load", "mean_accept_len")
-BASELINES = ("hf-generate", "hf-prompt-lookup", "colocated")
 
 THREADS_NOTE = ("every process sets its torch thread count: each target from --threads and the "
                 "hub from --hub-threads (via their own --threads flag), the benchmark process, "

@@ -1,5 +1,7 @@
-"""The ``starhub`` command: hub, target, generate, demo, bench, train-eagle, and the edge
-topology's verifier and drafter."""
+"""The ``starhub`` command: hub, target, generate, demo, bench, train-eagle, the edge
+topology's verifier and drafter, and launch and status for whole deployments.
+
+Every handler imports what it needs itself, so ``starhub --help`` loads no model code."""
 
 from __future__ import annotations
 
@@ -14,38 +16,21 @@ from pathlib import Path
 
 from bench import cli as bench_cli
 from starhub import edge_cli
-from starhub.control import AUTO, MAX_AUTO_DEPTH
-from starhub.drafters import DRAFTERS, TreeShape
 from starhub.launch import READY, child_env, spawn_hub, target_command
-from starhub.models import DTYPES, LINEARS
+from starhub.launch import cli as launch_cli
+from starhub.options import (  # noqa: F401  (re-exported: earlier homes of these names)
+    AUTO,
+    DEFAULT_DEPTH,
+    DEFAULT_SHAPE,
+    DTYPES,
+    LINEARS,
+    MAX_AUTO_DEPTH,
+    auto_or_count,
+    depth_arg,
+    max_targets_arg,
+)
+from starhub.options import add_tree_args as _add_tree_args
 
-DEFAULT_SHAPE = TreeShape()
-DEFAULT_DEPTH: int | str = AUTO
-"""The hub chooses each round's depth: on prompts its head knows it drafts as deep as a
-fixed tree would, and where no tree pays the target decodes plainly at its own speed."""
-
-
-def auto_or_count(minimum: int, what: str):
-    """An argparse type for options that take ``auto`` or a whole number >= ``minimum``."""
-
-    def parse(text: str) -> int | str:
-        if str(text).strip().lower() == AUTO:
-            return AUTO
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected 'auto' or a whole number >= {minimum}, got '{text}'") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{what} must be at least {minimum}, got {value}")
-        return value
-
-    parse.__name__ = what
-    return parse
-
-
-depth_arg = auto_or_count(1, "depth")
-max_targets_arg = auto_or_count(0, "max-targets")
 DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "scripts" / "prompts" / "demo.jsonl"
 
 
@@ -55,35 +40,6 @@ def _setup_logging(level: str) -> None:
                         datefmt="%H:%M:%S")
     for noisy in ("transformers", "httpx", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-
-
-def _add_tree_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", choices=DRAFTERS, default="eagle",
-                   help="eagle: a trained EAGLE head over the target's features; ngram: "
-                        "prompt lookup, no model; model: an independent causal LM")
-    p.add_argument("--draft", default=None,
-                   help="eagle: a head folder (default: the head shipped for the embedded "
-                        "model). model: 'self' (the target's weights; every token is accepted, "
-                        "for tests), 'self:layers=K' (its first K layers; the default), or a "
-                        "model spec with the target's tokenizer")
-    p.add_argument("--depth", type=depth_arg, default=DEFAULT_DEPTH,
-                   help="'auto' (default): the hub picks each session's depth every round, "
-                        f"up to {MAX_AUTO_DEPTH}, for the most tokens per second given its "
-                        "measured acceptance, its target's verify cost and the hub's load, "
-                        "and lets a session that no tree speeds up decode plainly "
-                        "(re-probing it now and then). A number fixes the tree layers drafted "
-                        "per round (fewer when no deeper node could make the budget)")
-    p.add_argument("--topk", type=int, default=DEFAULT_SHAPE.topk,
-                   help="paths expanded per layer, and children per expanded node")
-    p.add_argument("--max-nodes", type=int, default=DEFAULT_SHAPE.max_nodes,
-                   help="node budget of a tree. The defaults suit a small CPU target, where a "
-                        "10-node tree verifies for about 1.4 one-token steps. On GPUs, where "
-                        "dozens of nodes verify for about the price of one, larger trees pay "
-                        "(EAGLE-2 uses --depth 6 --topk 10 --max-nodes 60)")
-    p.add_argument("--draft-dtype", choices=DTYPES, default="auto",
-                   help="the drafter's weights. auto: bfloat16 for an EAGLE head where the "
-                        "hardware multiplies bf16 natively (drafts may differ, output never "
-                        "does), otherwise the target's dtype")
 
 
 def _add_weight_args(p: argparse.ArgumentParser) -> None:
@@ -181,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_weight_args(demo)
     edge_cli.add_parsers(sub)
     bench_cli.add_parser(sub)
+    launch_cli.add_parsers(sub)
+    sub.choices["launch"].set_defaults(cli_parser=parser)  # launch checks its commands
 
     train = sub.add_parser("train-eagle", add_help=False,
                            help="train an EAGLE head for a target (see train-eagle --help)")
@@ -305,7 +263,8 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"hub": cmd_hub, "target": cmd_target, "generate": cmd_generate, "demo": cmd_demo,
-            "bench": bench_cli.main, "train-eagle": cmd_train_eagle, **edge_cli.COMMANDS}
+            "bench": bench_cli.main, "train-eagle": cmd_train_eagle, **edge_cli.COMMANDS,
+            **launch_cli.COMMANDS}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,9 +7,8 @@ import json
 import logging
 import sys
 
-from starhub.drafters import DRAFTERS, TreeShape
 from starhub.launch import READY
-from starhub.models import DTYPES, LINEARS
+from starhub.options import DRAFTERS, DTYPES, LINEARS, TreeShape
 
 SCHEDULES = ("fifo", "goodspeed", "slo", "random")
 DEFAULT_SHAPE = TreeShape()

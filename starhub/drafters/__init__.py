@@ -4,8 +4,7 @@
 from __future__ import annotations
 
 from starhub.drafters.base import DraftContext, Drafter, TreeShape
-
-DRAFTERS = ("eagle", "ngram", "model")
+from starhub.options import DRAFTERS
 
 __all__ = ["DRAFTERS", "DraftContext", "Drafter", "TreeShape", "make_drafter", "parse_draft"]
 

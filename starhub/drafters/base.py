@@ -8,16 +8,9 @@ from typing import Any
 
 import torch
 
+from starhub.options import TreeShape
 from starhub.protocol import Hello
 from starhub.tree import DraftTree
-
-
-@dataclass
-class TreeShape:
-    depth: int = 5
-    topk: int = 4
-    max_nodes: int = 10
-    support: int = 16
 
 
 @dataclass

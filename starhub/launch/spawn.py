@@ -40,10 +40,13 @@ def child_env(threads: int) -> dict[str, str]:
     a forward pass: with prepacked linears a 2-thread target verified about 15% slower
     through the hub than the same verification in the benchmark's own process.
     """
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    return env
+    return {**os.environ, **thread_settings(threads)}
+
+
+def thread_settings(threads: int) -> dict[str, str]:
+    """The variables ``child_env`` sets over the parent's environment."""
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
 
 def spawn_hub(args: list[str], threads: int = 1, timeout_s: float = 180.0,

@@ -1,0 +1,123 @@
+"""``starhub launch`` and ``starhub status``: their arguments and handlers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+LAUNCH_EPILOG = """\
+a deployment file (see configs/) looks like:
+
+  backend = "local"            # or "ray": attach to a running Ray cluster
+  [hub]
+  drafter = "eagle"
+  threads = 1
+  [targets]
+  count = 2
+  model = "default"
+  threads = 1
+
+`starhub launch --schema` lists every key. Exit status: 0 when every target finished,
+1 when a process failed (its last log lines are printed), 2 for a bad config, 130 when
+stopped with Ctrl-C or SIGTERM."""
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "launch", help="start a whole deployment (hub + targets, or verifier + drafters) "
+                       "from one TOML file, locally or on a Ray cluster",
+        description="Start the processes a deployment file describes: the hub (or an edge "
+                    "verifier) first, then, once it is ready, the targets (or drafters) with "
+                    "its address. Logs are streamed with a prefix per process and kept under "
+                    "OUT_DIR/logs; a status line shows the targets up, rounds per second and "
+                    "tau. With prompts, the targets split them and each writes NAME.jsonl "
+                    "under OUT_DIR, and the launch ends when they finish. Ctrl-C stops "
+                    "everything. The file is checked in full before anything starts.",
+        epilog=LAUNCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?", help="deployment file (TOML), e.g. "
+                                             "configs/local-cpu.toml")
+    p.add_argument("--prompts", default=None,
+                   help='JSONL prompts ({"id", "prompt"} or MT-Bench lines), split across the '
+                        "targets; overrides targets.prompts")
+    p.add_argument("--out-dir", default=None,
+                   help="where each target writes NAME.jsonl and logs/NAME.log (default: the "
+                        "config's out_dir, out/launch)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   dest="overrides",
+                   help="override a key of the file, checked like the file: e.g. "
+                        "targets.count=4, hub.depth=5, backend=ray (repeatable)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print where each process would start and its exact command, and exit")
+    p.add_argument("--schema", action="store_true",
+                   help="print every table and key a deployment file may hold, and exit")
+
+    s = sub.add_parser(
+        "status", help="a running hub's (or verifier's) targets and key metrics",
+        description="Ask a hub or an edge verifier for STATS and print its settings, load "
+                    "and one row per target: rounds, tokens, speed, its standalone speed "
+                    "and t_c.")
+    s.add_argument("address", help="e.g. tcp://127.0.0.1:5555 (the address its "
+                                   "'STARHUB READY' line or `starhub launch` printed)")
+    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
+    s.add_argument("--json", action="store_true", help="print the raw STATS body as JSON")
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from starhub.launch.config import load_config, schema_text
+    from starhub.launch.plan import build_plan, check_commands, describe
+    from starhub.launch.ray_backend import ray_address
+
+    if args.schema:
+        print(schema_text())
+        return 0
+    if not args.config:
+        raise ValueError("starhub launch needs a deployment file, e.g. configs/local-cpu.toml")
+    dep = load_config(args.config, args.overrides)
+    plan = build_plan(dep, args.prompts)
+    out_dir = Path(args.out_dir or dep.out_dir)
+    address = ray_address(dep.ray.address) if dep.backend == "ray" else None
+    if args.dry_run:
+        print(describe(plan, str(out_dir), address))
+    check_commands(plan, args.cli_parser)
+    if plan.prompts:
+        _check_prompts(plan.prompts)
+    if args.dry_run:
+        return 0
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from starhub.launch.runner import Launcher, LocalBackend
+
+    if dep.backend == "ray":
+        from starhub.launch.ray_backend import RayBackend
+
+        backend = RayBackend(address, dep.ray.namespace, dep.name, plan.prompts,
+                             dep.ready_timeout_s)
+    else:
+        backend = LocalBackend(plan.prompts, out_dir)
+    return Launcher(plan, backend, out_dir).run()
+
+
+def _check_prompts(path: str) -> None:
+    from starhub.prompts import read_prompts
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"prompts file {path} not found")
+    read_prompts(path)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from starhub.launch.status import query_stats, report
+    from targets.client import HubUnavailable
+
+    try:
+        body = query_stats(args.address, args.timeout, peers=True)
+    except HubUnavailable as exc:
+        print(f"starhub status: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(body, indent=1, sort_keys=True) if args.json
+          else report(args.address, body))
+    return 0
+
+
+COMMANDS = {"launch": cmd_launch, "status": cmd_status}

@@ -1,0 +1,285 @@
+"""Run a plan: start the server, wait until it is ready, start the workers with its
+address, stream every process's log with a prefix, keep a status line, and stop everything
+when the batch is done, when a process fails, or on Ctrl-C / SIGTERM.
+
+The supervision is the same for both backends; a backend only knows how to start one
+process (``LocalBackend`` here, ``RayBackend`` in ``ray_backend``)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Protocol, TextIO
+
+from starhub.launch.host import ProcessHost
+from starhub.launch.plan import Plan, ProcessSpec
+from starhub.launch.spawn import thread_settings
+from starhub.launch.status import StatusPoller
+
+log = logging.getLogger("starhub.launch")
+TAIL_LINES = 25
+
+
+class Handle(Protocol):
+    name: str
+    where: dict
+
+    def tick(self, since: int) -> dict: ...
+    def stop(self) -> int | None: ...
+    def fetch_output(self, spec: ProcessSpec, out_dir: Path) -> None: ...
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    poll_s: float
+
+    def start(self, spec: ProcessSpec, hub: str | None) -> Handle: ...
+    def close(self) -> None: ...
+
+
+def process_env(spec: ProcessSpec) -> dict[str, str]:
+    """What a launched process gets over its host's environment: its thread count, no
+    progress bars (the launcher shows progress), and its GPU pin if it has one."""
+    env = {**thread_settings(spec.threads), "TQDM_DISABLE": "1"}
+    if spec.gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
+    return env
+
+
+class LocalHandle:
+    def __init__(self, host: ProcessHost, where: dict):
+        self.host, self.name, self.where = host, host.name, where
+
+    def tick(self, since: int) -> dict:
+        return self.host.tick(since)
+
+    def stop(self) -> int | None:
+        return self.host.stop()
+
+    def fetch_output(self, spec: ProcessSpec, out_dir: Path) -> None:
+        """Local targets write straight into the output folder."""
+
+    def close(self) -> None:
+        self.host.cleanup()
+
+
+class LocalBackend:
+    """Subprocesses on this machine."""
+
+    poll_s = 0.2
+
+    def __init__(self, prompts: str | None, out_dir: Path):
+        self.prompts = str(Path(prompts).resolve()) if prompts else None
+        self.out_dir = out_dir
+
+    def start(self, spec: ProcessSpec, hub: str | None) -> LocalHandle:
+        host = ProcessHost(spec.name)
+        argv = spec.command(hub=hub, prompts=self.prompts,
+                            out=str(self.out_dir.resolve() / spec.out_name))[3:]
+        return LocalHandle(host, host.start(argv, process_env(spec)))
+
+    def close(self) -> None:
+        pass
+
+
+class ProcessFailed(RuntimeError):
+    pass
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C."""
+
+
+class Launcher:
+    def __init__(self, plan: Plan, backend: Backend, out_dir: Path, stream: TextIO = sys.stderr):
+        self.plan, self.backend, self.out_dir, self.stream = plan, backend, out_dir, stream
+        self.handles: dict[str, Handle] = {}
+        self.cursor: dict[str, int] = {}
+        self.tails: dict[str, collections.deque] = {}
+        self.logs: dict[str, TextIO] = {}
+        self.width = max(len(p.name) for p in plan.processes)
+        self.tty = stream.isatty()
+        self.status = ""
+        self._status_at = 0.0
+        self.dep = plan.deployment
+        self.kind = "hub" if self.dep.topology == "star" else "verifier"
+        self.address: str | None = None
+
+    # --- output ----------------------------------------------------------------------
+    def say(self, text: str) -> None:
+        self._clear_status()
+        print(f"[{'launch'.rjust(self.width)}] {text}", file=self.stream, flush=True)
+        self._draw_status()
+
+    def _clear_status(self) -> None:
+        if self.tty and self.status:
+            self.stream.write("\r\033[K")
+
+    def _draw_status(self) -> None:
+        if self.tty and self.status:
+            self.stream.write(self.status)
+            self.stream.flush()
+
+    def _show_status(self, line: str) -> None:
+        now = time.monotonic()
+        if self.tty:
+            self._clear_status()
+            self.status = line
+            self._draw_status()
+        elif now - self._status_at >= max(self.dep.status_interval_s, 10.0):
+            self._status_at = now
+            print(f"[{'status'.rjust(self.width)}] {line}", file=self.stream, flush=True)
+
+    def pump(self) -> dict[str, int | None]:
+        """Print new lines of every process; return each one's exit code (None: running)."""
+        codes = {}
+        for name, handle in self.handles.items():
+            try:
+                state = handle.tick(self.cursor[name])
+            except Exception as exc:  # e.g. the Ray actor or its node died
+                raise ProcessFailed(f"{name}: lost its host: {exc}") from None
+            self.cursor[name] = state["next"]
+            if state["lines"]:
+                self._clear_status()
+                for line in state["lines"]:
+                    print(f"[{name.rjust(self.width)}] {line}", file=self.stream)
+                    self.logs[name].write(line + "\n")
+                    self.tails[name].append(line)
+                self.logs[name].flush()
+                self.stream.flush()
+                self._draw_status()
+            codes[name] = state["code"]
+            if state.get("address"):
+                self.address = state["address"]
+        return codes
+
+    # --- lifecycle -------------------------------------------------------------------
+    def _start(self, spec: ProcessSpec, hub: str | None) -> Handle:
+        handle = self.backend.start(spec, hub)
+        self.handles[spec.name] = handle
+        self.cursor[spec.name] = 0
+        self.tails[spec.name] = collections.deque(maxlen=TAIL_LINES)
+        self.logs[spec.name] = open(self.out_dir / "logs" / f"{spec.name}.log", "w")
+        w = handle.where
+        gpus = f", CUDA_VISIBLE_DEVICES={w['cuda_visible_devices']}" \
+            if w.get("cuda_visible_devices") else ""
+        self.say(f"started {spec.name} on {w.get('host')} ({w.get('ip')}), pid {w.get('pid')}"
+                 f"{gpus}")
+        return handle
+
+    def _failed(self, name: str, code: int | None) -> ProcessFailed:
+        tail = "\n".join(f"    {line}" for line in self.tails[name]) or "    (no output)"
+        what = f"exited with code {code}" if code is not None else "did not become ready"
+        return ProcessFailed(f"{name} {what}; its last lines:\n{tail}")
+
+    def _wait_ready(self) -> str:
+        name = self.plan.server.name
+        deadline = time.monotonic() + self.dep.ready_timeout_s
+        while True:
+            codes = self.pump()
+            if self.address:
+                return self.address
+            if codes[name] is not None:
+                raise self._failed(name, codes[name])
+            if time.monotonic() > deadline:
+                self.say(f"{name} not ready after {self.dep.ready_timeout_s:.0f}s "
+                         f"(ready_timeout_s)")
+                raise self._failed(name, None)
+            time.sleep(self.backend.poll_s)
+
+    def run(self) -> int:
+        """0 when every worker finished, 1 when a process failed, 130 when interrupted."""
+        (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
+        previous = signal.signal(signal.SIGTERM, _raise_stopped)
+        poller = None
+        try:
+            self._start(self.plan.server, None)
+            address = self._wait_ready()
+            self.say(f"{self.kind} ready at {address}")
+            for spec in self.plan.workers:
+                self._start(spec, address)
+            if self.dep.status_interval_s:
+                poller = StatusPoller(address, self.dep.status_interval_s,
+                                      len(self.plan.workers), self.kind == "verifier").start()
+            if not self.plan.workers:
+                self.say(f"serving at {address} until Ctrl-C")
+            self._supervise(poller)
+            self._finish()
+            return 0
+        except ProcessFailed as exc:
+            self.say(str(exc))
+            return 1
+        except KeyboardInterrupt:
+            self.say("interrupted: stopping every process")
+            return 130
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            if poller is not None:
+                poller.stop()
+            self._stop_all()
+
+    def _supervise(self, poller: StatusPoller | None) -> None:
+        server = self.plan.server.name
+        workers = [p.name for p in self.plan.workers]
+        while True:
+            codes = self.pump()
+            for name in workers:
+                if codes[name] not in (None, 0):
+                    raise self._failed(name, codes[name])
+            if codes[server] is not None:
+                raise self._failed(server, codes[server])
+            if workers and all(codes[n] == 0 for n in workers):
+                return
+            if poller is not None and poller.line:
+                done = sum(codes[n] == 0 for n in workers)
+                self._show_status(f"{poller.line} | done {done}/{len(workers)}")
+            time.sleep(self.backend.poll_s)
+
+    def _finish(self) -> None:
+        for spec in self.plan.workers:
+            self.handles[spec.name].fetch_output(spec, self.out_dir)
+        self._clear_status()
+        self.status = ""
+        self.say(f"all {len(self.plan.workers)} done; outputs in {self.out_dir}")
+        for spec in self.plan.workers:
+            print(summary_line(spec.name, self.out_dir / spec.out_name), flush=True)
+
+    def _stop_all(self) -> None:
+        """Workers first, then the server; then the backend's own resources."""
+        self._clear_status()
+        self.status = ""
+        for name in reversed(list(self.handles)):
+            handle = self.handles[name]
+            with contextlib.suppress(Exception):
+                handle.stop()
+        with contextlib.suppress(Exception):
+            self.pump()
+        for name, handle in self.handles.items():
+            with contextlib.suppress(Exception):
+                handle.close()
+            self.logs[name].close()
+        self.backend.close()
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise Stopped()
+
+
+def summary_line(name: str, path: Path) -> str:
+    rows = []
+    if path.exists():
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    done = [r for r in rows if "output_ids" in r]
+    tokens = sum(len(r["output_ids"]) for r in done)
+    wall = sum(r["stats"]["wall_s"] for r in done)
+    tau = sum(r["stats"]["mean_accept_len"] for r in done) / max(len(done), 1)
+    failed = f", {len(rows) - len(done)} failed" if len(rows) > len(done) else ""
+    return (f"{name}: {len(done)} prompts{failed}, {tokens} tokens, "
+            f"{tokens / wall if wall else 0.0:.1f} tok/s, mean accepted length {tau:.2f} "
+            f"-> {path}")

@@ -1,0 +1,128 @@
+"""What a running hub or verifier says about itself (``STATS``): the launcher's live status
+line and the ``starhub status`` table."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+
+def query_stats(address: str, timeout_s: float = 5.0, peers: bool = False) -> dict:
+    """One ``STATS`` request; ``peers`` adds each peer's totals (``counters.peers``)."""
+    from starhub.protocol import Stats
+    from targets.client import HubClient
+
+    client = HubClient(address, timeout_s=timeout_s)
+    try:
+        return client.request(Stats(body={"counters": True, "peers": True} if peers
+                                    else {})).body
+    finally:
+        client.close()
+
+
+class StatusPoller:
+    """Asks the server for ``STATS`` every ``interval_s`` in a thread and keeps one line:
+    peers up, rounds per second over the last interval, τ and tokens per second."""
+
+    def __init__(self, address: str, interval_s: float, expected: int, edge: bool):
+        self.address, self.interval_s = address, interval_s
+        self.expected, self.edge = expected, edge
+        self.line: str | None = None
+        self._stop = threading.Event()
+        self._last: tuple[float, float, float] | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> StatusPoller:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                body = query_stats(self.address, timeout_s=max(self.interval_s, 2.0))
+                self.line = self.summarize(body, time.monotonic())
+            except Exception as exc:  # a status line must never stop the deployment
+                self.line = f"no STATS from {self.address}: {exc}"
+            self._stop.wait(self.interval_s)
+
+    def summarize(self, body: dict, now: float) -> str:
+        if self.edge:
+            up, rounds = body.get("drafters", 0), body.get("rounds", 0)
+            tokens = body.get("committed", 0)
+            tau = tokens / rounds if rounds else 0.0
+            who = "drafters"
+        else:
+            up, rounds = body.get("peers", 0), body.get("rounds", 0)
+            tokens = body.get("tokens", 0)
+            tau, who = body.get("mean_accept_len", 0.0), "targets"
+        rate = tok = 0.0
+        if self._last is not None and now > self._last[0]:
+            dt = now - self._last[0]
+            rate, tok = (rounds - self._last[1]) / dt, (tokens - self._last[2]) / dt
+        self._last = (now, rounds, tokens)
+        return (f"{who} up {up}/{self.expected} | {rate:.1f} rounds/s | tau {tau:.2f} | "
+                f"{tok:.1f} tok/s")
+
+
+def _fmt(value, spec: str = ".1f") -> str:
+    if value is None:
+        return "-"
+    return format(value, spec) if isinstance(value, (int, float)) else str(value)
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+                     for r in rows)
+
+
+def hub_report(address: str, body: dict) -> str:
+    """The ``starhub status`` text for a hub: its settings and load, then one row per target."""
+    head = (f"hub {address}: {body.get('drafter')} drafter, depth {body.get('depth')}, "
+            f"topk {body.get('topk')}, max_nodes {body.get('max_nodes')}, "
+            f"threads {body.get('threads')}\n"
+            f"peers {body.get('peers')}, sessions {body.get('active_sessions')}, admitted "
+            f"{body.get('admitted')} (max_targets {body.get('max_targets')}, n_max "
+            f"{_fmt(body.get('n_max'), 'd')}, n_full {_fmt(body.get('n_full'), 'd')}), "
+            f"rejections {body.get('rejections')}\n"
+            f"rounds {body.get('rounds')}, r_q {_fmt(body.get('r_q'))}/s, load "
+            f"{_fmt(body.get('load'), '.2f')}, t_s {_fmt(body.get('t_s_ms'), '.2f')} ms, "
+            f"tau {_fmt(body.get('mean_accept_len'), '.2f')}, "
+            f"{_fmt(body.get('system_tok_s'))} tok/s, plain rounds {body.get('plain_rounds')}")
+    control = {t["name"]: t for t in body.get("control", {}).get("targets", [])}
+    rows = [["target", "state", "rounds", "tokens", "tok/s", "step ms", "alone tok/s",
+             "predicted tok/s", "t_c ms"]]
+    for name, rounds, _queue, _draft, _commits, tokens, first, last in \
+            body.get("counters", {}).get("peers", []):
+        c = control.get(name, {})
+        rows.append([name, "admitted" if name in control else "-", str(rounds), str(tokens),
+                     _fmt(tokens / (last - first) if last > first else None),
+                     _fmt(c.get("step_ms")), _fmt(c.get("standalone_tok_s")),
+                     _fmt(c.get("predicted_tok_s")), _fmt(c.get("t_c_ms"))])
+    if len(rows) == 1:
+        return head + "\nno targets yet"
+    return head + "\n\n" + table(rows)
+
+
+def verifier_report(address: str, body: dict) -> str:
+    rounds = body.get("rounds", 0)
+    head = (f"verifier {address}: schedule {body.get('schedule')}, budget "
+            f"{body.get('budget')}, max_batch {body.get('max_batch') or 'auto'}, threads "
+            f"{body.get('threads')}\n"
+            f"drafters {body.get('drafters')}, sessions {body.get('sessions')}, steps "
+            f"{body.get('steps')}, rounds {rounds}, mean batch "
+            f"{_fmt(body.get('mean_batch'), '.2f')}, verify "
+            f"{_fmt(body.get('verify_ms_per_step'))} ms/step, tau "
+            f"{_fmt(body.get('committed', 0) / rounds if rounds else None, '.2f')}")
+    sched = body.get("scheduler")
+    return head + (f"\nscheduler: {json.dumps(sched, sort_keys=True)}" if sched else "")
+
+
+def report(address: str, body: dict) -> str:
+    return (verifier_report if body.get("role") == "verifier" else hub_report)(address, body)

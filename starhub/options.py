@@ -1,0 +1,90 @@
+"""Choices and defaults that the command line, the benchmark and deployment configs share.
+
+Nothing here imports torch or transformers, so ``starhub --help`` and ``starhub launch``
+answer at once, and ``bench`` can agree with ``starhub hub`` without importing its CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from starhub.control import AUTO, MAX_AUTO_DEPTH
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LINEARS = ("auto", "onednn", "torch")
+DRAFTERS = ("eagle", "ngram", "model")
+
+
+@dataclass
+class TreeShape:
+    depth: int = 5
+    topk: int = 4
+    max_nodes: int = 10
+    support: int = 16
+
+
+DEFAULT_SHAPE = TreeShape()
+DEFAULT_DEPTH: int | str = AUTO
+"""The hub chooses each round's depth: on prompts its head knows it drafts as deep as a
+fixed tree would, and where no tree pays the target decodes plainly at its own speed."""
+
+
+def auto_or_count(minimum: int, what: str):
+    """An argparse type for options that take ``auto`` or a whole number >= ``minimum``."""
+
+    def parse(text: str) -> int | str:
+        if str(text).strip().lower() == AUTO:
+            return AUTO
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected 'auto' or a whole number >= {minimum}, got '{text}'") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{what} must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = what
+    return parse
+
+
+depth_arg = auto_or_count(1, "depth")
+max_targets_arg = auto_or_count(0, "max-targets")
+
+
+def add_tree_args(p: argparse.ArgumentParser) -> None:
+    """The drafter and tree options of ``starhub hub`` (``bench`` reads its defaults here)."""
+    p.add_argument("--drafter", choices=DRAFTERS, default="eagle",
+                   help="eagle: a trained EAGLE head over the target's features; ngram: "
+                        "prompt lookup, no model; model: an independent causal LM")
+    p.add_argument("--draft", default=None,
+                   help="eagle: a head folder (default: the head shipped for the embedded "
+                        "model). model: 'self' (the target's weights; every token is accepted, "
+                        "for tests), 'self:layers=K' (its first K layers; the default), or a "
+                        "model spec with the target's tokenizer")
+    p.add_argument("--depth", type=depth_arg, default=DEFAULT_DEPTH,
+                   help="'auto' (default): the hub picks each session's depth every round, "
+                        f"up to {MAX_AUTO_DEPTH}, for the most tokens per second given its "
+                        "measured acceptance, its target's verify cost and the hub's load, "
+                        "and lets a session that no tree speeds up decode plainly "
+                        "(re-probing it now and then). A number fixes the tree layers drafted "
+                        "per round (fewer when no deeper node could make the budget)")
+    p.add_argument("--topk", type=int, default=DEFAULT_SHAPE.topk,
+                   help="paths expanded per layer, and children per expanded node")
+    p.add_argument("--max-nodes", type=int, default=DEFAULT_SHAPE.max_nodes,
+                   help="node budget of a tree. The defaults suit a small CPU target, where a "
+                        "10-node tree verifies for about 1.4 one-token steps. On GPUs, where "
+                        "dozens of nodes verify for about the price of one, larger trees pay "
+                        "(EAGLE-2 uses --depth 6 --topk 10 --max-nodes 60)")
+    p.add_argument("--draft-dtype", choices=DTYPES, default="auto",
+                   help="the drafter's weights. auto: bfloat16 for an EAGLE head where the "
+                        "hardware multiplies bf16 natively (drafts may differ, output never "
+                        "does), otherwise the target's dtype")
+
+
+def tree_defaults() -> dict:
+    """The tree settings ``starhub hub`` uses when given none."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_tree_args(p)
+    return vars(p.parse_args([]))

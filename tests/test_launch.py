@@ -1,0 +1,263 @@
+"""``starhub launch``, its config schema and ``starhub status``: bad files fail before
+anything starts, the shipped configs plan the right commands, the local backend brings up a
+hub and two targets whose greedy output equals generate(), and SIGINT leaves nothing
+behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from starhub.launch.config import ConfigError, load_config, parse_config
+from starhub.launch.plan import build_plan, check_commands, describe
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+PROMPTS = ["What is the capital of France?", "List three prime numbers.", "Name a color."]
+NEW = 24
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def prompts_file(tmp_path: Path, prompts: list[str] = PROMPTS) -> Path:
+    return write(tmp_path / "prompts.jsonl",
+                 "".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+
+
+def starhub(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "starhub", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=kw.pop("timeout", 300), **kw)
+
+
+# --- the schema --------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, key, hint", [
+    ('[targets]\nmodle = "default"\n', "targets.modle", "did you mean 'model'"),
+    ('[targets]\nmodel = "default"\n[hub]\ntopk = "four"\n', "hub.topk",
+     "expected a whole number"),
+    ('[targets]\ncount = 2\n', "targets.model", "missing"),
+    ('backend = "kubernetes"\n[targets]\nmodel = "default"\n', "backend",
+     "choose from local, ray"),
+    ('[targets]\nmodel = "default"\ncount = true\n', "targets.count", "got a boolean"),
+    ('[targets]\nmodel = "default"\n[hub]\ndepth = "deep"\n', "hub.depth", "'auto'"),
+    ('[targets]\nmodel = "default"\n[hubs]\n', "hubs", "allowed here: backend"),
+    ('[targets]\nmodel = "default"\ncount = 2\ngpus = [1]\n', "targets.gpus",
+     "one index per process"),
+    ('backend = "ray"\n[targets]\nmodel = "default"\n[hub]\ngpu = 0\n', "hub.gpu",
+     "num_gpus"),
+    ('[targets]\nmodel = "default"\n[verifier]\nmodel = "default"\n', "[verifier]",
+     "not part of a star"),
+    ('[targets]\nmodel = "default"\n[hub]\nport = 5555\nbind = "tcp://1.2.3.4:1"\n',
+     "hub.port", "not both"),
+])
+def test_bad_configs_name_the_file_and_the_key(tmp_path, text, key, hint):
+    path = write(tmp_path / "bad.toml", text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: ") and key in message and hint in message, message
+
+
+def test_a_bad_config_fails_before_anything_starts(tmp_path):
+    path = write(tmp_path / "bad.toml", '[targets]\ncount = 2\nthreds = 1\nmodel = "x"\n')
+    out = starhub("launch", str(path), "--prompts", str(prompts_file(tmp_path)),
+                  "--out-dir", str(tmp_path / "out"))
+    assert out.returncode == 2
+    assert "targets.threds: unknown key (did you mean 'threads'?)" in out.stderr
+    assert "started" not in out.stderr and not (tmp_path / "out").exists()
+
+
+def test_overrides_are_checked_like_the_file(tmp_path):
+    dep = load_config(CONFIGS / "local-cpu.toml", ["targets.count=3", "hub.depth=5",
+                                                   "targets.prompts=p.jsonl"])
+    assert (dep.targets.count, dep.hub.depth, dep.targets.prompts) == (3, 5, "p.jsonl")
+    with pytest.raises(ConfigError, match="targets.count: expected a whole number"):
+        load_config(CONFIGS / "local-cpu.toml", ["targets.count=many"])
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(CONFIGS / "local-cpu.toml", ["targets.count"])
+
+
+def test_targets_without_prompts_are_refused_and_zero_targets_only_serve():
+    dep = parse_config({"targets": {"model": "default", "count": 2}}, "x.toml")
+    with pytest.raises(ConfigError, match="targets.prompts: .*pass --prompts FILE"):
+        build_plan(dep)
+    dep = parse_config({"targets": {"model": "default", "count": 0}}, "x.toml")
+    assert build_plan(dep).workers == []
+
+
+# --- plans and the shipped configs ---------------------------------------------------
+
+@pytest.mark.parametrize("name", ["local-cpu", "single-host-gpus", "ray-cluster", "edge"])
+def test_every_shipped_config_is_valid_and_plans_its_processes(name):
+    from starhub.cli import build_parser
+
+    dep = load_config(CONFIGS / f"{name}.toml")
+    plan = build_plan(dep, "prompts.jsonl")
+    assert len(plan.workers) == dep.workers.count >= 2
+    assert [p.args[p.args.index(p.role) + 1:].count("--shard") for p in plan.workers] \
+        == [1] * len(plan.workers)
+    text = describe(plan, "out", "10.0.0.1:6379")
+    assert text.count(" -m starhub ") == len(plan.processes)
+    if not any(p.ray_options.get("num_gpus") or p.gpu is not None for p in plan.processes):
+        check_commands(plan, build_parser())  # the CPU configs run on this starhub as is
+
+
+def test_single_host_config_pins_one_gpu_per_process():
+    plan = build_plan(load_config(CONFIGS / "single-host-gpus.toml"), "p.jsonl")
+    assert [p.gpu for p in plan.processes] == list(range(8))
+
+
+def test_ray_config_asks_ray_for_resources_and_binds_every_interface():
+    plan = build_plan(load_config(CONFIGS / "ray-cluster.toml"), "p.jsonl")
+    hub = plan.server
+    assert hub.ray_options == {"num_cpus": 4, "num_gpus": 1.0,
+                               "label_selector": {"role": "draft"}}
+    assert hub.args[hub.args.index("--bind") + 1] == "tcp://0.0.0.0:5555"
+    assert all(t.ray_options["num_gpus"] == 1.0 for t in plan.workers)
+
+
+def test_edge_configs_need_the_edge_commands(tmp_path):
+    import argparse
+
+    plan = build_plan(load_config(CONFIGS / "edge.toml"), "p.jsonl")
+    assert plan.server.role == "verifier" and {p.role for p in plan.workers} == {"drafter"}
+    older = argparse.ArgumentParser()
+    older.add_subparsers().add_parser("hub")
+    with pytest.raises(ConfigError, match="edge launch needs `starhub verifier`"):
+        check_commands(plan, older)
+
+
+def test_dry_run_prints_each_exact_command_and_starts_nothing(tmp_path):
+    prompts = prompts_file(tmp_path)
+    out = starhub("launch", "configs/local-cpu.toml", "--prompts", str(prompts), "--out-dir",
+                  str(tmp_path / "out"), "--dry-run", timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    commands = [line.strip() for line in lines if " -m starhub " in line]
+    assert len(commands) == 3
+    assert "hub --bind tcp://127.0.0.1:0 --model default --drafter eagle" in commands[0]
+    for i in range(2):
+        assert f"--shard {i}/2" in commands[i + 1]
+        assert f"--out {tmp_path / 'out' / f'target{i}.jsonl'}" in commands[i + 1]
+        assert f"--prompts {prompts}" in commands[i + 1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_answers_without_torch_or_transformers():
+    code = ("import sys\nfrom starhub.cli import main\n"
+            "for argv in (['--help'], ['launch', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n"
+            "        assert e.code == 0\n"
+            "import bench.cli\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--dry-run" in out.stdout and "--out-dir" in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_bench_cli_no_longer_imports_the_starhub_cli():
+    code = "import sys, bench.cli\nprint('starhub.cli' in sys.modules)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+    from bench.cli import hub_defaults
+    from starhub.cli import build_parser
+
+    hub = build_parser().parse_args(["hub"])
+    assert hub_defaults() == {k: getattr(hub, k) for k in hub_defaults()}
+
+
+# --- starhub status ----------------------------------------------------------------
+
+def test_status_prints_a_row_per_target_from_stats(tiny_model, ngram_hub):
+    from targets.generate import SpeculativeGenerator
+
+    model, tok = tiny_model
+    gen = SpeculativeGenerator(model, tok, ngram_hub.address, name="probe-target")
+    gen.generate(tok("a b a b a b", add_special_tokens=False)["input_ids"], 8)
+    out = starhub("status", ngram_hub.address, timeout=120)
+    gen.close()
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"hub {ngram_hub.address}: ngram drafter")
+    row = next(line for line in out.stdout.splitlines() if line.startswith("probe-target"))
+    assert int(row.split()[2]) > 0  # rounds
+
+
+# --- the local backend, end to end --------------------------------------------------
+
+def launch(tmp_path: Path, prompts: list[str], *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "starhub", "launch", "configs/local-cpu.toml", "--prompts",
+         str(prompts_file(tmp_path, prompts)), "--out-dir", str(tmp_path / "out"), *extra],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def started_pids(log: str) -> dict[str, int]:
+    return {m[1]: int(m[2]) for m in re.finditer(r"started (\w+) on .*, pid (\d+)", log)}
+
+
+@pytest.mark.slow
+def test_local_launch_serves_the_prompts_identically_to_generate(tmp_path):
+    from tests.test_e2e_default_model import assert_identical_to_generate
+
+    proc = launch(tmp_path, PROMPTS, "--set", f"targets.max_new_tokens={NEW}")
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log
+    assert "hub ready at tcp://127.0.0.1:" in log
+    assert set(started_pids(log)) == {"hub", "target0", "target1"}
+    assert "[target1] " in log and "all 2 done" in log
+    rows = [json.loads(line) for i in range(2)
+            for line in (tmp_path / "out" / f"target{i}.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == list(range(len(PROMPTS)))
+    assert_identical_to_generate(rows, NEW)
+    assert (tmp_path / "out" / "logs" / "hub.log").read_text().count("STARHUB READY") == 1
+    assert not any(psutil.pid_exists(p) for p in started_pids(log).values())
+
+
+@pytest.mark.slow
+def test_sigint_mid_run_stops_every_process(tmp_path):
+    long = ["Write a very long story about a dragon who learns to cook, in many chapters."] * 2
+    proc = launch(tmp_path, long, "--set", "targets.max_new_tokens=2048")
+    lines: list[str] = []
+    decoding = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if re.match(r"\[target\d\] .* prompts?, .* weights", line):
+                decoding.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert decoding.wait(300), "".join(lines)
+    pids = started_pids("".join(lines))
+    assert set(pids) == {"hub", "target0", "target1"}
+    assert all(psutil.pid_exists(p) for p in pids.values())
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(120) == 130
+    reader.join(30)
+    log = "".join(lines)
+    assert "interrupted: stopping every process" in log
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [name for name, p in pids.items() if psutil.pid_exists(p)]
+    assert not left, f"still running after SIGINT: {left}"
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if str(tmp_path) in " ".join(p.info["cmdline"] or [])]

@@ -1,0 +1,119 @@
+"""The Ray backend against a real Ray instance started on this machine: a hub and two
+targets as actors, greedy output identical to generate(), and every actor and process gone
+afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytest.importorskip("ray", reason="the Ray backend's test needs the ray package "
+                                  "(pip install 'starhub[ray]')")
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ["What is the capital of France?", "List three prime numbers.", "Name a color."]
+NEW = 24
+LIST_ACTORS = """
+import json, ray
+ray.init(address="{address}", log_to_driver=False, logging_level="ERROR")
+from ray._private import state
+print(json.dumps({{"named": ray.util.list_named_actors(all_namespaces=True),
+                  "alive": [a["ActorID"] for a in state.actors().values()
+                            if a["State"] != "DEAD"]}}))
+"""
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture
+def ray_head():
+    """``ray start --head`` with free ports; ``ray stop`` afterwards."""
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    if not Path(ray_cli).exists():
+        ray_cli = shutil.which("ray") or ray_cli
+    gcs, agent, agent_grpc, env_agent, metrics, node, obj = free_ports(7)
+    temp = tempfile.mkdtemp(prefix="shray-", dir="/tmp")  # unix socket paths must be short
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("RAY_ADDRESS", None)
+    start = [ray_cli, "start", "--head", "--port", str(gcs),
+             "--dashboard-agent-listen-port",
+             str(agent), "--dashboard-agent-grpc-port", str(agent_grpc),
+             "--runtime-env-agent-port", str(env_agent), "--metrics-export-port",
+             str(metrics), "--node-manager-port", str(node), "--object-manager-port",
+             str(obj), "--num-cpus", "4", "--include-dashboard=false",
+             "--object-store-memory", "80000000", "--temp-dir", temp,
+             "--disable-usage-stats"]
+    try:
+        out = subprocess.run(start, capture_output=True, text=True, env=env, timeout=180)
+        assert out.returncode == 0, f"ray start failed:\n{out.stdout}\n{out.stderr}"
+        yield f"127.0.0.1:{gcs}", env
+    finally:
+        subprocess.run([ray_cli, "stop"], capture_output=True, env=env, timeout=180)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_ray_launch_is_lossless_and_leaves_no_actor_behind(ray_head, tmp_path):
+    from tests.test_e2e_default_model import assert_identical_to_generate
+
+    address, env = ray_head
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
+                               for i, p in enumerate(PROMPTS)))
+    config = tmp_path / "ray.toml"
+    config.write_text(f"""
+backend = "ray"
+name = "ray-test"
+[ray]
+address = "127.0.0.1:1"   # RAY_ADDRESS wins over this
+[hub]
+num_cpus = 1
+[targets]
+count = 2
+model = "default"
+num_cpus = 1
+max_new_tokens = {NEW}
+""")
+    out = subprocess.run([sys.executable, "-m", "starhub", "launch", str(config), "--prompts",
+                          str(prompts), "--out-dir", str(tmp_path / "out")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env={**env, "RAY_ADDRESS": address})
+    log = out.stderr
+    assert out.returncode == 0, log
+    assert f"attached to the Ray cluster at {address}" in log
+    # the hub binds every interface; targets dial the IP of the node Ray put it on
+    assert re.search(r"\[ *hub\] .* listening on tcp://0\.0\.0\.0:\d+", log), log
+    assert re.search(r"hub ready at tcp://\d+\.\d+\.\d+\.\d+:\d+", log), log
+    assert "hub ready at tcp://0.0.0.0" not in log
+    rows = [json.loads(line) for i in range(2)
+            for line in (tmp_path / "out" / f"target{i}.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == list(range(len(PROMPTS)))
+    assert_identical_to_generate(rows, NEW)
+
+    pids = {m[1]: int(m[2]) for m in re.finditer(r"started (\w+) on .*, pid (\d+)", log)}
+    assert set(pids) == {"hub", "target0", "target1"}
+    assert not [n for n, p in pids.items() if psutil.pid_exists(p)], "processes left behind"
+    check = subprocess.run([sys.executable, "-c", LIST_ACTORS.format(address=address)],
+                           capture_output=True, text=True, env=env, timeout=120)
+    assert check.returncode == 0, check.stderr
+    actors = json.loads(check.stdout.strip().splitlines()[-1])
+    assert actors == {"named": [], "alive": []}
