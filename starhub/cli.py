@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     tgt.add_argument("--name", default=None, help="name shown by the hub and progress bar")
     tgt.add_argument("--shard", default="0/1",
                      help="I/N: take every N-th prompt starting at I (to split across targets)")
+    tgt.add_argument("--hub-timeout", type=float, default=3.0,
+                     help="seconds a hub reply may take at least: past max(this, 10x the "
+                          "typical round trip) the hub counts as gone; the target finishes "
+                          "on its own and reconnects in the background")
 
     gen = sub.add_parser("generate", help="one prompt through a local hub and target",
                          description="Start a hub process, decode PROMPT as a target in this "
@@ -174,10 +178,19 @@ def cmd_hub(args: argparse.Namespace) -> int:
                                           getattr(drafter, "dtype", "none"))
 
     async def main() -> None:
+        import contextlib
+        import signal
+
+        from starhub.shutdown import drain
+
         task = asyncio.create_task(hub.serve())
         await hub.ready.wait()
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGTERM, lambda: asyncio.ensure_future(drain(hub, task)))
         print(READY + hub.bound, flush=True)
-        await task
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        logging.getLogger("starhub.hub").info("stopped")
 
     try:
         import uvloop
@@ -195,7 +208,8 @@ def cmd_target(args: argparse.Namespace) -> int:
     return run(args.hub, args.model, args.prompts, args.out, args.max_new_tokens,
                args.temperature, args.top_p, args.seed, args.threads,
                not args.no_chat_template, args.name or f"target{index}",
-               (int(index), int(count or 1)), args.dtype, args.linear)
+               (int(index), int(count or 1)), args.dtype, args.linear,
+               hub_timeout_s=args.hub_timeout)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -110,6 +110,9 @@ class Hub:
                                             initargs=(self.config.threads,))
         self.bound: str | None = None
         self.ready = asyncio.Event()
+        self.accepting = True
+        """False once shutting down (``starhub.shutdown``): no new targets or sessions."""
+        self.linger_ms = 0
 
     async def serve(self) -> None:
         ctx = zmq.asyncio.Context.instance()
@@ -133,7 +136,7 @@ class Hub:
         finally:
             for task in tasks:
                 task.cancel()
-            sock.close(0)
+            sock.close(self.linger_ms)
             self._executor.shutdown(wait=False, cancel_futures=True)
             if server is not None:
                 server.shutdown()
@@ -174,6 +177,9 @@ class Hub:
 
     def handle(self, identity: bytes, msg: Message) -> None:
         """Route one valid message. Anything that needs drafting goes to the buffer."""
+        if not self.accepting and isinstance(msg, Hello | Open):
+            raise ProtocolError(ErrorCode.REJECTED, "the hub is shutting down", tag=msg.tag,
+                                ref=getattr(msg, "ref", 0))
         if isinstance(msg, Hello):
             self.handle_hello(identity, msg)
         elif isinstance(msg, Ping):

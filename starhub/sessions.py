@@ -55,7 +55,7 @@ class SessionTable:
         tag = secrets.randbits(62) or 1
         while tag in self.sessions:
             tag = secrets.randbits(62) or 1
-        generator = torch.Generator().manual_seed(msg.seed ^ tag)
+        generator = torch.Generator().manual_seed(msg.seed)
         ctx = DraftContext(tokens=msg.tokens.tolist(), temperature=msg.temperature,
                            generator=generator, features=features)
         session = Session(tag=tag, owner=owner, ctx=ctx, prompt_len=msg.prompt_len)

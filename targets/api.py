@@ -10,7 +10,7 @@ from targets.generate import GenerationResult, SpeculativeGenerator, encode_prom
 class Attached:
     """A loaded HF model and tokenizer, served drafts by a hub."""
 
-    def __init__(self, model, tokenizer, hub: str, name: str = "api", timeout_s: float = 30.0,
+    def __init__(self, model, tokenizer, hub: str, name: str = "api", timeout_s: float = 3.0,
                  chat_template: bool = True):
         self.tokenizer = tokenizer
         self.chat_template = chat_template

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -22,6 +21,7 @@ from starhub.protocol import Close, Commit, ErrorCode, Hello, Open, Propose, Sta
 from starhub.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.client import HubClient, HubError, HubUnavailable
+from targets.link import HubLink
 from targets.verify import TargetModel
 
 log = logging.getLogger("starhub.target")
@@ -98,43 +98,35 @@ class SpeculativeGenerator:
     _refs = itertools.count(1)
 
     def __init__(self, model, tokenizer, hub: str | None = None, name: str = "target",
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 3.0, client_options: dict | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
         self.hub = hub
-        self.timeout_s = timeout_s
-        self.client: HubClient | None = None
-        self.feature_layers: list[int] = []
-        self.note = ""
-        """Why this generator decodes without a hub, if it does."""
-        self.retry_at = math.inf
-        """When to ask a hub that turned us away again (inf: never)."""
         eos = model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.step_s = measure_step(model) if hub else 0.0
-        if hub:
+        self.link = HubLink(hub, self.hello, name, floor_s=timeout_s,
+                            client_options=client_options) if hub else None
+        """The hub connection; ``timeout_s`` is the floor of its reply deadline."""
+        if self.link is not None:
             self.connect()
+
+    @property
+    def client(self) -> HubClient | None:
+        return self.link.client if self.link is not None else None
+
+    @property
+    def note(self) -> str:
+        """Why this generator decodes without a hub, if it does."""
+        return self.link.note if self.link is not None else ""
 
     def connect(self) -> bool:
         """HELLO to the hub. A REJECT is quiet: we decode alone and ask again after the
         hub's ``retry_after_s``."""
-        self.client = HubClient(self.hub, timeout_s=self.timeout_s)
-        try:
-            welcome = self.client.hello(self.hello())
-        except HubUnavailable as exc:
-            self.client.close()
-            self.client = None
-            self.note = str(exc)
-            retry = exc.retry_after_s
-            self.retry_at = time.monotonic() + retry if retry > 0 else math.inf
-            level = logging.INFO if retry > 0 else logging.WARNING
-            log.log(level, "%s: %s; decoding on its own%s", self.name, exc,
-                    f", asking again in {retry:g}s" if retry > 0 else "")
+        if not self.link.connect():
             return False
-        self.feature_layers = list(welcome.feature_layers)
-        self.note = ""
-        self.retry_at = math.inf
+        welcome = self.link.welcome
         log.info("%s: hub %s drafts with '%s' (depth %s, topk %d, %d nodes)", self.name,
                  self.hub, welcome.drafter, welcome.depth or "auto", welcome.topk,
                  welcome.max_nodes)
@@ -161,11 +153,11 @@ class SpeculativeGenerator:
                    stats: GenerationStats | None = None) -> Iterator[list[int]]:
         """Yield each round's newly committed ids; ``stats`` is filled in as it goes."""
         stats = stats if stats is not None else GenerationStats()
-        if self.client is None and time.monotonic() >= self.retry_at:
-            self.connect()
+        client = self.link.current() if self.link is not None else None
+        layers = list(self.link.welcome.feature_layers) if client is not None else []
         stats.started_at, stats.threads = time.time(), torch.get_num_threads()
         start = time.perf_counter()
-        target = TargetModel(self.model, Sampling(temperature, top_p), seed, self.feature_layers)
+        target = TargetModel(self.model, Sampling(temperature, top_p), seed, layers)
         first, feats = target.prefill(list(prompt_ids))
         stats.prefill_s = time.perf_counter() - start
         produced = 0
@@ -173,8 +165,8 @@ class SpeculativeGenerator:
         def finishes(chunk: list[int]) -> bool:
             return produced + len(chunk) >= max_new_tokens or any(t in self.eos for t in chunk)
 
-        rounds = self._rounds(target, prompt_ids, first, feats, temperature, top_p, seed, stats,
-                              finishes)
+        rounds = self._rounds(client, target, prompt_ids, first, feats, temperature, top_p,
+                              seed, stats, finishes)
         for chunk in itertools.chain([[first]], rounds):
             last = finishes(chunk)
             chunk = self._clip(chunk, max_new_tokens - produced)
@@ -190,7 +182,7 @@ class SpeculativeGenerator:
             hist = Counter(stats.accept_len_hist)
             stats.mean_accept_len = sum(int(k) * v for k, v in hist.items()) / stats.rounds
         stats.standalone = stats.rounds == 0 and stats.plain_rounds == 0
-        stats.note = stats.note or self.note
+        stats.note = stats.note or (self.note if client is None else "")
         stats.step_ms = 1e3 * self.step_s
         self._split_hub_wait(stats)
 
@@ -199,10 +191,11 @@ class SpeculativeGenerator:
     def _split_hub_wait(self, stats: GenerationStats) -> None:
         """Split the round trips into the hub's queueing and drafting for us (its own
         account, from STATS) and communication, the rest."""
-        if self.client is None or not stats.rounds or stats.note:
+        client = self.client
+        if client is None or not stats.rounds or stats.note:
             return
         try:
-            reply = self.client.request(Stats(body={"peer": True}))
+            reply = client.request(Stats(body={"peer": True}))
         except (HubUnavailable, HubError):
             return
         totals = reply.body.get("peer") if isinstance(reply, Stats) else None
@@ -221,32 +214,35 @@ class SpeculativeGenerator:
                 return chunk[: i + 1]
         return chunk
 
-    def _rounds(self, target: TargetModel, prompt_ids: list[int], first: int,
-                feats: torch.Tensor | None, temperature: float, top_p: float, seed: int,
-                stats: GenerationStats, finishes: Callable[[list[int]], bool]
+    def _rounds(self, client: HubClient | None, target: TargetModel, prompt_ids: list[int],
+                first: int, feats: torch.Tensor | None, temperature: float, top_p: float,
+                seed: int, stats: GenerationStats, finishes: Callable[[list[int]], bool]
                 ) -> Iterator[list[int]]:
         """Rounds with the hub while it serves us; then plain steps forever (caller stops).
 
         A round's COMMIT leaves as soon as its tokens are known, unless they end the request;
         the cache compaction and the caller's handling of the tokens then overlap the hub's
-        drafting of the next tree."""
-        if self.client is not None:
+        drafting of the next tree. A hub that misses its deadline or sends an invalid
+        PROPOSE is dropped (and reconnected in the background); one that answers ERROR for
+        this session just stops serving it."""
+        if client is not None:
             tag = 0
             try:
                 opening = Open(prompt_len=len(prompt_ids), temperature=temperature,
                                top_p=top_p, seed=seed, step_ms=1e3 * self.step_s,
                                tokens=torch.tensor([*prompt_ids, first], dtype=torch.int32),
                                features=self._half(feats))
-                reply = self._open(opening, stats)
+                client, reply = self._open(client, opening, stats)
                 tag = reply.tag
                 while True:
+                    check_propose(reply, target, self.model.config.vocab_size)
                     if reply.plain:
                         commit = yield from self._plain_round(target, reply, stats, finishes)
                         if commit is None:
                             return
                         t0 = time.perf_counter()
-                        self.client.send(commit)
-                        reply = self._await(stats, t0, tag=tag)
+                        client.send(commit)
+                        reply = self._await(client, stats, t0, tag=tag, after=reply.seq)
                         continue
                     tree = DraftTree(reply.tokens, reply.parents, reply.dist_ids,
                                      reply.dist_probs)
@@ -259,20 +255,23 @@ class SpeculativeGenerator:
                         yield verdict.tokens
                         return
                     t0 = time.perf_counter()
-                    self.client.send(Commit(tag=tag, seq=reply.seq, accepted=len(verdict.path),
-                                            verify_ms=1e3 * verified,
-                                            step_ms=1e3 * self.step_s,
-                                            tokens=torch.tensor(verdict.tokens, dtype=torch.int32),
-                                            features=self._half(verdict.features)))
+                    client.send(Commit(tag=tag, seq=reply.seq, accepted=len(verdict.path),
+                                       verify_ms=1e3 * verified, step_ms=1e3 * self.step_s,
+                                       tokens=torch.tensor(verdict.tokens, dtype=torch.int32),
+                                       features=self._half(verdict.features)))
                     target.compact()
                     yield verdict.tokens
-                    reply = self._await(stats, t0, tag=tag)
-            except (HubUnavailable, HubError) as exc:
+                    reply = self._await(client, stats, t0, tag=tag, after=reply.seq)
+            except HubUnavailable as exc:
+                self.link.failed(str(exc))
+                stats.note = str(exc)
+                tag = 0
+            except HubError as exc:
                 log.warning("%s: %s; finishing this request on its own", self.name, exc)
                 stats.note = str(exc)
             finally:
-                if tag and self.client is not None:
-                    self.client.send(Close(tag=tag))
+                if tag and self.link.client is client:
+                    client.send(Close(tag=tag))
         while True:
             yield [self._step(target)]
 
@@ -308,32 +307,38 @@ class SpeculativeGenerator:
                       step_ms=1e3 * self.step_s, tokens=torch.tensor(tokens, dtype=torch.int32),
                       features=self._half(torch.cat(feats)) if feats else None)
 
-    def _open(self, msg: Open, stats: GenerationStats) -> Propose:
+    def _open(self, client: HubClient, msg: Open, stats: GenerationStats
+              ) -> tuple[HubClient, Propose]:
         """OPEN a session. A hub that has forgotten us (it frees the slot of a target
         that held no session for a while, or it restarted) gets a fresh HELLO first."""
         for attempt in range(2):
             msg.ref = next(self._refs)
             try:
-                return self._ask(msg, stats, ref=msg.ref)
+                t0 = time.perf_counter()
+                client.send(msg)
+                return client, self._await(client, stats, t0, ref=msg.ref)
             except HubError as exc:
                 if attempt or exc.error.code != ErrorCode.NO_HELLO:
                     raise
-                self.close()
                 if not self.connect():
                     raise HubUnavailable(self.note) from None
+                client = self.link.current()
         raise AssertionError("unreachable")
 
-    def _ask(self, msg, stats: GenerationStats, tag: int = 0, ref: int = 0) -> Propose:
-        t0 = time.perf_counter()
-        self.client.send(msg)
-        return self._await(stats, t0, tag=tag, ref=ref)
-
-    def _await(self, stats: GenerationStats, sent_at: float, tag: int = 0,
-               ref: int = 0) -> Propose:
-        reply = self.client.reply_for(tag=tag, ref=ref)
-        stats.hub_wait_s += time.perf_counter() - sent_at
-        if not isinstance(reply, Propose):
-            raise HubUnavailable(f"expected PROPOSE, got {reply.TYPE}")
+    def _await(self, client: HubClient, stats: GenerationStats, sent_at: float, tag: int = 0,
+               ref: int = 0, after: int = -1) -> Propose:
+        """The PROPOSE answering what we just sent; replays of earlier rounds (``seq`` not
+        past ``after``) are dropped, never applied twice."""
+        while True:
+            reply = client.reply_for(tag=tag, ref=ref)
+            if not isinstance(reply, Propose):
+                raise HubUnavailable(f"expected PROPOSE, got {reply.TYPE}")
+            if reply.seq > after:
+                break
+            log.debug("%s: dropping a stale PROPOSE (seq %d)", self.name, reply.seq)
+        took = time.perf_counter() - sent_at
+        stats.hub_wait_s += took
+        self.link.observe(took)
         return reply
 
     def _half(self, feats: torch.Tensor | None) -> torch.Tensor | None:
@@ -351,6 +356,16 @@ class SpeculativeGenerator:
             stats.accepted_at_depth[k] += 1
 
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        if self.link is not None:
+            self.link.close()
+
+
+def check_propose(msg: Propose, target: TargetModel, vocab_size: int) -> None:
+    """Trust nothing from the wire: a PROPOSE this target cannot verify is a hub failure."""
+    ids = [msg.tokens] + ([msg.dist_ids] if msg.dist_ids is not None else [])
+    for arr in ids:
+        if arr.size and not (0 <= int(arr.min()) and int(arr.max()) < vocab_size):
+            raise HubUnavailable(f"the hub sent token ids outside [0, {vocab_size})")
+    if not msg.plain and not target.sampling.greedy and msg.dist_ids is None:
+        raise HubUnavailable("the hub sent a sampled session a tree without draft "
+                             "distributions")

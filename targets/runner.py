@@ -20,11 +20,11 @@ log = logging.getLogger("starhub.target")
 def run(hub: str | None, model_spec: str, prompts: str, out: str, max_new_tokens: int,
         temperature: float, top_p: float, seed: int, threads: int | None,
         chat_template: bool, name: str, shard: tuple[int, int] = (0, 1),
-        dtype: str = "auto", linear: str = "auto") -> int:
+        dtype: str = "auto", linear: str = "auto", hub_timeout_s: float = 3.0) -> int:
     threads = set_threads(threads)
     items = read_prompts(prompts)[shard[0]::shard[1]]
     model, tokenizer = load_model(model_spec, dtype=dtype, linear=linear)
-    gen = SpeculativeGenerator(model, tokenizer, hub, name=name)
+    gen = SpeculativeGenerator(model, tokenizer, hub, name=name, timeout_s=hub_timeout_s)
     log.info("%s: %d prompts, %s weights, %s linear, torch threads=%d, hub=%s", name,
              len(items), model.dtype, linear_kernel(linear, model.dtype),
              threads, hub if gen.client else "none")

@@ -1,0 +1,32 @@
+"""A hub's clean exit on SIGTERM: stop admitting, answer the rounds already in the buffer,
+tell every session's target to finish on its own, and stop once those messages are out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from starhub.protocol import Error, ErrorCode
+
+log = logging.getLogger("starhub.hub")
+
+
+async def drain(hub, task: asyncio.Task, timeout_s: float = 10.0) -> None:
+    """Shut ``hub`` down; ``task`` is its ``serve()``. New HELLO and OPEN get REJECTED at
+    once; a round a target is waiting for is drafted and sent; then each open session's
+    target gets an ERROR, so it finishes without waiting out its reply deadline."""
+    hub.accepting = False
+    log.info("shutting down: %d sessions, %d requests queued", len(hub.table), len(hub.buffer))
+    deadline = time.monotonic() + timeout_s
+    while (hub.buffer or any(s.busy for s in hub.table.sessions.values())) \
+            and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    for tag, session in list(hub.table.sessions.items()):
+        hub.reply(session.owner, Error(tag=tag, code=int(ErrorCode.REJECTED),
+                                       message="the hub is shutting down"))
+        hub.close(tag)
+    while not hub.outbox.empty() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    hub.linger_ms = 1000
+    task.cancel()

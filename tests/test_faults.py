@@ -1,0 +1,228 @@
+"""Faults in the star: a hub that dies, hangs, restarts, lies or shuts down, and a target
+that dies. Targets' output stays complete and identical to generate() throughout."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from starhub.launch import child_env, spawn_hub, target_command
+from starhub.models import load_model
+from starhub.protocol import Hello, Open, Propose, Stats, Welcome
+from starhub.transport import decode, encode
+from targets.client import HubClient
+from targets.generate import SpeculativeGenerator
+from targets.runner import iter_results
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers greater than 10.",
+    "Give me a tip for learning a new language.",
+    "What causes the seasons on Earth?",
+    "Suggest a name for a friendly robot.",
+    "Why is the sky blue? One sentence.",
+    "Name two uses of a paperclip.",
+    "Describe a cat in five words.",
+    "What is 7 times 8?",
+    "Say hello in French.",
+]
+NEW = 32
+
+
+def _free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _prompt_file(tmp_path, prompts: list[str]):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
+                            for i, p in enumerate(prompts)))
+    return path
+
+
+def _check_lossless(results: list[dict]) -> None:
+    model, _ = load_model("default")
+    for r in results:
+        ref = model.generate(torch.tensor([r["prompt_ids"]]), max_new_tokens=NEW,
+                             do_sample=False)[0, len(r["prompt_ids"]):].tolist()
+        assert r["output_ids"] == ref, r["id"]
+
+
+def _targets(address: str, prompts, outs, extra=()) -> list[subprocess.Popen]:
+    return [subprocess.Popen(target_command(address, str(prompts), str(out), extra=[
+        "--max-new-tokens", str(NEW), "--shard", f"{i}/{len(outs)}", "--hub-timeout", "1",
+        "--name", f"t{i}", *extra]), env=child_env(1), stderr=subprocess.DEVNULL)
+        for i, out in enumerate(outs)]
+
+
+def _wait_lines(paths, count: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sum(p.exists() and len(p.read_text().splitlines()) for p in paths) < count:
+        assert time.monotonic() < deadline, "targets made no progress"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_targets_finish_and_come_back_when_the_hub_is_killed_and_restarted(tmp_path):
+    address = _free_address()
+    hub_args = ["--bind", address, "--drafter", "ngram", "--depth", "4"]
+    prompts = _prompt_file(tmp_path, PROMPTS)
+    outs = [tmp_path / "t0.jsonl", tmp_path / "t1.jsonl"]
+    hub = spawn_hub(hub_args)
+    procs = _targets(address, prompts, outs)
+    _wait_lines(outs, 2)
+    hub.proc.send_signal(signal.SIGKILL)
+    hub.proc.wait()
+    killed_at = time.time()
+    with spawn_hub(hub_args):
+        assert [p.wait(300) for p in procs] == [0, 0]
+    results = [list(iter_results(out)) for out in outs]
+    for rows in results:
+        assert len(rows) == len(PROMPTS) // 2
+        later = [r for r in rows if r["stats"]["started_at"] > killed_at + 8]
+        assert later and all(r["stats"]["rounds"] > 0 for r in later), \
+            "prompts after the restart must run through the new hub"
+    _check_lossless([r for rows in results for r in rows])
+
+
+@pytest.mark.slow
+def test_a_killed_target_leaves_the_others_undisturbed_and_its_sessions_expire(tmp_path):
+    prompts = _prompt_file(tmp_path, PROMPTS[:9])
+    outs = [tmp_path / f"t{i}.jsonl" for i in range(3)]
+    with spawn_hub(["--drafter", "ngram", "--depth", "4", "--ttl", "2"]) as hub:
+        procs = _targets(hub.address, prompts, outs)
+        _wait_lines(outs, 1)
+        procs[0].send_signal(signal.SIGKILL)
+        assert [p.wait(300) for p in procs[1:]] == [0, 0]
+        client = HubClient(hub.address, timeout_s=10)
+        deadline = time.monotonic() + 2 + 5
+        while client.request(Stats()).body["active_sessions"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert client.request(Stats()).body["active_sessions"] == 0
+        client.close()
+    results = [r for out in outs[1:] for r in iter_results(out)]
+    assert len(results) == 6
+    _check_lossless(results)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_hub_cleanly_and_targets_finish_alone(tmp_path):
+    prompts = _prompt_file(tmp_path, PROMPTS[:3])
+    outs = [tmp_path / "t0.jsonl"]
+    hub = spawn_hub(["--drafter", "ngram", "--depth", "4"])
+    procs = _targets(hub.address, prompts, outs)
+    _wait_lines(outs, 1)
+    hub.proc.send_signal(signal.SIGTERM)
+    assert hub.proc.wait(15) == 0
+    assert procs[0].wait(300) == 0
+    results = list(iter_results(outs[0]))
+    assert len(results) == 3
+    _check_lossless(results)
+
+
+class RogueHub:
+    """A hub that answers HELLO properly, then sends whatever PROPOSEs it is told to."""
+
+    def __init__(self, proposals):
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.proposals = proposals
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        while self.sock.poll(5000):
+            identity, *frames = self.sock.recv_multipart()
+            msg = decode(frames)
+            if isinstance(msg, Hello):
+                replies = [Welcome(drafter="rogue", depth=3, topk=1, max_nodes=3)]
+            elif isinstance(msg, Open):
+                replies = [p(msg, 7) for p in self.proposals]
+            else:
+                continue
+            for reply in replies:
+                self.sock.send_multipart([identity, *encode(reply)])
+
+    def close(self) -> None:
+        self.thread.join(10)
+        self.sock.close(0)
+
+
+def _tree(tokens) -> dict:
+    n = len(tokens)
+    return {"tokens": np.asarray(tokens, np.int32), "parents": np.arange(-1, n - 1,
+                                                                          dtype=np.int32)}
+
+
+@pytest.mark.parametrize("proposal, note", [
+    (lambda m, tag: Propose(tag=tag, ref=m.ref, **_tree([10 ** 6])), "outside"),
+    (lambda m, tag: Propose(tag=tag, ref=m.ref, **_tree([5, -3])), "outside"),
+])
+def test_a_target_finishes_alone_on_an_invalid_propose(tiny_model, proposal, note):
+    model, tokenizer = tiny_model
+    rogue = RogueHub([proposal])
+    gen = SpeculativeGenerator(model, tokenizer, rogue.address, timeout_s=2.0)
+    prompt = [1, 5, 9, 14, 3]
+    result = gen.generate(prompt, max_new_tokens=12)
+    gen.close()
+    rogue.close()
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                         eos_token_id=None)[0, len(prompt):].tolist()
+    assert result.output_ids == ref[:len(result.output_ids)] and len(result.output_ids) == 12
+    assert note in result.stats.note and result.stats.rounds == 0
+
+
+def test_a_sampled_target_refuses_a_tree_without_draft_distributions(tiny_model):
+    model, tokenizer = tiny_model
+    rogue = RogueHub([lambda m, tag: Propose(tag=tag, ref=m.ref, **_tree([5, 6]))])
+    gen = SpeculativeGenerator(model, tokenizer, rogue.address, timeout_s=2.0)
+    result = gen.generate([1, 5, 9], max_new_tokens=8, temperature=0.7, seed=3)
+    gen.close()
+    rogue.close()
+    assert len(result.output_ids) == 8 and "distributions" in result.stats.note
+
+
+def test_a_replayed_propose_is_never_applied_twice(tiny_model):
+    model, tokenizer = tiny_model
+    prompt = [1, 5, 9, 14, 3]
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                         eos_token_id=None)[0, len(prompt):].tolist()
+    good = lambda m, tag: Propose(tag=tag, ref=m.ref, seq=0, **_tree(ref[1:3]))  # noqa: E731
+    rogue = RogueHub([good, good])
+    gen = SpeculativeGenerator(model, tokenizer, rogue.address, timeout_s=1.0)
+    result = gen.generate(prompt, max_new_tokens=12)
+    gen.close()
+    rogue.close()
+    assert result.output_ids == ref and result.stats.rounds == 1
+
+
+def test_sampled_output_is_reproducible_for_a_seed(tiny_model):
+    from starhub.drafters.base import TreeShape
+    from starhub.drafters.model import ModelDrafter
+    from tests.conftest import HubThread
+
+    model, tokenizer = tiny_model
+    hub = HubThread(ModelDrafter(model, label="self"), shape=TreeShape(3, 2, 5))
+    outs = []
+    for seed in (11, 11, 12):
+        gen = SpeculativeGenerator(model, tokenizer, hub.address)
+        outs.append(gen.generate([1, 5, 9, 14], max_new_tokens=16, temperature=0.8,
+                                 seed=seed))
+        gen.close()
+    hub.stop()
+    assert outs[0].output_ids == outs[1].output_ids
+    assert outs[0].stats.rounds > 0 and outs[2].stats.rounds > 0
