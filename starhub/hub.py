@@ -256,13 +256,18 @@ class Hub:
             raise ProtocolError(ErrorCode.BAD_FIELD,
                                 f"{msg.TYPE}: drafter '{self.drafter.name}' needs features",
                                 tag=msg.tag, ref=getattr(msg, "ref", 0))
+        width = self.drafter.feature_size
+        if width and msg.features is not None and msg.features.shape[1] != width:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{msg.TYPE}: features must be {width} "
+                                f"wide, got {msg.features.shape[1]}", tag=msg.tag,
+                                ref=getattr(msg, "ref", 0))
 
     def handle_open(self, identity: bytes, msg: Open) -> None:
         peer = self._peer(identity, msg)
         self._check_ids(peer, msg)
         self.budget.check_open(identity, len(msg.tokens), msg.ref)
-        features = [to_torch(msg.features)] if msg.features is not None else []
-        session = self.table.open(identity, msg, features)
+        keep = msg.features is not None and self.drafter.feature_layers
+        session = self.table.open(identity, msg, [to_torch(msg.features)] if keep else [])
         self.budget.opened(session.tag, identity, len(msg.tokens))
         self.control.open(session.tag, identity, msg.step_ms / 1e3)
         self.metrics.sessions_opened += 1
@@ -291,7 +296,7 @@ class Hub:
         now = time.monotonic()
         session.ctx.tokens.extend(msg.tokens.tolist())
         self.budget.grew(session.tag, len(msg.tokens))
-        if msg.features is not None:
+        if msg.features is not None and self.drafter.feature_layers:
             session.ctx.features.append(to_torch(msg.features))
         session.seq += 1
         returned = now - session.proposed_at if session.proposed_at is not None else None
