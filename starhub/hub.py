@@ -164,6 +164,9 @@ class Hub:
         while True:
             frames = await sock.recv_multipart(copy=False)
             self.on_frames(frames[0].bytes, frames[1:])
+            # A ready message completes the await without yielding: without this, a peer
+            # that keeps the socket full would starve the worker and the sender.
+            await asyncio.sleep(0)
 
     def on_frames(self, identity: bytes, frames: list) -> None:
         """Decode and route one message; whatever is wrong with it becomes an ERROR reply."""
@@ -264,8 +267,8 @@ class Hub:
 
     def handle_open(self, identity: bytes, msg: Open) -> None:
         peer = self._peer(identity, msg)
-        self._check_ids(peer, msg)
         self.budget.check_open(identity, len(msg.tokens), msg.ref)
+        self._check_ids(peer, msg)
         keep = msg.features is not None and self.drafter.feature_layers
         session = self.table.open(identity, msg, [to_torch(msg.features)] if keep else [])
         self.budget.opened(session.tag, identity, len(msg.tokens))

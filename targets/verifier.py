@@ -54,6 +54,10 @@ from targets.schedule import Scheduler, Waiting
 
 log = logging.getLogger("starhub.verifier")
 
+RECEIVE_BATCH = 1024
+"""Messages taken between two passes at most: a peer that keeps the socket full cannot
+hold verification up."""
+
 
 @dataclass
 class VerifierConfig:
@@ -167,7 +171,9 @@ class Verifier:
         try:
             while not stop():
                 timeout = 0 if self.pending else 100
-                while sock.poll(timeout):
+                for _ in range(RECEIVE_BATCH):
+                    if not sock.poll(timeout):
+                        break
                     self.receive(sock)
                     timeout = 0
                 if self.pending:
