@@ -266,11 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", default=None)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hub-arg", action="append", default=[], metavar="ARG",
+                   help="pass ARG on to `starhub hub` (repeat it; e.g. --hub-arg=--depth "
+                        "--hub-arg=5 to draft a tree every round instead of --depth auto)")
     p.add_argument("--hub-log", default=None, help="write the hub's log here")
     p.add_argument("--json", default=None, help="write the report as JSON here")
     args = p.parse_args(argv)
     report = run(args.messages, args.model, args.drafter, args.draft, args.senders,
-                 args.max_new_tokens, seed=args.seed, log_path=args.hub_log)
+                 args.max_new_tokens, seed=args.seed, log_path=args.hub_log,
+                 hub_args=tuple(args.hub_arg))
     print(report.summary())
     if args.json:
         with open(args.json, "w") as fh:
