@@ -41,7 +41,7 @@ from starhub.protocol import (
 )
 from starhub.transport import encode
 
-settings.register_profile("ci", max_examples=150, deadline=None, derandomize=True,
+settings.register_profile("ci", max_examples=300, deadline=None, derandomize=True,
                           database=None, suppress_health_check=list(HealthCheck))
 settings.register_profile("long", max_examples=5000, deadline=None, database=None,
                           suppress_health_check=list(HealthCheck))
