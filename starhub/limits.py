@@ -39,7 +39,7 @@ embedded model in float32), so it caches fewer tokens by default."""
 
 _HELP = {
     "max_sessions": "sessions open at once, over all peers; past it OPEN gets ERROR "
-                    "(REJECTED) and the peer decodes on its own",
+                    "(REJECTED)",
     "max_sessions_per_peer": "sessions one peer may hold at once",
     "max_prompt_tokens": "the longest prompt an OPEN may carry; longer ones get ERROR "
                          "(TOO_LARGE)",
