@@ -18,6 +18,7 @@ from bench import cli as bench_cli
 from starhub import edge_cli
 from starhub.launch import READY, child_env, spawn_hub, target_command
 from starhub.launch import cli as launch_cli
+from starhub.limits import add_limit_args, limits_from_args
 from starhub.options import (  # noqa: F401  (re-exported: earlier homes of these names)
     AUTO,
     DEFAULT_DEPTH,
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "decodes on its own and asks again later")
     hub.add_argument("--max-message-mb", type=float, default=64.0,
                      help="larger messages are refused with an ERROR")
+    add_limit_args(hub)
     hub.add_argument("--metrics-port", type=int, default=0,
                      help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: off)")
 
@@ -172,7 +174,8 @@ def cmd_hub(args: argparse.Namespace) -> int:
     config = HubConfig(bind=args.bind, shape=shape, adaptive=adaptive,
                        ttl_s=args.ttl, max_targets=args.max_targets,
                        max_message_bytes=int(args.max_message_mb * (1 << 20)),
-                       metrics_port=args.metrics_port, threads=threads)
+                       metrics_port=args.metrics_port, threads=threads,
+                       limits=limits_from_args(args))
     hub = Hub(drafter, config)
     logging.getLogger("starhub.hub").info("torch threads=%d, drafter weights %s", threads,
                                           getattr(drafter, "dtype", "none"))

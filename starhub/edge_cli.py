@@ -8,6 +8,7 @@ import logging
 import sys
 
 from starhub.launch import READY
+from starhub.limits import VERIFIER_LIMITS, add_limit_args, limits_from_args
 from starhub.options import DRAFTERS, DTYPES, LINEARS, TreeShape
 
 SCHEDULES = ("fifo", "goodspeed", "slo", "random")
@@ -69,6 +70,11 @@ def add_parsers(sub) -> None:
                      help="tree nodes a session may draft at first, and always under fifo")
     ver.add_argument("--max-nodes", type=int, default=32,
                      help="the most nodes goodspeed grants one tree; larger trees are refused")
+    ver.add_argument("--max-depth", type=int, default=16,
+                     help="deeper trees are refused with an ERROR (TOO_LARGE)")
+    ver.add_argument("--max-message-mb", type=float, default=64.0,
+                     help="larger messages are refused with an ERROR")
+    add_limit_args(ver, VERIFIER_LIMITS)
     ver.add_argument("--ttl", type=float, default=120.0,
                      help="seconds without messages after which a session is released")
     ver.add_argument("--dtype", choices=DTYPES, default="auto")
@@ -123,7 +129,9 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear)
     config = VerifierConfig(bind=args.bind, budget=args.budget, max_batch=args.max_batch,
                             schedule=args.schedule, nodes=args.nodes, max_nodes=args.max_nodes,
-                            ttl_s=args.ttl)
+                            ttl_s=args.ttl, max_depth=args.max_depth,
+                            max_message_bytes=int(args.max_message_mb * (1 << 20)),
+                            limits=limits_from_args(args))
     verifier = Verifier.for_model(model, tokenizer, config)
     logging.getLogger("starhub.verifier").info("torch threads=%d, %s weights", threads,
                                                model.dtype)

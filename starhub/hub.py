@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from starhub.control import AUTO, ControlConfig, Controller
 from starhub.drafters.base import Drafter, TreeShape
+from starhub.limits import SessionBudget, SessionLimits
 from starhub.metrics import HubMetrics, PrometheusCollector, serve_prometheus
 from starhub.protocol import (
     Close,
@@ -68,6 +69,8 @@ class HubConfig:
     """Serve Prometheus text on 127.0.0.1:PORT/metrics; 0 serves none."""
     threads: int = 0
     """Torch threads of the drafting thread; 0 keeps torch's setting."""
+    limits: SessionLimits = field(default_factory=SessionLimits)
+    """Sessions, their lengths and the tokens cached over all of them (``starhub.limits``)."""
 
     def control(self) -> ControlConfig:
         return ControlConfig(depth=AUTO if self.adaptive else self.shape.depth,
@@ -100,6 +103,7 @@ class Hub:
         self.config = config or HubConfig()
         self.limits = Limits(self.config.max_message_bytes)
         self.table = SessionTable(self.config.ttl_s)
+        self.budget = SessionBudget(self.config.limits)
         self.metrics = HubMetrics()
         self.control = Controller(self.config.control())
         self.buffer: collections.deque[Request] = collections.deque()
@@ -162,18 +166,24 @@ class Hub:
     async def receiver(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             frames = await sock.recv_multipart(copy=False)
-            identity = frames[0].bytes
-            try:
-                self.handle(identity, decode(frames[1:], self.limits))
-            except ProtocolError as exc:
-                self.metrics.errors[exc.code.name] += 1
-                log.warning("peer %s: %s", identity.hex()[:8], exc.message)
-                self.reply(identity, error_for(exc))
-            except Exception:
-                log.exception("internal error handling a message from %s", identity.hex()[:8])
-                self.metrics.errors["INTERNAL"] += 1
-                self.reply(identity, Error(code=int(ErrorCode.INTERNAL),
-                                           message="internal error; see the hub's log"))
+            self.on_frames(frames[0].bytes, frames[1:])
+            # A ready message completes the await without yielding: without this, a peer
+            # that keeps the socket full would starve the worker and the sender.
+            await asyncio.sleep(0)
+
+    def on_frames(self, identity: bytes, frames: list) -> None:
+        """Decode and route one message; whatever is wrong with it becomes an ERROR reply."""
+        try:
+            self.handle(identity, decode(frames, self.limits))
+        except ProtocolError as exc:
+            self.metrics.errors[exc.code.name] += 1
+            log.warning("peer %s: %s", identity.hex()[:8], exc.message)
+            self.reply(identity, error_for(exc))
+        except Exception:
+            log.exception("internal error handling a message from %s", identity.hex()[:8])
+            self.metrics.errors["INTERNAL"] += 1
+            self.reply(identity, Error(code=int(ErrorCode.INTERNAL),
+                                       message="internal error; see the hub's log"))
 
     def handle(self, identity: bytes, msg: Message) -> None:
         """Route one valid message. Anything that needs drafting goes to the buffer."""
@@ -228,6 +238,7 @@ class Hub:
     def close(self, tag: int) -> None:
         self.table.close(tag)
         self.control.close(tag)
+        self.budget.closed(tag)
 
     def free_idle_slots(self) -> None:
         """A peer whose last session ended a grace period ago gives its slot back."""
@@ -254,12 +265,19 @@ class Hub:
             raise ProtocolError(ErrorCode.BAD_FIELD,
                                 f"{msg.TYPE}: drafter '{self.drafter.name}' needs features",
                                 tag=msg.tag, ref=getattr(msg, "ref", 0))
+        width = self.drafter.feature_size
+        if width and msg.features is not None and msg.features.shape[1] != width:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{msg.TYPE}: features must be {width} "
+                                f"wide, got {msg.features.shape[1]}", tag=msg.tag,
+                                ref=getattr(msg, "ref", 0))
 
     def handle_open(self, identity: bytes, msg: Open) -> None:
         peer = self._peer(identity, msg)
+        self.budget.check_open(identity, len(msg.tokens), msg.ref)
         self._check_ids(peer, msg)
-        features = [to_torch(msg.features)] if msg.features is not None else []
-        session = self.table.open(identity, msg, features)
+        keep = msg.features is not None and self.drafter.feature_layers
+        session = self.table.open(identity, msg, [to_torch(msg.features)] if keep else [])
+        self.budget.opened(session.tag, identity, len(msg.tokens))
         self.control.open(session.tag, identity, msg.step_ms / 1e3)
         self.metrics.sessions_opened += 1
         self.enqueue(identity, session, msg.ref)
@@ -283,9 +301,11 @@ class Hub:
                                 f"{session.last_tree_size}-node tree with {len(msg.tokens)} "
                                 f"tokens", tag=msg.tag)
         self._check_ids(peer, msg)
+        self.budget.check_grow(session.tag, len(msg.tokens))
         now = time.monotonic()
         session.ctx.tokens.extend(msg.tokens.tolist())
-        if msg.features is not None:
+        self.budget.grew(session.tag, len(msg.tokens))
+        if msg.features is not None and self.drafter.feature_layers:
             session.ctx.features.append(to_torch(msg.features))
         session.seq += 1
         returned = now - session.proposed_at if session.proposed_at is not None else None
@@ -404,6 +424,7 @@ class Hub:
                     queue=len(self.buffer), threads=torch.get_num_threads(),
                     max_targets=self.config.max_targets, admitted=control["admitted"],
                     n_max=control["n_max"], n_full=control["n_full"],
+                    cached_tokens=self.budget.cached,
                     rejections=control["rejections"], control=control)
         return snap
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -144,11 +145,12 @@ class Open(Message):
             self.fail(f"tokens must hold 1..{MAX_TOKENS} ids, got {n}")
         if not 0 < self.prompt_len < n + 1:
             self.fail(f"prompt_len {self.prompt_len} out of range for {n} tokens")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            self.fail("temperature must be >= 0 and top_p in (0, 1]")
+        if not 0 <= self.temperature < math.inf or not 0 < self.top_p <= 1:
+            self.fail("temperature must be finite and >= 0, and top_p in (0, 1]")
         if self.features is not None and self.features.shape[0] != n - 1:
             self.fail(f"features need {n - 1} rows (one per token before the last), "
                       f"got {self.features.shape[0]}")
+        _check_finite(self, self.features)
 
 
 @dataclass
@@ -221,6 +223,7 @@ class Commit(Message):
             self.fail(f"budget must lie in [0, {MAX_TREE_NODES}], got {self.budget}")
         if self.features is not None and self.features.shape[0] != n:
             self.fail(f"features need {n} rows, got {self.features.shape[0]}")
+        _check_finite(self, self.features)
 
 
 @dataclass
@@ -326,6 +329,18 @@ def build(cls: type[Message], header: dict, arrays: dict[str, np.ndarray]) -> Me
 def _check_ms(msg: Message, name: str, value: float) -> None:
     if not 0 <= value < 1e7:
         msg.fail(f"{name} must be a finite duration in [0, 1e7) ms, got {value}")
+
+
+def _check_finite(msg: Message, features: np.ndarray | None) -> None:
+    """NaN or infinite features would poison a drafter's state for the rest of a session."""
+    if features is None or not features.size:
+        return
+    if getattr(features, "is_bf16", False):  # raw bfloat16 bits: all-ones exponent
+        finite = not np.any((features.view(np.uint16) & 0x7F80) == 0x7F80)
+    else:
+        finite = bool(np.isfinite(features).all())
+    if not finite:
+        msg.fail("features must be finite")
 
 
 def _is_bf16(arr: np.ndarray, dtypes: tuple[str, ...]) -> bool:

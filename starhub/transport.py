@@ -6,6 +6,7 @@ is unpickled, and every size is checked before a byte is interpreted.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,13 +113,14 @@ def decode(frames: list[Any], limits: Limits = Limits()) -> Message:
     tag = _int_or0(header.get("tag"))
     ref = _int_or0(header.get("ref"))
     version = header.get("v")
-    if version != VERSION:
+    if type(version) is not int or version != VERSION:
         raise ProtocolError(ErrorCode.BAD_VERSION,
-                            f"protocol version {version!r} is not supported (this side speaks "
+                            f"protocol version {version!r:.40} is not supported (this side speaks "
                             f"v{VERSION})", tag=tag, ref=ref)
-    cls = MESSAGE_TYPES.get(header.get("type"))  # type: ignore[arg-type]
+    name = header.get("type")
+    cls = MESSAGE_TYPES.get(name) if isinstance(name, str) else None
     if cls is None:
-        raise ProtocolError(ErrorCode.BAD_TYPE, f"unknown message type {header.get('type')!r}",
+        raise ProtocolError(ErrorCode.BAD_TYPE, f"unknown message type {name!r:.80}",
                             tag=tag, ref=ref)
     arrays = _decode_arrays(cls.TYPE, header.get("arrays", []), views[1:])
     try:
@@ -146,7 +148,7 @@ def _decode_arrays(msg_type: str, specs: Any, frames: list[memoryview]) -> dict[
         if name in arrays:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{msg_type}: array '{name}' given twice")
         np_dtype = np.dtype(np.uint16 if dtype == "bfloat16" else dtype)
-        expected = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+        expected = math.prod(shape) * np_dtype.itemsize  # Python ints: no int64 wrap-around
         if expected != buf.nbytes:
             raise ProtocolError(ErrorCode.BAD_FRAME,
                                 f"{msg_type}: array '{name}' {dtype}{shape} needs {expected} "
@@ -156,8 +158,13 @@ def _decode_arrays(msg_type: str, specs: Any, frames: list[memoryview]) -> dict[
     return arrays
 
 
+MAX_ERROR_TEXT = 1024
+
+
 def error_for(exc: ProtocolError) -> Error:
-    return Error(tag=exc.tag, ref=exc.ref, code=int(exc.code), message=exc.message)
+    """The ERROR reply for ``exc``; its text is cut so that the reply always decodes."""
+    return Error(tag=exc.tag, ref=exc.ref, code=int(exc.code),
+                 message=exc.message[:MAX_ERROR_TEXT])
 
 
 def configure_socket(sock: zmq.Socket, limits: Limits) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import zmq
 
+from starhub.limits import VERIFIER_LIMITS, SessionBudget, SessionLimits, check_tree
 from starhub.models import tokenizer_fingerprint
 from starhub.protocol import (
     Close,
@@ -53,6 +54,10 @@ from targets.schedule import Scheduler, Waiting
 
 log = logging.getLogger("starhub.verifier")
 
+RECEIVE_BATCH = 1024
+"""Messages taken between two passes at most: a peer that keeps the socket full cannot
+hold verification up."""
+
 
 @dataclass
 class VerifierConfig:
@@ -66,8 +71,10 @@ class VerifierConfig:
     """The draft budget every session starts with, and ``fifo``'s fixed S_i."""
     max_nodes: int = 32
     """The most a schedule grants one tree; larger trees are refused."""
+    max_depth: int = 16
+    """Deeper trees are refused."""
     ttl_s: float = 120.0
-    max_sessions: int = 256
+    limits: SessionLimits = VERIFIER_LIMITS
     max_message_bytes: int = 64 << 20
     seed: int = 0
     gather_fraction: float = 0.3
@@ -132,6 +139,7 @@ class Verifier:
         self.peers: dict[bytes, Welcome] = {}
         self.sessions: dict[int, EdgeSession] = {}
         self.pending: dict[int, Pending] = {}
+        self.budget = SessionBudget(config.limits)
         self.stats = VerifierStats()
         self.outbox: list[tuple[bytes, Message]] = []
         self.bound = ""
@@ -163,7 +171,9 @@ class Verifier:
         try:
             while not stop():
                 timeout = 0 if self.pending else 100
-                while sock.poll(timeout):
+                for _ in range(RECEIVE_BATCH):
+                    if not sock.poll(timeout):
+                        break
                     self.receive(sock)
                     timeout = 0
                 if self.pending:
@@ -197,9 +207,12 @@ class Verifier:
 
     def receive(self, sock: zmq.Socket) -> None:
         frames = sock.recv_multipart(copy=False)
-        identity = frames[0].bytes
+        self.on_frames(frames[0].bytes, frames[1:])
+
+    def on_frames(self, identity: bytes, frames: list) -> None:
+        """Decode and route one message; whatever is wrong with it becomes an ERROR reply."""
         try:
-            self.handle(identity, decode(frames[1:], self.limits))
+            self.handle(identity, decode(frames, self.limits))
         except ProtocolError as exc:
             self.stats.errors[exc.code.name] += 1
             log.warning("drafter %s: %s", _name(identity), exc.message)
@@ -252,9 +265,7 @@ class Verifier:
         peer = self.peers.get(identity)
         if peer is None:
             raise ProtocolError(ErrorCode.NO_HELLO, "send WELCOME before OPEN", ref=msg.ref)
-        if len(self.sessions) >= self.config.max_sessions:
-            raise ProtocolError(ErrorCode.REJECTED, f"saturated: {len(self.sessions)} sessions "
-                                f"open, the limit is {self.config.max_sessions}", ref=msg.ref)
+        self.budget.check_open(identity, len(msg.tokens), msg.ref)
         prompt = msg.tokens.tolist()
         self._check_ids(prompt, msg)
         tag = secrets.randbits(62) or 1
@@ -264,6 +275,7 @@ class Verifier:
         first, feats = self.engine.open(tag, prompt, Sampling(msg.temperature, msg.top_p),
                                         msg.seed, list(peer.feature_layers))
         self.sessions[tag] = EdgeSession(tag, identity, msg.temperature <= 0, now, now)
+        self.budget.opened(tag, identity, len(prompt) + 1)
         self.scheduler.open(tag, now, msg.target_tok_s)
         self.stats.opened += 1
         self.outbox.append((identity, Open(
@@ -281,10 +293,8 @@ class Verifier:
         if msg.plain:
             raise ProtocolError(ErrorCode.BAD_FIELD, "a verifier takes trees, not plain rounds",
                                 tag=msg.tag)
-        if not 1 <= len(msg.tokens) <= self.config.max_nodes:
-            raise ProtocolError(ErrorCode.TOO_LARGE,
-                                f"trees hold 1..{self.config.max_nodes} nodes here, got "
-                                f"{len(msg.tokens)}", tag=msg.tag)
+        check_tree(msg.parents, self.config.max_nodes, self.config.max_depth, msg.tag)
+        self.budget.check_grow(msg.tag, len(msg.tokens) + 1)
         self._check_ids(msg.tokens.tolist(), msg)
         if not session.greedy and msg.dist_ids is None:
             raise ProtocolError(ErrorCode.BAD_FIELD, "a sampled session needs draft "
@@ -323,6 +333,7 @@ class Verifier:
         if self.sessions.pop(tag, None) is not None:
             self.stats.closed += 1
         self.pending.pop(tag, None)
+        self.budget.closed(tag)
         self.engine.close(tag)
         self.scheduler.close(tag)
 
@@ -370,6 +381,7 @@ class Verifier:
                                    p.waiting.deadline)
             session.rounds += 1
             session.committed += len(verdict.tokens)
+            self.budget.grew(sid, len(verdict.tokens))
             session.committed_at = done
             st.rounds += 1
             st.accepted += accepted
@@ -393,6 +405,7 @@ class Verifier:
             "role": "verifier", "schedule": self.config.schedule,
             "budget": self.config.budget, "max_batch": self.config.max_batch,
             "sessions": len(self.sessions), "drafters": len(self.peers),
+            "cached_tokens": self.budget.cached,
             "steps": st.steps, "rounds": st.rounds, "committed": st.committed,
             "accepted": st.accepted, "opened": st.opened, "closed": st.closed,
             "expired": st.expired, "wall_s": wall, "verify_s": st.verify_s,

@@ -32,6 +32,8 @@ class Drafter(ABC):
     name: str = ""
     feature_layers: list[int] = []
     """Hidden states a target must send: [] none, [-1] the final one, else layer indices."""
+    feature_size: int = 0
+    """The width of the feature rows it reads (0: any, or none read)."""
 
     @abstractmethod
     def propose(self, ctx: DraftContext, shape: TreeShape) -> DraftTree:

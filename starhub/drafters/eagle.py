@@ -59,6 +59,7 @@ class EagleDrafter(Drafter):
         self.head = head
         self.label = label
         self.feature_layers = list(head.feature_layers)
+        self.feature_size = head.feature_size
         weight = next(head.parameters())
         self.dtype = weight.dtype
         if onednn_packs(weight.dtype, weight.device.type):

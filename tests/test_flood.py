@@ -1,0 +1,69 @@
+"""A peer that keeps a server's socket full cannot hold up everyone else: while a flood of
+malformed messages is still being answered, a real session's round goes through."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import zmq
+
+from starhub.protocol import Commit, Hello, Open, Propose, Welcome
+from starhub.transport import decode, encode
+from tests.test_edge import VerifierThread
+
+FLOOD = 5000
+
+
+def dealer(address: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.IDENTITY, os.urandom(8))
+    sock.connect(address)
+    return sock
+
+
+def ask(sock: zmq.Socket, msg):
+    sock.send_multipart(encode(msg))
+    assert sock.poll(60_000), "no reply"
+    return decode(sock.recv_multipart())
+
+
+def flood(address: str) -> zmq.Socket:
+    sock = dealer(address)
+    for i in range(FLOOD):
+        sock.send_multipart([b"\xc1" + i.to_bytes(4, "little")])
+    return sock
+
+
+def test_a_flooding_peer_does_not_hold_up_the_hubs_other_sessions(ngram_hub):
+    good = dealer(ngram_hub.address)
+    assert isinstance(ask(good, Hello(name="good", vocab_size=100)), Welcome)
+    prop = ask(good, Open(ref=1, prompt_len=4, tokens=np.array([5, 6, 5, 6, 5], np.int32)))
+    flooder = flood(ngram_hub.address)
+    reply = ask(good, Commit(tag=prop.tag, seq=prop.seq, accepted=0,
+                             tokens=np.array([6], np.int32)))
+    answered = sum(ngram_hub.hub.metrics.errors.values())
+    assert isinstance(reply, Propose)
+    assert answered < FLOOD, "the round waited for the whole flood"
+    good.close(0)
+    flooder.close(0)
+
+
+def test_a_flooding_peer_does_not_hold_up_verification(tiny_model):
+    v = VerifierThread(*tiny_model, ttl_s=30.0)
+    try:
+        good = dealer(v.address)
+        assert isinstance(ask(good, Welcome(drafter="good")), Hello)
+        opened = ask(good, Open(ref=1, prompt_len=3, tokens=np.array([1, 2, 3], np.int32)))
+        flooder = flood(v.address)
+        reply = ask(good, Propose(tag=opened.tag, seq=1, tokens=np.array([5], np.int32),
+                                  parents=np.array([-1], np.int32)))
+        answered = sum(v.verifier.stats.errors.values())
+        assert isinstance(reply, Commit)
+        assert answered < FLOOD, "verification waited for the whole flood"
+        good.close(0)
+        flooder.close(0)
+    finally:
+        v.stop()
