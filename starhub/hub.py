@@ -40,6 +40,7 @@ from starhub.protocol import (
     Stats,
     Welcome,
 )
+from starhub.security import ServerSecurity, bind_server
 from starhub.sessions import Peer, Session, SessionTable
 from starhub.transport import Limits, configure_socket, decode, encode, error_for, to_torch
 from starhub.tree import DraftTree
@@ -68,6 +69,7 @@ class HubConfig:
     """Serve Prometheus text on 127.0.0.1:PORT/metrics; 0 serves none."""
     threads: int = 0
     """Torch threads of the drafting thread; 0 keeps torch's setting."""
+    security: ServerSecurity = field(default_factory=ServerSecurity)
 
     def control(self) -> ControlConfig:
         return ControlConfig(depth=AUTO if self.adaptive else self.shape.depth,
@@ -115,7 +117,7 @@ class Hub:
         ctx = zmq.asyncio.Context.instance()
         sock = ctx.socket(zmq.ROUTER)
         configure_socket(sock, self.limits)
-        sock.bind(self.config.bind)
+        release = bind_server(sock, self.config.bind, self.config.security)
         self.bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("hub listening on %s, drafter=%s, %s", self.bound, self.drafter.name,
                  self.config.shape)
@@ -134,6 +136,7 @@ class Hub:
             for task in tasks:
                 task.cancel()
             sock.close(0)
+            release()
             self._executor.shutdown(wait=False, cancel_futures=True)
             if server is not None:
                 server.shutdown()

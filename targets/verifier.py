@@ -44,6 +44,7 @@ from starhub.protocol import (
     Stats,
     Welcome,
 )
+from starhub.security import ServerSecurity, bind_server
 from starhub.transport import Limits, configure_socket, decode, encode, error_for
 from starhub.tree import DraftTree
 from targets.acceptance import Sampling
@@ -72,6 +73,7 @@ class VerifierConfig:
     seed: int = 0
     gather_fraction: float = 0.3
     """How long, as a fraction of a pass, to wait for proposals about to arrive."""
+    security: ServerSecurity = field(default_factory=ServerSecurity)
 
 
 @dataclass
@@ -153,7 +155,7 @@ class Verifier:
               stop: Callable[[], bool] = lambda: False) -> None:
         sock = zmq.Context.instance().socket(zmq.ROUTER)
         configure_socket(sock, self.limits)
-        sock.bind(self.config.bind)
+        release = bind_server(sock, self.config.bind, self.config.security)
         self.bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("verifier on %s: schedule %s, budget %d tokens, max batch %s, step %.1f ms",
                  self.bound, self.config.schedule, self.config.budget,
@@ -175,6 +177,7 @@ class Verifier:
                     last_sweep = time.monotonic()
         finally:
             sock.close(0)
+            release()
 
     def gather(self, sock: zmq.Socket) -> None:
         """Wait briefly for proposals about to arrive, so that they share this pass.
