@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from starhub.control import AUTO, ControlConfig, Controller
 from starhub.drafters.base import Drafter, TreeShape
+from starhub.isolation import Observers, hub_view
 from starhub.metrics import HubMetrics, PrometheusCollector, serve_prometheus
 from starhub.protocol import (
     Close,
@@ -103,6 +104,7 @@ class Hub:
         self.limits = Limits(self.config.max_message_bytes)
         self.table = SessionTable(self.config.ttl_s)
         self.metrics = HubMetrics()
+        self.observers = Observers()
         self.control = Controller(self.config.control())
         self.buffer: collections.deque[Request] = collections.deque()
         self.outbox: asyncio.Queue[tuple[bytes, Message]] = asyncio.Queue()
@@ -195,6 +197,10 @@ class Hub:
                                 tag=msg.tag)
 
     def handle_hello(self, identity: bytes, msg: Hello) -> None:
+        if msg.observer:
+            self.observers.add(identity)
+            self.reply(identity, self.welcome())
+            return
         reason = self.drafter.check_target(msg)
         retry = 0.0
         peers = self.table.peers
@@ -214,13 +220,14 @@ class Hub:
         if known is not None:
             peers[identity].idle_since = known.idle_since
         log.info("target %s (%s) joined; %d admitted", msg.name, identity.hex()[:8], len(peers))
+        self.reply(identity, self.welcome())
+
+    def welcome(self) -> Welcome:
         shape = self.config.shape
-        self.reply(identity, Welcome(drafter=self.drafter.name,
-                                     feature_layers=list(self.drafter.feature_layers),
-                                     depth=0 if self.config.adaptive else shape.depth,
-                                     topk=shape.topk,
-                                     max_nodes=shape.max_nodes, ttl_s=self.config.ttl_s,
-                                     max_message_bytes=self.limits.max_message_bytes))
+        return Welcome(drafter=self.drafter.name, feature_layers=list(self.drafter.feature_layers),
+                       depth=0 if self.config.adaptive else shape.depth, topk=shape.topk,
+                       max_nodes=shape.max_nodes, ttl_s=self.config.ttl_s,
+                       max_message_bytes=self.limits.max_message_bytes)
 
     def close(self, tag: int) -> None:
         self.table.close(tag)
@@ -406,14 +413,15 @@ class Hub:
 
     def stats_reply(self, identity: bytes, request: dict) -> dict:
         """STATS body: the snapshot; ``{"peer": true}`` asks for the sender's own totals
-        (its time split), ``{"counters": true}`` adds raw totals for windowed rates."""
+        (its time split), ``{"counters": true}`` adds raw totals for windowed rates. Other
+        targets' entries only go to a peer that said HELLO (``starhub.isolation``)."""
         if request.get("peer"):
             totals = self.metrics.totals_of(identity)
             return {"peer": totals.to_dict() if totals else {}}
         body = self.stats()
         if request.get("counters"):
             body["counters"] = self.metrics.counters(peers=bool(request.get("peers")))
-        return body
+        return hub_view(body, identity in self.table.peers or identity in self.observers)
 
 
 def run_hub(drafter: Drafter, config: HubConfig) -> None:

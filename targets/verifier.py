@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import zmq
 
+from starhub.isolation import Observers, verifier_view
 from starhub.models import tokenizer_fingerprint
 from starhub.protocol import (
     Close,
@@ -132,6 +133,7 @@ class Verifier:
         self.scheduler = Scheduler(config.schedule, config.budget, config.max_batch,
                                    config.nodes, cap=config.max_nodes, seed=config.seed)
         self.peers: dict[bytes, Welcome] = {}
+        self.observers = Observers()
         self.sessions: dict[int, EdgeSession] = {}
         self.pending: dict[int, Pending] = {}
         self.stats = VerifierStats()
@@ -231,8 +233,12 @@ class Verifier:
             self.close(msg.tag)
         elif isinstance(msg, Ping):
             self.outbox.append((identity, Pong(nonce=msg.nonce)))
+        elif isinstance(msg, Hello) and msg.observer:  # `starhub status`, the benchmark
+            self.observers.add(identity)
+            self.outbox.append((identity, self.hello))
         elif isinstance(msg, Stats):
-            self.outbox.append((identity, Stats(body=self.snapshot())))
+            detail = identity in self.peers or identity in self.observers
+            self.outbox.append((identity, Stats(body=verifier_view(self.snapshot(), detail))))
         else:
             raise ProtocolError(ErrorCode.BAD_TYPE,
                                 f"a verifier does not accept {msg.TYPE}: drafters send WELCOME, "
