@@ -157,8 +157,8 @@ def _run_variant(cfg: EdgeConfig, n: int, schedule: str, max_batch: int | str, l
                  reference: dict | None, tick) -> dict:
     from bench.emulate import _spawn_ready, _stop
     from starhub.launch import child_env
+    from starhub.launch.status import observer_client
     from starhub.protocol import Stats
-    from targets.client import HubClient
     from targets.runner import iter_results
 
     name = f"n{n}-{schedule}-b{batch_flag(max_batch)}"
@@ -190,7 +190,7 @@ def _run_variant(cfg: EdgeConfig, n: int, schedule: str, max_batch: int | str, l
             codes = [p.returncode for p in procs]
             if any(codes):
                 raise RuntimeError(f"a drafter failed (exit codes {codes}); see {log.name}")
-        client = HubClient(address, timeout_s=30)
+        client = observer_client(address, timeout_s=30, name="bench")
         stats = client.request(Stats()).body
         client.close()
     finally:

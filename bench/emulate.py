@@ -130,9 +130,9 @@ def run_point(spec: EmulateSpec, n: int, opts: EmulateOptions, log_dir: str,
     """One N: a fresh hub process, N emulated targets, a measured window between two STATS
     readings after a warm-up; returns the benchmark row with the model's prediction.
     ``depth`` (a number or ``auto``) overrides the spec's."""
+    from starhub.launch.status import observer_client
     from starhub.metrics import derive
     from starhub.protocol import Stats
-    from targets.client import HubClient
 
     depth = spec.depth if depth is None else depth
     if depth != "auto":
@@ -155,7 +155,7 @@ def run_point(spec: EmulateSpec, n: int, opts: EmulateOptions, log_dir: str,
             proc, _ = _spawn_ready(cmd, f"{log_dir}/targets-{name}.log", stdin=True)
             procs.append(proc)
             first += share
-        client = HubClient(address, timeout_s=30)
+        client = observer_client(address, timeout_s=30, name="bench")
         _command(procs, "go")
         iteration = model.iteration(n)
         _sleep(max(opts.warmup_s, 1.5 * iteration), tick)

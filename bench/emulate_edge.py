@@ -222,8 +222,8 @@ def run_point(spec: EdgeSpec, n: int, schedule: str, max_batch: int | str, budge
     from bench.edge import batch_flag, edge_row, jain
     from bench.emulate import _spawn_ready, _stop
     from starhub.edge_drafter import EdgeDrafter
+    from starhub.launch.status import observer_client
     from starhub.protocol import Stats
-    from targets.client import HubClient
 
     name = f"n{n}-{schedule}-b{batch_flag(max_batch)}"
     cmd = [sys.executable, "-m", "bench.emulate_edge", "verifier", "--spec", spec.text(),
@@ -259,7 +259,7 @@ def run_point(spec: EdgeSpec, n: int, schedule: str, max_batch: int | str, budge
     try:
         for t in threads:
             t.start()
-        client = HubClient(address, timeout_s=30)
+        client = observer_client(address, timeout_s=30, name="bench")
         time.sleep(warmup_s)
         c0, s0, w0 = list(counts), client.request(Stats()).body, _waits(edges)
         start = time.monotonic()

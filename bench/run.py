@@ -253,8 +253,8 @@ def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
              tick=lambda k: None, depth: int | str | None = None,
              max_targets: int | str = 0) -> dict:
     from starhub.launch import child_env, spawn_hub, target_command
+    from starhub.launch.status import observer_client
     from starhub.protocol import Stats
-    from targets.client import HubClient
     from targets.runner import iter_results
 
     depth = cfg.fixed_depth if depth is None else depth
@@ -284,7 +284,7 @@ def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
         codes = [p.returncode for p in procs]
         if any(codes):
             raise RuntimeError(f"a target failed (exit codes {codes}); see {target_log.name}")
-        client = HubClient(hub.address, timeout_s=30)
+        client = observer_client(hub.address, timeout_s=30, name="bench")
         stats = client.request(Stats()).body
         client.close()
     return star_row(cfg, n, [list(iter_results(out)) for out in outs], stats, reference,

@@ -1,5 +1,5 @@
 """The ``starhub`` command: hub, target, generate, demo, bench, train-eagle, the edge
-topology's verifier and drafter, and launch and status for whole deployments.
+topology's verifier and drafter, launch and status for whole deployments, and keys.
 
 Every handler imports what it needs itself, so ``starhub --help`` loads no model code."""
 
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from bench import cli as bench_cli
-from starhub import edge_cli
+from starhub import edge_cli, security
 from starhub.launch import READY, child_env, spawn_hub, target_command
 from starhub.launch import cli as launch_cli
 from starhub.limits import add_limit_args, limits_from_args
@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_limit_args(hub)
     hub.add_argument("--metrics-port", type=int, default=0,
                      help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: off)")
+    security.add_server_args(hub)
 
     tgt = sub.add_parser("target", help="run a prompt file through one target process",
                          description="Decode every prompt of a JSONL file with drafts from a "
@@ -122,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds a hub reply may take at least: past max(this, 10x the "
                           "typical round trip) the hub counts as gone; the target finishes "
                           "on its own and reconnects in the background")
+    security.add_client_args(tgt)
 
     gen = sub.add_parser("generate", help="one prompt through a local hub and target",
                          description="Start a hub process, decode PROMPT as a target in this "
@@ -146,6 +148,20 @@ def build_parser() -> argparse.ArgumentParser:
     launch_cli.add_parsers(sub)
     sub.choices["launch"].set_defaults(cli_parser=parser)  # launch checks its commands
 
+    keys = sub.add_parser("keys", help="CURVE certificates for servers and clients",
+                          description="Manage the ZeroMQ CURVE certificates that servers "
+                                      "(--curve-secret, --curve-allow) and clients "
+                                      "(--curve-secret, --curve-server) use.")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    gen_keys = keys_sub.add_parser(
+        "generate", help="write a key pair: DIR/NAME.key and DIR/NAME.key_secret",
+        description="Write pyzmq's certificate pair: DIR/NAME.key (public: give it to the "
+                    "other side; a server's allow folder holds its clients' .key files) and "
+                    "DIR/NAME.key_secret (secret, readable by its owner only). Existing "
+                    "files are never overwritten.")
+    gen_keys.add_argument("dir", help="folder to write into (created if missing)")
+    gen_keys.add_argument("name", help="file name stem, e.g. hub or target0")
+
     train = sub.add_parser("train-eagle", add_help=False,
                            help="train an EAGLE head for a target (see train-eagle --help)")
     train.set_defaults(train_args=[])
@@ -166,6 +182,8 @@ def cmd_hub(args: argparse.Namespace) -> int:
     from starhub.hub import Hub, HubConfig
     from starhub.models import set_threads
 
+    secure = security.ServerSecurity.from_args(args)
+    security.check_bind(args.bind, secure)  # before the drafter loads: fail at once
     threads = args.threads or set_threads(None)
     set_threads(1)
     drafter = make_drafter(args.drafter, args.draft, args.model, args.draft_dtype)
@@ -175,7 +193,7 @@ def cmd_hub(args: argparse.Namespace) -> int:
                        ttl_s=args.ttl, max_targets=args.max_targets,
                        max_message_bytes=int(args.max_message_mb * (1 << 20)),
                        metrics_port=args.metrics_port, threads=threads,
-                       limits=limits_from_args(args))
+                       limits=limits_from_args(args), security=secure)
     hub = Hub(drafter, config)
     logging.getLogger("starhub.hub").info("torch threads=%d, drafter weights %s", threads,
                                           getattr(drafter, "dtype", "none"))
@@ -207,6 +225,7 @@ def cmd_hub(args: argparse.Namespace) -> int:
 def cmd_target(args: argparse.Namespace) -> int:
     from targets.runner import run
 
+    security.use_client_curve(security.client_curve_from_args(args))
     index, _, count = args.shard.partition("/")
     return run(args.hub, args.model, args.prompts, args.out, args.max_new_tokens,
                args.temperature, args.top_p, args.seed, args.threads,
@@ -272,6 +291,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    public, secret = security.generate_keys(args.dir, args.name)
+    print(f"public: {public}  (copy to the other side; clients' go in a server's allow folder)")
+    print(f"secret: {secret}  (stays here: --curve-secret)")
+    return 0
+
+
 def cmd_train_eagle(args: argparse.Namespace) -> int:
     from scripts.train_eagle import main as train_main
 
@@ -280,8 +306,8 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"hub": cmd_hub, "target": cmd_target, "generate": cmd_generate, "demo": cmd_demo,
-            "bench": bench_cli.main, "train-eagle": cmd_train_eagle, **edge_cli.COMMANDS,
-            **launch_cli.COMMANDS}
+            "keys": cmd_keys, "bench": bench_cli.main, "train-eagle": cmd_train_eagle,
+            **edge_cli.COMMANDS, **launch_cli.COMMANDS}
 
 
 def main(argv: list[str] | None = None) -> int:

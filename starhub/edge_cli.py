@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 
+from starhub import security
 from starhub.launch import READY
 from starhub.limits import VERIFIER_LIMITS, add_limit_args, limits_from_args
 from starhub.options import DRAFTERS, DTYPES, LINEARS, TreeShape
@@ -81,6 +82,7 @@ def add_parsers(sub) -> None:
     ver.add_argument("--linear", choices=LINEARS, default="auto")
     ver.add_argument("--threads", type=int, default=None,
                      help="torch threads for verification (default: torch's own choice)")
+    security.add_server_args(ver)
 
     dr = sub.add_parser(
         "drafter", help="edge: draft for a prompt file against a remote verifier",
@@ -119,19 +121,22 @@ def add_parsers(sub) -> None:
     dr.add_argument("--shard", default="0/1",
                     help="I/N: take every N-th prompt starting at I")
     dr.add_argument("--no-chat-template", action="store_true")
+    security.add_client_args(dr)
 
 
 def cmd_verifier(args: argparse.Namespace) -> int:
     from starhub.models import load_model, set_threads
     from targets.verifier import Verifier, VerifierConfig
 
+    secure = security.ServerSecurity.from_args(args)
+    security.check_bind(args.bind, secure)  # before the model loads: fail at once
     threads = set_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear)
     config = VerifierConfig(bind=args.bind, budget=args.budget, max_batch=args.max_batch,
                             schedule=args.schedule, nodes=args.nodes, max_nodes=args.max_nodes,
                             ttl_s=args.ttl, max_depth=args.max_depth,
                             max_message_bytes=int(args.max_message_mb * (1 << 20)),
-                            limits=limits_from_args(args))
+                            limits=limits_from_args(args), security=secure)
     verifier = Verifier.for_model(model, tokenizer, config)
     logging.getLogger("starhub.verifier").info("torch threads=%d, %s weights", threads,
                                                model.dtype)
@@ -150,6 +155,7 @@ def cmd_drafter(args: argparse.Namespace) -> int:
     from starhub.models import eos_ids, load_tokenizer, set_threads
     from starhub.prompts import encode_prompt, read_prompts
 
+    curve = security.client_curve_from_args(args)
     threads = set_threads(args.threads)
     index, _, count = args.shard.partition("/")
     items = read_prompts(args.prompts)[int(index)::int(count or 1)]
@@ -158,7 +164,7 @@ def cmd_drafter(args: argparse.Namespace) -> int:
     drafter = make_drafter(args.drafter, args.draft, args.model, args.draft_dtype)
     shape = TreeShape(args.depth, args.topk, args.max_nodes)
     edge = EdgeDrafter(drafter, args.verifier, shape, eos_ids(args.model), name=name,
-                       timeout_s=args.timeout, retries=args.retries)
+                       timeout_s=args.timeout, retries=args.retries, curve=curve)
     log = logging.getLogger("starhub.drafter")
     log.info("%s: %d prompts, %s drafter, torch threads=%d", name, len(items), drafter.name,
              threads)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -35,6 +33,7 @@ from starhub.protocol import (
     Reject,
     Welcome,
 )
+from starhub.security import ClientCurve, prepare_client
 from starhub.transport import Limits, configure_socket, decode, encode, to_torch
 
 log = logging.getLogger("starhub.drafter")
@@ -74,7 +73,8 @@ class EdgeDrafter:
     def __init__(self, drafter: Drafter, address: str, shape: TreeShape, eos: set[int],
                  name: str = "drafter", timeout_s: float = 30.0, retries: int = 3,
                  backoff_s: float = 0.5, limits: Limits = Limits(),
-                 on_commit: Callable[[int], None] = lambda tokens: None):
+                 on_commit: Callable[[int], None] = lambda tokens: None,
+                 curve: ClientCurve | None = None):
         self.drafter = drafter
         self.address = address
         self.shape = shape
@@ -85,6 +85,7 @@ class EdgeDrafter:
         self.backoff_s = backoff_s
         self.limits = limits
         self.on_commit = on_commit
+        self.curve = curve
         """Called with each COMMIT's token count, as it arrives (for live progress)."""
         self.draft_s = 0.0
         self.wait_s = 0.0
@@ -98,7 +99,7 @@ class EdgeDrafter:
         self.close()
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         configure_socket(self.sock, self.limits)
-        self.sock.setsockopt(zmq.IDENTITY, f"d{os.getpid()}-{secrets.token_hex(6)}".encode())
+        prepare_client(self.sock, "d", self.curve)
         self.sock.connect(self.address)
         shape = self.shape
         self._send(Welcome(drafter=self.drafter.name,
@@ -124,7 +125,12 @@ class EdgeDrafter:
             self.sock = None
 
     def _send(self, msg: Message) -> None:
-        self.sock.send_multipart(encode(msg), copy=False)
+        try:  # never block: a connection the verifier refused (CURVE) leaves no pipe
+            self.sock.send_multipart(encode(msg), copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise TimeoutError(f"cannot send to the verifier at {self.address}: it refused "
+                               f"the connection (are this drafter's CURVE keys allowed?)") \
+                from None
 
     def _recv(self, wanted) -> Message:
         """The next message ``wanted`` accepts; others (stale replies) are dropped."""

@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from starhub.control import AUTO, ControlConfig, Controller
 from starhub.drafters.base import Drafter, TreeShape
+from starhub.isolation import Observers, hub_view
 from starhub.limits import SessionBudget, SessionLimits
 from starhub.metrics import HubMetrics, PrometheusCollector, serve_prometheus
 from starhub.protocol import (
@@ -41,6 +42,7 @@ from starhub.protocol import (
     Stats,
     Welcome,
 )
+from starhub.security import ServerSecurity, bind_server
 from starhub.sessions import Peer, Session, SessionTable
 from starhub.transport import Limits, configure_socket, decode, encode, error_for, to_torch
 from starhub.tree import DraftTree
@@ -71,6 +73,7 @@ class HubConfig:
     """Torch threads of the drafting thread; 0 keeps torch's setting."""
     limits: SessionLimits = field(default_factory=SessionLimits)
     """Sessions, their lengths and the tokens cached over all of them (``starhub.limits``)."""
+    security: ServerSecurity = field(default_factory=ServerSecurity)
 
     def control(self) -> ControlConfig:
         return ControlConfig(depth=AUTO if self.adaptive else self.shape.depth,
@@ -105,6 +108,7 @@ class Hub:
         self.table = SessionTable(self.config.ttl_s)
         self.budget = SessionBudget(self.config.limits)
         self.metrics = HubMetrics()
+        self.observers = Observers()
         self.control = Controller(self.config.control())
         self.buffer: collections.deque[Request] = collections.deque()
         self.outbox: asyncio.Queue[tuple[bytes, Message]] = asyncio.Queue()
@@ -122,7 +126,7 @@ class Hub:
         ctx = zmq.asyncio.Context.instance()
         sock = ctx.socket(zmq.ROUTER)
         configure_socket(sock, self.limits)
-        sock.bind(self.config.bind)
+        release = bind_server(sock, self.config.bind, self.config.security)
         self.bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("hub listening on %s, drafter=%s, %s", self.bound, self.drafter.name,
                  self.config.shape)
@@ -141,6 +145,7 @@ class Hub:
             for task in tasks:
                 task.cancel()
             sock.close(self.linger_ms)
+            release()
             self._executor.shutdown(wait=False, cancel_futures=True)
             if server is not None:
                 server.shutdown()
@@ -208,6 +213,10 @@ class Hub:
                                 tag=msg.tag)
 
     def handle_hello(self, identity: bytes, msg: Hello) -> None:
+        if msg.observer:
+            self.observers.add(identity)
+            self.reply(identity, self.welcome())
+            return
         reason = self.drafter.check_target(msg)
         retry = 0.0
         peers = self.table.peers
@@ -227,13 +236,14 @@ class Hub:
         if known is not None:
             peers[identity].idle_since = known.idle_since
         log.info("target %s (%s) joined; %d admitted", msg.name, identity.hex()[:8], len(peers))
+        self.reply(identity, self.welcome())
+
+    def welcome(self) -> Welcome:
         shape = self.config.shape
-        self.reply(identity, Welcome(drafter=self.drafter.name,
-                                     feature_layers=list(self.drafter.feature_layers),
-                                     depth=0 if self.config.adaptive else shape.depth,
-                                     topk=shape.topk,
-                                     max_nodes=shape.max_nodes, ttl_s=self.config.ttl_s,
-                                     max_message_bytes=self.limits.max_message_bytes))
+        return Welcome(drafter=self.drafter.name, feature_layers=list(self.drafter.feature_layers),
+                       depth=0 if self.config.adaptive else shape.depth, topk=shape.topk,
+                       max_nodes=shape.max_nodes, ttl_s=self.config.ttl_s,
+                       max_message_bytes=self.limits.max_message_bytes)
 
     def close(self, tag: int) -> None:
         self.table.close(tag)
@@ -430,14 +440,15 @@ class Hub:
 
     def stats_reply(self, identity: bytes, request: dict) -> dict:
         """STATS body: the snapshot; ``{"peer": true}`` asks for the sender's own totals
-        (its time split), ``{"counters": true}`` adds raw totals for windowed rates."""
+        (its time split), ``{"counters": true}`` adds raw totals for windowed rates. Other
+        targets' entries only go to a peer that said HELLO (``starhub.isolation``)."""
         if request.get("peer"):
             totals = self.metrics.totals_of(identity)
             return {"peer": totals.to_dict() if totals else {}}
         body = self.stats()
         if request.get("counters"):
             body["counters"] = self.metrics.counters(peers=bool(request.get("peers")))
-        return body
+        return hub_view(body, identity in self.table.peers or identity in self.observers)
 
 
 def run_hub(drafter: Drafter, config: HubConfig) -> None:

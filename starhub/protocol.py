@@ -1,4 +1,4 @@
-"""Protocol v3 messages: small typed dataclasses with strict, declarative validation.
+"""Protocol v4 messages: small typed dataclasses with strict, declarative validation.
 
 Every message travels as one multipart ZeroMQ message (see ``transport``). The header
 fields of each dataclass are checked against their annotations; array fields are checked
@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-VERSION = 3
+VERSION = 4
 MAX_TREE_NODES = 1024
 MAX_TOKENS = 1 << 20
 
@@ -85,9 +85,12 @@ class Hello(Message):
     num_layers: int = 0
     step_ms: float = 0.0
     """The target's own one-token step, measured: its standalone speed (0: unknown)."""
+    observer: bool = False
+    """Only watching (``starhub status``, the benchmark): no admission, no sessions; the
+    server answers with its own introduction and shows this peer per-peer STATS."""
 
     def check(self) -> None:
-        if self.vocab_size <= 0:
+        if self.vocab_size <= 0 and not self.observer:
             self.fail("vocab_size must be positive")
         _check_ms(self, "step_ms", self.step_ms)
 

@@ -5,12 +5,12 @@ caller decodes on its own."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import zmq
 
 from starhub.protocol import Error, Hello, Message, Ping, Pong, ProtocolError, Reject, Welcome
+from starhub.security import ClientCurve, prepare_client
 from starhub.transport import Limits, configure_socket, decode, encode
 
 log = logging.getLogger("starhub.target")
@@ -34,19 +34,23 @@ class HubError(RuntimeError):
 
 class HubClient:
     def __init__(self, address: str, timeout_s: float = 30.0,
-                 limits: Limits = Limits()):
+                 limits: Limits = Limits(), curve: ClientCurve | None = None):
         self.address = address
         self.timeout_s = timeout_s
         self.limits = limits
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         configure_socket(self.sock, limits)
-        self.sock.setsockopt(zmq.IDENTITY, f"t{os.getpid()}-{id(self):x}".encode())
+        prepare_client(self.sock, "t", curve)  # random identity; CURVE keys if any
         self.sock.connect(address)
         self.welcome: Welcome | None = None
 
     def send(self, msg: Message) -> None:
-        self.sock.send_multipart(encode(msg), copy=False)
+        try:  # never block: a connection the hub refused (CURVE) leaves no pipe to queue on
+            self.sock.send_multipart(encode(msg), copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise HubUnavailable(f"cannot send to the hub at {self.address}: it refused the "
+                                 f"connection (are this target's CURVE keys allowed?)") from None
 
     def recv(self, timeout_s: float | None = None) -> Message:
         timeout = self.timeout_s if timeout_s is None else timeout_s

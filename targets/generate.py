@@ -6,6 +6,7 @@ the same state, so the output is the same either way; only the speed differs.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -271,7 +272,8 @@ class SpeculativeGenerator:
                 stats.note = str(exc)
             finally:
                 if tag and self.link.client is client:
-                    client.send(Close(tag=tag))
+                    with contextlib.suppress(HubUnavailable):
+                        client.send(Close(tag=tag))
         while True:
             yield [self._step(target)]
 

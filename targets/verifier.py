@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import zmq
 
+from starhub.isolation import Observers, verifier_view
 from starhub.limits import VERIFIER_LIMITS, SessionBudget, SessionLimits, check_tree
 from starhub.models import tokenizer_fingerprint
 from starhub.protocol import (
@@ -45,6 +46,7 @@ from starhub.protocol import (
     Stats,
     Welcome,
 )
+from starhub.security import ServerSecurity, bind_server
 from starhub.transport import Limits, configure_socket, decode, encode, error_for
 from starhub.tree import DraftTree
 from targets.acceptance import Sampling
@@ -79,6 +81,7 @@ class VerifierConfig:
     seed: int = 0
     gather_fraction: float = 0.3
     """How long, as a fraction of a pass, to wait for proposals about to arrive."""
+    security: ServerSecurity = field(default_factory=ServerSecurity)
 
 
 @dataclass
@@ -137,6 +140,7 @@ class Verifier:
         self.scheduler = Scheduler(config.schedule, config.budget, config.max_batch,
                                    config.nodes, cap=config.max_nodes, seed=config.seed)
         self.peers: dict[bytes, Welcome] = {}
+        self.observers = Observers()
         self.sessions: dict[int, EdgeSession] = {}
         self.pending: dict[int, Pending] = {}
         self.budget = SessionBudget(config.limits)
@@ -161,7 +165,7 @@ class Verifier:
               stop: Callable[[], bool] = lambda: False) -> None:
         sock = zmq.Context.instance().socket(zmq.ROUTER)
         configure_socket(sock, self.limits)
-        sock.bind(self.config.bind)
+        release = bind_server(sock, self.config.bind, self.config.security)
         self.bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("verifier on %s: schedule %s, budget %d tokens, max batch %s, step %.1f ms",
                  self.bound, self.config.schedule, self.config.budget,
@@ -185,6 +189,7 @@ class Verifier:
                     last_sweep = time.monotonic()
         finally:
             sock.close(0)
+            release()
 
     def gather(self, sock: zmq.Socket) -> None:
         """Wait briefly for proposals about to arrive, so that they share this pass.
@@ -241,8 +246,12 @@ class Verifier:
             self.close(msg.tag)
         elif isinstance(msg, Ping):
             self.outbox.append((identity, Pong(nonce=msg.nonce)))
+        elif isinstance(msg, Hello) and msg.observer:  # `starhub status`, the benchmark
+            self.observers.add(identity)
+            self.outbox.append((identity, self.hello))
         elif isinstance(msg, Stats):
-            self.outbox.append((identity, Stats(body=self.snapshot())))
+            detail = identity in self.peers or identity in self.observers
+            self.outbox.append((identity, Stats(body=verifier_view(self.snapshot(), detail))))
         else:
             raise ProtocolError(ErrorCode.BAD_TYPE,
                                 f"a verifier does not accept {msg.TYPE}: drafters send WELCOME, "

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from starhub.launch import child_env, spawn_hub
-from starhub.protocol import Hello, Reject, Stats, Welcome
+from starhub.launch.status import query_stats
+from starhub.protocol import Hello, Reject, Welcome
 from targets import attach
 from targets.client import HubClient
 from tests.conftest import HubThread
@@ -28,11 +29,8 @@ def run_target(hub: str, model_dir, prompts, out, name: str) -> list[dict]:
 
 
 def stats(address: str) -> dict:
-    client = HubClient(address, timeout_s=10)
-    try:
-        return client.request(Stats()).body
-    finally:
-        client.close()
+    """The hub's STATS as an observer, which sees each target's entries."""
+    return query_stats(address, timeout_s=10)
 
 
 def test_a_freed_slot_is_reused_by_a_new_target_process(tiny_dir, tmp_path):

@@ -87,6 +87,7 @@ name = "ray-test"
 address = "127.0.0.1:1"   # RAY_ADDRESS wins over this
 [hub]
 num_cpus = 1
+insecure = true           # binds every interface of the node
 [targets]
 count = 2
 model = "default"

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from starhub.security import add_client_args, client_curve_from_args
+
 LAUNCH_EPILOG = """\
 a deployment file (see configs/) looks like:
 
@@ -57,11 +59,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "status", help="a running hub's (or verifier's) targets and key metrics",
         description="Ask a hub or an edge verifier for STATS and print its settings, load "
                     "and one row per target: rounds, tokens, speed, its standalone speed "
-                    "and t_c.")
+                    "and t_c. It says HELLO as an observer (no admission slot, no session), "
+                    "which the server asks before it shows per-target entries.")
     s.add_argument("address", help="e.g. tcp://127.0.0.1:5555 (the address its "
                                    "'STARHUB READY' line or `starhub launch` printed)")
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
     s.add_argument("--json", action="store_true", help="print the raw STATS body as JSON")
+    add_client_args(s)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -110,8 +114,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     from starhub.launch.status import query_stats, report
     from targets.client import HubUnavailable
 
+    curve = client_curve_from_args(args)
     try:
-        body = query_stats(args.address, args.timeout, peers=True)
+        body = query_stats(args.address, args.timeout, peers=True, curve=curve)
     except HubUnavailable as exc:
         print(f"starhub status: {exc}", file=sys.stderr)
         return 1

@@ -54,7 +54,26 @@ class Placement:
 
 
 @dataclass(kw_only=True)
-class HubSection(Placement):
+class ServerKeys:
+    """``starhub hub`` and ``starhub verifier``'s security options (README, "Security")."""
+
+    curve_secret: str | None = _opt(None, doc="--curve-secret: the server's secret "
+                                              "certificate")
+    curve_allow: str | None = _opt(None, doc="--curve-allow: folder of allowed clients' "
+                                             "public certificates")
+    insecure: bool = _opt(False, doc="--insecure: serve a non-loopback address without CURVE")
+
+
+@dataclass(kw_only=True)
+class ClientKeys:
+    curve_secret: str | None = _opt(None, doc="--curve-secret: the processes' secret "
+                                              "certificate")
+    curve_server: str | None = _opt(None, doc="--curve-server: the server's public "
+                                              "certificate")
+
+
+@dataclass(kw_only=True)
+class HubSection(ServerKeys, Placement):
     model: str | None = _opt(None, doc="the targets' model, for --draft self "
                                        "(default: targets.model)")
     drafter: str = _opt("eagle", choices=DRAFTERS)
@@ -90,7 +109,7 @@ class WorkerSection(Placement):
 
 
 @dataclass(kw_only=True)
-class TargetsSection(WorkerSection):
+class TargetsSection(ClientKeys, WorkerSection):
     model: str = _opt(doc="'default', a model folder, a .gguf file or a cached model id")
     name: str = _opt("target", doc="process names are NAME0, NAME1, ...")
     dtype: str = _opt("auto", choices=DTYPES)
@@ -98,7 +117,7 @@ class TargetsSection(WorkerSection):
 
 
 @dataclass(kw_only=True)
-class VerifierSection(Placement):
+class VerifierSection(ServerKeys, Placement):
     model: str = _opt(doc="the target model the verifier holds")
     bind: str | None = None
     port: int | None = _opt(None, minimum=0)
@@ -115,7 +134,7 @@ class VerifierSection(Placement):
 
 
 @dataclass(kw_only=True)
-class DraftersSection(WorkerSection):
+class DraftersSection(ClientKeys, WorkerSection):
     model: str | None = _opt(None, doc="the verifier's model (default: verifier.model)")
     name: str = "drafter"
     drafter: str = _opt("eagle", choices=DRAFTERS)

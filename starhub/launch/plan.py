@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from starhub.launch.config import ConfigError, Deployment, Placement
+from starhub.security import is_loopback
 
 HUB = "{hub}"
 PROMPTS = "{prompts}"
@@ -64,6 +65,7 @@ def build_plan(dep: Deployment, prompts: str | None = None) -> Plan:
         raise ConfigError(f"{dep.source}: {group}.prompts: the {workers.count} {group} need "
                           f"prompts; pass --prompts FILE or set {group}.prompts (or set "
                           f"{group}.count = 0 to serve only)")
+    _check_security(dep)
     pre = ["--log-level", dep.log_level]
     if dep.topology == "star":
         server = _hub(dep, pre)
@@ -79,6 +81,35 @@ def _bind(dep: Deployment, section) -> str:
     if section.bind:
         return section.bind
     return f"tcp://{host}:{section.port or 0}"
+
+
+def _check_security(dep: Deployment) -> None:
+    """The loopback rule and the keys' pairing, before anything starts (the processes
+    check the key files themselves: on Ray they live on the nodes)."""
+    server, workers, src = dep.server, dep.workers, dep.source
+    name = "hub" if dep.topology == "star" else "verifier"
+    group = "targets" if dep.topology == "star" else "drafters"
+    if bool(server.curve_secret) != bool(server.curve_allow):
+        raise ConfigError(f"{src}: {name}.curve_secret and {name}.curve_allow go together")
+    if bool(workers.curve_secret) != bool(workers.curve_server):
+        raise ConfigError(f"{src}: {group}.curve_secret and {group}.curve_server go together")
+    curve, bind = bool(server.curve_secret), _bind(dep, server)
+    if not curve and not server.insecure and not is_loopback(bind):
+        raise ConfigError(f"{src}: {name}.bind: {bind} is reachable from other machines; set "
+                          f"{name}.curve_secret and {name}.curve_allow (keys from `starhub "
+                          f"keys generate`), or {name}.insecure = true on a network you trust")
+    if curve != bool(workers.curve_secret) and workers.count:
+        raise ConfigError(f"{src}: {group}.curve_secret: the {name} "
+                          f"{'uses' if curve else 'does not use'} CURVE, so its {group} "
+                          f"{'need' if curve else 'take no'} curve_secret and curve_server")
+
+
+def _server_keys(s) -> list[tuple[str, object]]:
+    return [("--curve-secret", s.curve_secret), ("--curve-allow", s.curve_allow)]
+
+
+def _client_keys(w) -> list[tuple[str, object]]:
+    return [("--curve-secret", w.curve_secret), ("--curve-server", w.curve_server)]
 
 
 def _ray_options(p: Placement, threads: int) -> dict:
@@ -108,7 +139,7 @@ def _hub(dep: Deployment, pre: list[str]) -> ProcessSpec:
         ("--max-nodes", h.max_nodes), ("--draft-dtype", h.draft_dtype),
         ("--max-targets", h.max_targets), ("--threads", h.threads), ("--ttl", h.ttl),
         ("--max-message-mb", h.max_message_mb), ("--metrics-port", h.metrics_port),
-        ("--device", h.device)])]
+        ("--device", h.device), *_server_keys(h)])] + (["--insecure"] if h.insecure else [])
     return ProcessSpec("hub", "hub", args, h.threads, True, "hub", h.gpu,
                        _ray_options(h, h.threads))
 
@@ -129,7 +160,7 @@ def _target(dep: Deployment, pre: list[str], i: int) -> ProcessSpec:
     name = f"{t.name}{i}"
     args = [*pre, "target", *_flags([("--hub", HUB), ("--model", t.model),
                                      ("--dtype", t.dtype), ("--linear", t.linear),
-                                     *_sampling(t, i, name)])]
+                                     *_sampling(t, i, name), *_client_keys(t)])]
     if not t.chat_template:
         args.append("--no-chat-template")
     return ProcessSpec(name, "target", args, t.threads, False, "targets", _gpu(t, i),
@@ -142,7 +173,8 @@ def _verifier(dep: Deployment, pre: list[str]) -> ProcessSpec:
         ("--bind", _bind(dep, v)), ("--model", v.model), ("--budget", v.budget),
         ("--max-batch", v.max_batch), ("--schedule", v.schedule), ("--nodes", v.nodes),
         ("--max-nodes", v.max_nodes), ("--ttl", v.ttl), ("--dtype", v.dtype),
-        ("--linear", v.linear), ("--threads", v.threads), ("--device", v.device)])]
+        ("--linear", v.linear), ("--threads", v.threads), ("--device", v.device),
+        *_server_keys(v)])] + (["--insecure"] if v.insecure else [])
     return ProcessSpec("verifier", "verifier", args, v.threads, True, "verifier", v.gpu,
                        _ray_options(v, v.threads))
 
@@ -154,7 +186,8 @@ def _drafter(dep: Deployment, pre: list[str], i: int) -> ProcessSpec:
         ("--verifier", HUB), ("--model", d.model), ("--drafter", d.drafter),
         ("--draft", d.draft), ("--draft-dtype", d.draft_dtype), ("--depth", d.depth),
         ("--topk", d.topk), ("--max-nodes", d.max_nodes), ("--target-tok-s", d.target_tok_s),
-        ("--timeout", d.timeout), ("--retries", d.retries), *_sampling(d, i, name)])]
+        ("--timeout", d.timeout), ("--retries", d.retries), *_sampling(d, i, name),
+        *_client_keys(d)])]
     if not d.chat_template:
         args.append("--no-chat-template")
     return ProcessSpec(name, "drafter", args, d.threads, False, "drafters", _gpu(d, i),

@@ -20,7 +20,7 @@ from typing import Protocol, TextIO
 from starhub.launch.host import ProcessHost
 from starhub.launch.plan import Plan, ProcessSpec
 from starhub.launch.spawn import thread_settings
-from starhub.launch.status import StatusPoller
+from starhub.launch.status import StatusPoller, status_keys
 
 log = logging.getLogger("starhub.launch")
 TAIL_LINES = 25
@@ -206,7 +206,8 @@ class Launcher:
                 self._start(spec, address)
             if self.dep.status_interval_s:
                 poller = StatusPoller(address, self.dep.status_interval_s,
-                                      len(self.plan.workers), self.kind == "verifier").start()
+                                      len(self.plan.workers), self.kind == "verifier",
+                                      status_keys(self.dep.workers)).start()
             if not self.plan.workers:
                 self.say(f"serving at {address} until Ctrl-C")
             self._supervise(poller)

@@ -6,14 +6,50 @@ from __future__ import annotations
 import json
 import threading
 import time
+from typing import TYPE_CHECKING
+
+from starhub.security import ClientCurve, SecurityError, client_curve
+
+if TYPE_CHECKING:
+    from starhub.launch.config import WorkerSection
+    from targets.client import HubClient
 
 
-def query_stats(address: str, timeout_s: float = 5.0, peers: bool = False) -> dict:
-    """One ``STATS`` request; ``peers`` adds each peer's totals (``counters.peers``)."""
+def observer_client(address: str, timeout_s: float = 5.0, curve: ClientCurve | None = None,
+                    name: str = "status") -> HubClient:
+    """A client that has said HELLO as an observer, so that the server's STATS include
+    each target's (or edge session's) entries; a plain client gets aggregates only. It
+    takes no admission slot. ``curve``: a ``ClientCurve`` for a server that uses CURVE."""
+    from starhub.protocol import Hello
+    from targets.client import HubClient
+
+    client = HubClient(address, timeout_s=timeout_s, curve=curve)
+    try:
+        client.request(Hello(name=name, observer=True))
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def status_keys(workers: WorkerSection) -> ClientCurve | None:
+    """The launcher asks for STATS with its workers' keys; None where there are none or
+    this machine cannot read them (the status line then says why it has no numbers)."""
+    try:
+        return client_curve(workers.curve_secret, workers.curve_server)
+    except SecurityError:
+        return None
+
+
+def query_stats(address: str, timeout_s: float = 5.0, peers: bool = False,
+                curve: ClientCurve | None = None, observe: bool = True) -> dict:
+    """One ``STATS`` request; ``peers`` adds each peer's totals (``counters.peers``).
+    ``observe`` says HELLO as an observer first, for per-target entries."""
     from starhub.protocol import Stats
     from targets.client import HubClient
 
-    client = HubClient(address, timeout_s=timeout_s)
+    client = (observer_client(address, timeout_s, curve) if observe
+              else HubClient(address, timeout_s=timeout_s, curve=curve))
     try:
         return client.request(Stats(body={"counters": True, "peers": True} if peers
                                     else {})).body
@@ -25,8 +61,9 @@ class StatusPoller:
     """Asks the server for ``STATS`` every ``interval_s`` in a thread and keeps one line:
     peers up, rounds per second over the last interval, τ and tokens per second."""
 
-    def __init__(self, address: str, interval_s: float, expected: int, edge: bool):
-        self.address, self.interval_s = address, interval_s
+    def __init__(self, address: str, interval_s: float, expected: int, edge: bool,
+                 curve: ClientCurve | None = None):
+        self.address, self.interval_s, self.curve = address, interval_s, curve
         self.expected, self.edge = expected, edge
         self.line: str | None = None
         self._stop = threading.Event()
@@ -44,7 +81,8 @@ class StatusPoller:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                body = query_stats(self.address, timeout_s=max(self.interval_s, 2.0))
+                body = query_stats(self.address, timeout_s=max(self.interval_s, 2.0),
+                                   curve=self.curve, observe=False)
                 self.line = self.summarize(body, time.monotonic())
             except Exception as exc:  # a status line must never stop the deployment
                 self.line = f"no STATS from {self.address}: {exc}"

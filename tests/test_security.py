@@ -1,0 +1,329 @@
+"""Isolation and authentication: CURVE keys on real sockets (an allowed client decodes
+losslessly, an unknown key and a plain client get nothing), the loopback rule, random
+identities, and STATS that show per-peer detail only to peers that said HELLO."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from starhub.drafters.base import TreeShape
+from starhub.drafters.model import ModelDrafter
+from starhub.drafters.ngram import NgramDrafter
+from starhub.edge_drafter import EdgeDrafter, VerifierUnavailable
+from starhub.isolation import AGGREGATES_ONLY
+from starhub.launch.config import ConfigError, parse_config
+from starhub.launch.plan import build_plan
+from starhub.launch.status import query_stats
+from starhub.protocol import Hello, Open, Stats, Welcome
+from starhub.security import (
+    ClientCurve,
+    SecurityError,
+    ServerCurve,
+    ServerSecurity,
+    bind_server,
+    check_bind,
+    client_curve,
+    generate_keys,
+    is_loopback,
+    load_certificate,
+    server_curve,
+    use_client_curve,
+)
+from targets import attach
+from targets.client import HubClient, HubUnavailable
+from tests.conftest import HubThread
+from tests.test_edge import VerifierThread
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = [1, 5, 9, 14, 3, 1, 5, 9, 14, 3, 1, 5]
+REFUSED_WITHIN_S = 0.5
+"""How long a refused client waits for a reply that never comes (it fails, not the test)."""
+
+
+@dataclass
+class Keys:
+    server: ServerSecurity
+    server_public: Path
+    allowed: ClientCurve
+    stranger: ClientCurve
+
+
+@pytest.fixture
+def keys(tmp_path) -> Keys:
+    """A server pair, one client whose public key is in the allow folder, one that is not."""
+    allow = tmp_path / "allow"
+    allow.mkdir()
+    hub_public, hub_secret = generate_keys(tmp_path, "hub")
+    client_public, client_secret = generate_keys(tmp_path, "client")
+    shutil.copy(client_public, allow)
+    _, stranger_secret = generate_keys(tmp_path, "stranger")
+    return Keys(ServerSecurity(ServerCurve.load(hub_secret, allow)), hub_public,
+                ClientCurve.load(client_secret, hub_public),
+                ClientCurve.load(stranger_secret, hub_public))
+
+
+def _reference(model, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def _starhub(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "starhub", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120, **kwargs)
+
+
+# -- keys -----------------------------------------------------------------------------------
+
+def test_keys_generate_writes_loadable_certificates_and_never_overwrites(tmp_path):
+    done = _starhub("keys", "generate", str(tmp_path / "keys"), "hub")
+    assert done.returncode == 0, done.stderr
+    public, secret = tmp_path / "keys" / "hub.key", tmp_path / "keys" / "hub.key_secret"
+    pub_key, no_secret = load_certificate(public, "--curve-server", secret=False)
+    same_pub, secret_key = load_certificate(secret, "--curve-secret", secret=True)
+    assert no_secret is None and same_pub == pub_key and secret_key is not None
+    assert os.stat(secret).st_mode & 0o077 == 0, "the secret certificate is owner-only"
+    assert str(public) in done.stdout and str(secret) in done.stdout
+
+    again = _starhub("keys", "generate", str(tmp_path / "keys"), "hub")
+    assert again.returncode == 2 and "already exist" in again.stderr
+    assert load_certificate(secret, "--curve-secret", secret=True)[1] == secret_key
+
+
+def test_certificate_mistakes_are_clear_errors(tmp_path, keys):
+    with pytest.raises(SecurityError, match="no such file"):
+        client_curve(str(tmp_path / "missing.key_secret"), str(keys.server_public))
+    with pytest.raises(SecurityError, match="only a public key"):
+        client_curve(str(keys.server_public), str(keys.server_public))
+    junk = tmp_path / "junk.key_secret"
+    junk.write_text("not a certificate\n")
+    with pytest.raises(SecurityError, match="not a ZeroMQ CURVE certificate"):
+        client_curve(str(junk), str(keys.server_public))
+    with pytest.raises(SecurityError, match="go together"):
+        client_curve(str(tmp_path / "client.key_secret"), None)
+    with pytest.raises(SecurityError, match="go together"):
+        server_curve(None, str(tmp_path / "allow"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SecurityError, match=r"no public certificates \(\*\.key\)"):
+        server_curve(str(tmp_path / "hub.key_secret"), str(empty))
+    with pytest.raises(SecurityError, match="not a folder"):
+        server_curve(str(tmp_path / "hub.key_secret"), str(tmp_path / "hub.key"))
+
+
+# -- the loopback rule ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("address,local", [
+    ("tcp://127.0.0.1:5555", True), ("tcp://127.0.0.2:0", True), ("tcp://localhost:1", True),
+    ("tcp://[::1]:5555", True), ("ipc:///tmp/starhub.sock", True), ("inproc://hub", True),
+    ("tcp://0.0.0.0:5555", False), ("tcp://*:5555", False), ("tcp://10.1.2.3:5555", False),
+    ("tcp://eth0:5555", False), ("tcp://[::]:5555", False), ("tcp://hub.example:5555", False),
+])
+def test_loopback_addresses_are_recognised(address, local):
+    assert is_loopback(address) is local
+
+
+def test_plain_server_binds_beyond_loopback_only_when_insecure(keys, caplog):
+    with pytest.raises(SecurityError, match="refusing to bind tcp://0.0.0.0:0 without CURVE"):
+        check_bind("tcp://0.0.0.0:0", ServerSecurity())
+    check_bind("tcp://0.0.0.0:0", keys.server)  # CURVE needs no --insecure
+    check_bind("tcp://127.0.0.1:0", ServerSecurity())
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    with caplog.at_level(logging.WARNING, logger="starhub.security"):
+        release = bind_server(sock, "tcp://0.0.0.0:0", ServerSecurity(insecure=True))
+    try:
+        assert sock.getsockopt_string(zmq.LAST_ENDPOINT).startswith("tcp://0.0.0.0:")
+        assert "without CURVE (--insecure)" in caplog.text
+    finally:
+        sock.close(0)
+        release()
+
+
+def test_hub_and_verifier_commands_refuse_a_plain_non_loopback_bind():
+    hub = _starhub("hub", "--bind", "tcp://0.0.0.0:0", "--drafter", "ngram")
+    assert hub.returncode == 2
+    assert "refusing to bind tcp://0.0.0.0:0 without CURVE" in hub.stderr
+    assert "--insecure" in hub.stderr and "STARHUB READY" not in hub.stdout
+    verifier = _starhub("verifier", "--bind", "tcp://*:0")
+    assert verifier.returncode == 2 and "refusing to bind tcp://*:0" in verifier.stderr
+
+
+def test_insecure_hub_starts_on_every_interface_and_warns(tmp_path):
+    log = tmp_path / "hub.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "starhub", "hub", "--bind",
+                                 "tcp://0.0.0.0:0", "--drafter", "ngram", "--insecure"],
+                                stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("STARHUB READY tcp://0.0.0.0:"), log.read_text()
+        assert "without CURVE (--insecure)" in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_launch_config_applies_the_loopback_rule_and_passes_keys():
+    base = {"backend": "ray", "targets": {"model": "default", "count": 1}}
+    with pytest.raises(ConfigError, match=r"hub\.bind: tcp://0\.0\.0\.0:0 is reachable"):
+        build_plan(parse_config({**base, "hub": {}}), "p.jsonl")
+    plan = build_plan(parse_config({**base, "hub": {"insecure": True}}), "p.jsonl")
+    assert "--insecure" in plan.server.args
+    with pytest.raises(ConfigError, match="its targets need curve_secret"):
+        build_plan(parse_config({**base, "hub": {"curve_secret": "h.key_secret",
+                                                 "curve_allow": "allow"}}), "p.jsonl")
+    plan = build_plan(parse_config({
+        "backend": "ray", "hub": {"curve_secret": "h.key_secret", "curve_allow": "allow"},
+        "targets": {"model": "default", "curve_secret": "t.key_secret",
+                    "curve_server": "h.key"}}), "p.jsonl")
+    hub, target = plan.server.args, plan.workers[0].args
+    assert hub[hub.index("--curve-allow") + 1] == "allow" and "--insecure" not in hub
+    assert target[target.index("--curve-server") + 1] == "h.key"
+
+
+# -- CURVE on real sockets ------------------------------------------------------------------
+
+def test_curve_hub_serves_an_allowed_target_losslessly(tiny_model, keys):
+    model, tokenizer = tiny_model
+    hub = HubThread(NgramDrafter(), security=keys.server)
+    use_client_curve(keys.allowed)
+    try:
+        with attach(model, tokenizer, hub.address, name="allowed", timeout_s=30) as session:
+            assert session.connected
+            result = session.generate(PROMPT, max_new_tokens=16)
+        assert result.output_ids == _reference(model, PROMPT, 16)
+        assert result.stats.rounds > 0 and not result.stats.standalone, \
+            "the tokens came through the hub's drafts, not from decoding alone"
+    finally:
+        use_client_curve(None)
+        hub.stop()
+
+
+def test_curve_hub_refuses_unknown_keys_and_plain_clients(keys):
+    hub = HubThread(NgramDrafter(), security=keys.server)
+    allowed = HubClient(hub.address, timeout_s=30, curve=keys.allowed)
+    try:
+        for curve in (keys.stranger, None):
+            refused = HubClient(hub.address, timeout_s=REFUSED_WITHIN_S, curve=curve)
+            try:
+                with pytest.raises(HubUnavailable, match="no reply"):
+                    refused.hello(Hello(name="intruder", vocab_size=1000))
+                with pytest.raises(HubUnavailable, match="no reply|refused the connection"):
+                    refused.ping()  # a second request fails too, and never blocks
+            finally:
+                refused.close()
+        assert allowed.hello(Hello(name="allowed", vocab_size=1000)).drafter == "ngram"
+        assert [p.name for p in hub.hub.table.peers.values()] == ["allowed"]
+    finally:
+        allowed.close()
+        hub.stop()
+
+
+def test_curve_verifier_serves_allowed_drafters_and_refuses_others(tiny_model, keys):
+    model, tokenizer = tiny_model
+    verifier = VerifierThread(model, tokenizer, budget=16, security=keys.server)
+
+    def drafter(curve) -> EdgeDrafter:
+        return EdgeDrafter(ModelDrafter(model, label="self"), verifier.address,
+                           TreeShape(4, 2, 6), eos=set(), timeout_s=REFUSED_WITHIN_S,
+                           retries=0, curve=curve)
+
+    try:
+        for curve in (keys.stranger, None):
+            refused = drafter(curve)
+            with pytest.raises(VerifierUnavailable, match="no reply"):
+                refused.generate(PROMPT, 8)
+            refused.close()
+        allowed = drafter(keys.allowed)
+        allowed.timeout_s = 30
+        assert allowed.generate(PROMPT, 10)[0] == _reference(model, PROMPT, 10)
+        allowed.close()
+        assert verifier.verifier.stats.opened == 1
+    finally:
+        verifier.stop()
+
+
+def test_client_identities_are_random():
+    identities = set()
+    for _ in range(2):
+        client = HubClient("tcp://127.0.0.1:9", timeout_s=1)
+        identities.add(client.sock.getsockopt(zmq.IDENTITY))
+        client.close()
+    assert len(identities) == 2
+    for identity in identities:
+        assert str(os.getpid()).encode() not in identity and len(identity) >= 32
+
+
+# -- STATS by introduction ------------------------------------------------------------------
+
+def _stats(address: str, **request) -> dict:
+    client = HubClient(address, timeout_s=30)
+    try:
+        return client.request(Stats(body=request)).body
+    finally:
+        client.close()
+
+
+def test_hub_stats_without_hello_show_aggregates_only(tiny_model):
+    model, tokenizer = tiny_model
+    hub = HubThread(NgramDrafter(), peer_grace_s=600.0)
+    try:
+        with attach(model, tokenizer, hub.address, name="secret-target") as session:
+            result = session.generate(PROMPT, max_new_tokens=12)
+            assert result.stats.rounds > 0
+            assert result.stats.hub_draft_s > 0, "a HELLO'd target still gets its own totals"
+
+            stranger = _stats(hub.address, counters=True, peers=True)
+            assert stranger[AGGREGATES_ONLY] is True
+            assert stranger["rounds"] == result.stats.rounds and stranger["peers"] == 1
+            assert "targets" not in stranger["control"] and "n_max" in stranger["control"]
+            assert "peers" not in stranger["counters"] and stranger["counters"]["rounds"] > 0
+            assert "secret-target" not in repr(stranger)
+            assert _stats(hub.address, peer=True) == {"peer": {}}
+
+            target = session._gen.client.request(Stats(body={"counters": True, "peers": True}))
+            assert AGGREGATES_ONLY not in target.body
+            assert [t["name"] for t in target.body["control"]["targets"]] == ["secret-target"]
+
+            observed = query_stats(hub.address, timeout_s=30, peers=True)
+            assert AGGREGATES_ONLY not in observed
+            assert [p[0] for p in observed["counters"]["peers"]] == ["secret-target"]
+            assert [t["name"] for t in observed["control"]["targets"]] == ["secret-target"]
+            assert observed["admitted"] == 1, "an observer takes no admission slot"
+    finally:
+        hub.stop()
+
+
+def test_verifier_stats_without_welcome_hide_sessions(tiny_model):
+    model, tokenizer = tiny_model
+    verifier = VerifierThread(model, tokenizer, budget=16)
+    drafter = HubClient(verifier.address, timeout_s=30)
+    try:
+        assert isinstance(drafter.request(Welcome(drafter="raw")), Hello)
+        opened = drafter.request(Open(ref=1, prompt_len=3, tokens=np.array([1, 2, 3], np.int32)),
+                                 ref=1)
+        assert isinstance(opened, Open)
+        own = drafter.request(Stats()).body
+        assert str(opened.tag) in own["scheduler"]["sessions"]
+
+        stranger = _stats(verifier.address)
+        assert stranger[AGGREGATES_ONLY] is True and stranger["sessions"] == 1
+        assert "sessions" not in stranger["scheduler"] and "policy" in stranger["scheduler"]
+        assert str(opened.tag) not in repr(stranger)
+
+        observed = query_stats(verifier.address, timeout_s=30)
+        assert str(opened.tag) in observed["scheduler"]["sessions"]
+        assert observed["drafters"] == 1, "an observer is not counted as a drafter"
+    finally:
+        drafter.close()
+        verifier.stop()
