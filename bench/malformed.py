@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from starhub.protocol import Close, Commit, Hello, Open, Ping, Pong, Propose, Welcome
+from starhub.protocol import VERSION, Close, Commit, Hello, Open, Ping, Pong, Propose, Welcome
 from starhub.transport import encode
 
 Frames = list[bytes]
@@ -101,7 +101,9 @@ class Malformed:
         header, rest = self._header()
         field = self.rng.choice([k for k in header if k not in ("v", "type", "arrays")])
         junk = [None, "seven", [1, 2], {"a": 1}, 1.5, True, b"\x01"]
-        if isinstance(header[field], str):
+        if isinstance(header[field], bool):
+            junk = [None, "x", [1], {"a": 1}, 1.5, 7]
+        elif isinstance(header[field], str):
             junk = [None, 7, [1], {"a": 1}, 1.5, True]
         elif isinstance(header[field], float):
             junk = [None, "x", [1], {"a": 1}, True]
@@ -113,7 +115,8 @@ class Malformed:
 
     def bad_version(self) -> Frames:
         header, rest = self._header()
-        header["v"] = self.rng.choice([0, 2, 4, 99, -1, "3", 3.0, None, [3]])
+        header["v"] = self.rng.choice([0, VERSION - 1, VERSION + 1, 99, -1, str(VERSION),
+                                       float(VERSION), None, [VERSION]])
         return self._pack(header, rest)
 
     def unknown_type(self) -> Frames:

@@ -4,7 +4,8 @@ hub died, hung, restarted or turned us away, without ever making decoding wait f
 A reply is due within ``max(floor_s, factor × typical round trip)``: a hub that misses that
 is treated as gone, and the caller finishes on its own. Reconnecting (a fresh HELLO) then
 happens on a background thread with doubling backoff; the decoding thread adopts the new
-connection at its next request. A hub that REJECTs us is asked again after its
+connection at its next request. Attempts are cheap (one HELLO), so the backoff stops
+growing at ``max_backoff_s``. A hub that REJECTs us is asked again after its
 ``retry_after_s`` the same way.
 """
 
@@ -22,7 +23,7 @@ log = logging.getLogger("starhub.target")
 
 class HubLink:
     def __init__(self, address: str, hello: Callable[[], Hello], name: str = "target",
-                 floor_s: float = 3.0, factor: float = 10.0, max_backoff_s: float = 30.0,
+                 floor_s: float = 3.0, factor: float = 10.0, max_backoff_s: float = 5.0,
                  client_options: dict | None = None):
         self.address = address
         self.hello = hello

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from starhub.protocol import Error, ErrorCode, Open, ProtocolError
+from starhub.protocol import VERSION, Error, ErrorCode, Open, ProtocolError
 from starhub.transport import MAX_HEADER_BYTES, Limits, decode, encode, error_for
 from tests import fuzz_strategies as fz
 
@@ -80,7 +80,8 @@ def test_messages_past_the_size_limit_are_refused_before_parsing(msg, limit):
 
 
 def test_a_header_past_its_own_limit_is_refused():
-    header = {"v": 3, "type": "PING", "tag": 0, "seq": 0, "nonce": 0, "pad": "x" * MAX_HEADER_BYTES}
+    header = {"v": VERSION, "type": "PING", "tag": 0, "seq": 0, "nonce": 0,
+              "pad": "x" * MAX_HEADER_BYTES}
     assert rejected([msgpack.packb(header)]).code == ErrorCode.TOO_LARGE
 
 
@@ -93,7 +94,7 @@ def test_a_shape_whose_size_overflows_int64_is_a_protocol_error():
 
 
 def test_an_unhashable_message_type_is_a_protocol_error():
-    header = {"v": 3, "type": ["PING"], "tag": 0, "seq": 0}
+    header = {"v": VERSION, "type": ["PING"], "tag": 0, "seq": 0}
     assert rejected([msgpack.packb(header)]).code == ErrorCode.BAD_TYPE
 
 
@@ -103,5 +104,5 @@ def test_nan_temperature_is_refused():
 
 
 def test_an_error_about_a_huge_field_stays_decodable():
-    header = {"v": 3, "type": "X" * 10_000, "tag": 0, "seq": 0}
+    header = {"v": VERSION, "type": "X" * 10_000, "tag": 0, "seq": 0}
     assert rejected([msgpack.packb(header)]).code == ErrorCode.BAD_TYPE
