@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 import zmq
 import zmq.asyncio
 
-from starhub.control import AUTO, ControlConfig, Controller
+from starhub.control import AUTO, Controller
 from starhub.drafters.base import Drafter, TreeShape
+from starhub.hub_config import HubConfig, Request, drafting_thread
 from starhub.isolation import Observers, hub_view
-from starhub.limits import SessionBudget, SessionLimits
+from starhub.limits import SessionBudget
 from starhub.metrics import HubMetrics, PrometheusCollector, serve_prometheus
 from starhub.protocol import (
     Close,
@@ -42,62 +41,12 @@ from starhub.protocol import (
     Stats,
     Welcome,
 )
-from starhub.security import ServerSecurity, bind_server
+from starhub.security import bind_server
 from starhub.sessions import Peer, Session, SessionTable
 from starhub.transport import Limits, configure_socket, decode, encode, error_for, to_torch
 from starhub.tree import DraftTree
 
 log = logging.getLogger("starhub.hub")
-
-
-@dataclass
-class HubConfig:
-    bind: str = "tcp://127.0.0.1:5555"
-    shape: TreeShape = field(default_factory=TreeShape)
-    ttl_s: float = 120.0
-    max_message_bytes: int = Limits().max_message_bytes
-    adaptive: bool = False
-    """``--depth auto``: each round's depth and node budget are chosen for goodput, and a
-    session no tree can speed up decodes plainly; otherwise every round uses ``shape``."""
-    max_targets: int | str = 0
-    """Admission: 0 admits every target, N at most N, ``auto`` while every admitted target
-    stays at or above its standalone speed (N_max)."""
-    retry_after_s: float = 1.0
-    """Told to a rejected target: when to ask again."""
-    peer_grace_s: float = 5.0
-    """A peer without sessions for this long gives its admission slot back."""
-    log_every_s: float = 10.0
-    metrics_port: int = 0
-    """Serve Prometheus text on 127.0.0.1:PORT/metrics; 0 serves none."""
-    threads: int = 0
-    """Torch threads of the drafting thread; 0 keeps torch's setting."""
-    limits: SessionLimits = field(default_factory=SessionLimits)
-    """Sessions, their lengths and the tokens cached over all of them (``starhub.limits``)."""
-    security: ServerSecurity = field(default_factory=ServerSecurity)
-
-    def control(self) -> ControlConfig:
-        return ControlConfig(depth=AUTO if self.adaptive else self.shape.depth,
-                             topk=self.shape.topk, max_nodes=self.shape.max_nodes,
-                             max_targets=self.max_targets, retry_after_s=self.retry_after_s)
-
-
-@dataclass
-class Request:
-    """An entry of the global buffer: a session that needs a draft, and since when."""
-
-    identity: bytes
-    session: Session
-    ref: int
-    arrival: float
-
-
-def _drafting_thread(threads: int) -> None:
-    """Drafting runs on this one thread. Where the event-loop thread has also run multithreaded
-    torch code (loading, say), the process holds two OpenMP teams, and once it has more
-    OpenMP threads than cores libgomp throttles its spin-waits: on 2 cores that made every
-    draft ~1.7x slower. ``starhub hub`` therefore loads with one thread."""
-    if threads:
-        torch.set_num_threads(threads)
 
 
 class Hub:
@@ -114,7 +63,7 @@ class Hub:
         self.outbox: asyncio.Queue[tuple[bytes, Message]] = asyncio.Queue()
         self._work = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter",
-                                            initializer=_drafting_thread,
+                                            initializer=drafting_thread,
                                             initargs=(self.config.threads,))
         self.bound: str | None = None
         self.ready = asyncio.Event()
@@ -450,14 +399,3 @@ class Hub:
             body["counters"] = self.metrics.counters(peers=bool(request.get("peers")))
         return hub_view(body, identity in self.table.peers or identity in self.observers)
 
-
-def run_hub(drafter: Drafter, config: HubConfig) -> None:
-    """Serve until interrupted, on uvloop where available."""
-    try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-    with contextlib.suppress(KeyboardInterrupt):
-        runner(Hub(drafter, config).serve())

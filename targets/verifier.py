@@ -20,15 +20,14 @@ import logging
 import math
 import secrets
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 import zmq
 
 from starhub.isolation import Observers, verifier_view
-from starhub.limits import VERIFIER_LIMITS, SessionBudget, SessionLimits, check_tree
+from starhub.limits import SessionBudget, check_tree
 from starhub.models import tokenizer_fingerprint
 from starhub.protocol import (
     Close,
@@ -46,83 +45,20 @@ from starhub.protocol import (
     Stats,
     Welcome,
 )
-from starhub.security import ServerSecurity, bind_server
+from starhub.security import bind_server
 from starhub.transport import Limits, configure_socket, decode, encode, error_for
 from starhub.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.engine import VerifyEngine, measure_budget
 from targets.generate import feature_dtype, measure_step
 from targets.schedule import Scheduler, Waiting
+from targets.verifier_state import EdgeSession, Pending, VerifierConfig, VerifierStats
 
 log = logging.getLogger("starhub.verifier")
 
 RECEIVE_BATCH = 1024
 """Messages taken between two passes at most: a peer that keeps the socket full cannot
 hold verification up."""
-
-
-@dataclass
-class VerifierConfig:
-    bind: str = "tcp://127.0.0.1:5556"
-    budget: int = 0
-    """Tokens one forward pass feeds, over all its rows (C); 0: measured at start."""
-    max_batch: int = 0
-    """Rows per pass; 0 (``auto``): as many as the budget holds."""
-    schedule: str = "goodspeed"
-    nodes: int = 10
-    """The draft budget every session starts with, and ``fifo``'s fixed S_i."""
-    max_nodes: int = 32
-    """The most a schedule grants one tree; larger trees are refused."""
-    max_depth: int = 16
-    """Deeper trees are refused."""
-    ttl_s: float = 120.0
-    limits: SessionLimits = VERIFIER_LIMITS
-    max_message_bytes: int = 64 << 20
-    seed: int = 0
-    gather_fraction: float = 0.3
-    """How long, as a fraction of a pass, to wait for proposals about to arrive."""
-    security: ServerSecurity = field(default_factory=ServerSecurity)
-
-
-@dataclass
-class EdgeSession:
-    tag: int
-    owner: bytes
-    greedy: bool
-    opened_at: float
-    last_seen: float
-    rounds: int = 0
-    committed: int = 0
-    committed_at: float = 0.0
-    """When its last COMMIT left: the drafter is drafting since then."""
-    turnaround: float = 0.0
-    """EMA of COMMIT out to next PROPOSE in: the drafter's draft time plus the link."""
-
-
-@dataclass
-class Pending:
-    waiting: Waiting
-    tree: DraftTree
-    seq: int
-
-
-@dataclass
-class VerifierStats:
-    steps: int = 0
-    rows: int = 0
-    fed: int = 0
-    verify_s: float = 0.0
-    rounds: int = 0
-    committed: int = 0
-    accepted: int = 0
-    deadlined: int = 0
-    late: int = 0
-    opened: int = 0
-    closed: int = 0
-    expired: int = 0
-    started: float = field(default_factory=time.monotonic)
-    batch_hist: Counter = field(default_factory=Counter)
-    errors: Counter = field(default_factory=Counter)
 
 
 class Verifier:

@@ -1,0 +1,64 @@
+"""What a hub is configured with, and the entries of its global request buffer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from starhub.control import AUTO, ControlConfig
+from starhub.drafters.base import TreeShape
+from starhub.limits import SessionLimits
+from starhub.security import ServerSecurity
+from starhub.sessions import Session
+from starhub.transport import Limits
+
+
+@dataclass
+class HubConfig:
+    bind: str = "tcp://127.0.0.1:5555"
+    shape: TreeShape = field(default_factory=TreeShape)
+    ttl_s: float = 120.0
+    max_message_bytes: int = Limits().max_message_bytes
+    adaptive: bool = False
+    """``--depth auto``: each round's depth and node budget are chosen for goodput, and a
+    session no tree can speed up decodes plainly; otherwise every round uses ``shape``."""
+    max_targets: int | str = 0
+    """Admission: 0 admits every target, N at most N, ``auto`` while every admitted target
+    stays at or above its standalone speed (N_max)."""
+    retry_after_s: float = 1.0
+    """Told to a rejected target: when to ask again."""
+    peer_grace_s: float = 5.0
+    """A peer without sessions for this long gives its admission slot back."""
+    log_every_s: float = 10.0
+    metrics_port: int = 0
+    """Serve Prometheus text on 127.0.0.1:PORT/metrics; 0 serves none."""
+    threads: int = 0
+    """Torch threads of the drafting thread; 0 keeps torch's setting."""
+    limits: SessionLimits = field(default_factory=SessionLimits)
+    """Sessions, their lengths and the tokens cached over all of them (``starhub.limits``)."""
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+
+    def control(self) -> ControlConfig:
+        return ControlConfig(depth=AUTO if self.adaptive else self.shape.depth,
+                             topk=self.shape.topk, max_nodes=self.shape.max_nodes,
+                             max_targets=self.max_targets, retry_after_s=self.retry_after_s)
+
+
+@dataclass
+class Request:
+    """An entry of the global buffer: a session that needs a draft, and since when."""
+
+    identity: bytes
+    session: Session
+    ref: int
+    arrival: float
+
+
+def drafting_thread(threads: int) -> None:
+    """Drafting runs on this one thread. Where the event-loop thread has also run multithreaded
+    torch code (loading, say), the process holds two OpenMP teams, and once it has more
+    OpenMP threads than cores libgomp throttles its spin-waits: on 2 cores that made every
+    draft ~1.7x slower. ``starhub hub`` therefore loads with one thread."""
+    if threads:
+        torch.set_num_threads(threads)

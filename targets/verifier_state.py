@@ -1,0 +1,77 @@
+"""The edge verifier's settings and state: its configuration, each session as the verifier
+sees it, the proposals waiting for a pass, and the counters STATS reports."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from starhub.limits import VERIFIER_LIMITS, SessionLimits
+from starhub.security import ServerSecurity
+from starhub.tree import DraftTree
+from targets.schedule import Waiting
+
+
+@dataclass
+class VerifierConfig:
+    bind: str = "tcp://127.0.0.1:5556"
+    budget: int = 0
+    """Tokens one forward pass feeds, over all its rows (C); 0: measured at start."""
+    max_batch: int = 0
+    """Rows per pass; 0 (``auto``): as many as the budget holds."""
+    schedule: str = "goodspeed"
+    nodes: int = 10
+    """The draft budget every session starts with, and ``fifo``'s fixed S_i."""
+    max_nodes: int = 32
+    """The most a schedule grants one tree; larger trees are refused."""
+    max_depth: int = 16
+    """Deeper trees are refused."""
+    ttl_s: float = 120.0
+    limits: SessionLimits = VERIFIER_LIMITS
+    max_message_bytes: int = 64 << 20
+    seed: int = 0
+    gather_fraction: float = 0.3
+    """How long, as a fraction of a pass, to wait for proposals about to arrive."""
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+
+
+@dataclass
+class EdgeSession:
+    tag: int
+    owner: bytes
+    greedy: bool
+    opened_at: float
+    last_seen: float
+    rounds: int = 0
+    committed: int = 0
+    committed_at: float = 0.0
+    """When its last COMMIT left: the drafter is drafting since then."""
+    turnaround: float = 0.0
+    """EMA of COMMIT out to next PROPOSE in: the drafter's draft time plus the link."""
+
+
+@dataclass
+class Pending:
+    waiting: Waiting
+    tree: DraftTree
+    seq: int
+
+
+@dataclass
+class VerifierStats:
+    steps: int = 0
+    rows: int = 0
+    fed: int = 0
+    verify_s: float = 0.0
+    rounds: int = 0
+    committed: int = 0
+    accepted: int = 0
+    deadlined: int = 0
+    late: int = 0
+    opened: int = 0
+    closed: int = 0
+    expired: int = 0
+    started: float = field(default_factory=time.monotonic)
+    batch_hist: Counter = field(default_factory=Counter)
+    errors: Counter = field(default_factory=Counter)
