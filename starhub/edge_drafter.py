@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -33,6 +32,7 @@ from starhub.protocol import (
     Reject,
     Welcome,
 )
+from starhub.round_stats import clip_output, count_round, mean_accept_len
 from starhub.security import ClientCurve, prepare_client
 from starhub.transport import Limits, configure_socket, decode, encode, to_torch
 
@@ -178,13 +178,11 @@ class EdgeDrafter:
                 self.close()
                 time.sleep(delay)
                 stats.reopened += 1
-        out = self._clip(out, max_new_tokens)
+        out = clip_output(out, max_new_tokens, self.eos)
         stats.new_tokens = len(out)
         stats.wall_s = time.perf_counter() - start
         stats.tokens_per_s = len(out) / max(stats.wall_s, 1e-9)
-        if stats.rounds:
-            hist = Counter(stats.accept_len_hist)
-            stats.mean_accept_len = sum(int(k) * v for k, v in hist.items()) / stats.rounds
+        stats.mean_accept_len = mean_accept_len(stats)
         return out, stats
 
     def _session(self, prompt: list[int], out: list[int], max_new_tokens: int,
@@ -227,7 +225,7 @@ class EdgeDrafter:
                 tokens = commit.tokens.tolist()
                 if commit.accepted > len(tree) or max(tokens) >= self.target.vocab_size:
                     raise _SessionLost("the verifier sent an impossible COMMIT")
-                self._count(stats, commit.accepted, len(tree))
+                count_round(stats, commit.accepted, len(tree))
                 ctx.tokens.extend(tokens)
                 if commit.features is not None:
                     ctx.features.append(to_torch(commit.features))
@@ -249,24 +247,6 @@ class EdgeDrafter:
 
     def _done(self, out: list[int], max_new_tokens: int) -> bool:
         return len(out) >= max_new_tokens or any(t in self.eos for t in out)
-
-    def _clip(self, out: list[int], max_new_tokens: int) -> list[int]:
-        out = out[:max_new_tokens]
-        for i, tok in enumerate(out):
-            if tok in self.eos:
-                return out[: i + 1]
-        return out
-
-    @staticmethod
-    def _count(stats: EdgeStats, accepted: int, nodes: int) -> None:
-        stats.rounds += 1
-        stats.tree_nodes += nodes
-        key = str(accepted + 1)
-        stats.accept_len_hist[key] = stats.accept_len_hist.get(key, 0) + 1
-        while len(stats.accepted_at_depth) < accepted:
-            stats.accepted_at_depth.append(0)
-        for k in range(accepted):
-            stats.accepted_at_depth[k] += 1
 
 
 class _SessionLost(RuntimeError):

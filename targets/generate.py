@@ -10,7 +10,6 @@ import contextlib
 import itertools
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
@@ -19,6 +18,7 @@ import torch
 from starhub.models import tokenizer_fingerprint
 from starhub.prompts import encode_prompt  # noqa: F401  (re-exported)
 from starhub.protocol import Close, Commit, ErrorCode, Hello, Open, Propose, Stats
+from starhub.round_stats import clip_output, count_round, mean_accept_len
 from starhub.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.client import HubClient, HubError, HubUnavailable
@@ -170,7 +170,7 @@ class SpeculativeGenerator:
                               seed, stats, finishes)
         for chunk in itertools.chain([[first]], rounds):
             last = finishes(chunk)
-            chunk = self._clip(chunk, max_new_tokens - produced)
+            chunk = clip_output(chunk, max_new_tokens - produced, self.eos)
             produced += len(chunk)
             if chunk:
                 yield chunk
@@ -179,9 +179,7 @@ class SpeculativeGenerator:
         stats.new_tokens = produced
         stats.wall_s = time.perf_counter() - start
         stats.tokens_per_s = produced / max(stats.wall_s, 1e-9)
-        if stats.rounds:
-            hist = Counter(stats.accept_len_hist)
-            stats.mean_accept_len = sum(int(k) * v for k, v in hist.items()) / stats.rounds
+        stats.mean_accept_len = mean_accept_len(stats)
         stats.standalone = stats.rounds == 0 and stats.plain_rounds == 0
         stats.note = stats.note or (self.note if client is None else "")
         stats.step_ms = 1e3 * self.step_s
@@ -207,13 +205,6 @@ class SpeculativeGenerator:
         stats.hub_queue_s = totals["queue_s"] - before["queue_s"]
         stats.hub_draft_s = totals["draft_s"] - before["draft_s"]
         stats.comm_s = max(0.0, stats.hub_wait_s - stats.hub_queue_s - stats.hub_draft_s)
-
-    def _clip(self, chunk: list[int], room: int) -> list[int]:
-        chunk = chunk[: max(room, 0)]
-        for i, tok in enumerate(chunk):
-            if tok in self.eos:
-                return chunk[: i + 1]
-        return chunk
 
     def _rounds(self, client: HubClient | None, target: TargetModel, prompt_ids: list[int],
                 first: int, feats: torch.Tensor | None, temperature: float, top_p: float,
@@ -251,7 +242,7 @@ class SpeculativeGenerator:
                     verdict = target.verify(tree)
                     verified = time.perf_counter() - t0
                     stats.verify_s += verified
-                    self._count(stats, len(verdict.path), len(tree))
+                    count_round(stats, len(verdict.path), len(tree))
                     if finishes(verdict.tokens):
                         yield verdict.tokens
                         return
@@ -345,17 +336,6 @@ class SpeculativeGenerator:
 
     def _half(self, feats: torch.Tensor | None) -> torch.Tensor | None:
         return None if feats is None else feats.to(feature_dtype(self.model))
-
-    @staticmethod
-    def _count(stats: GenerationStats, accepted: int, nodes: int) -> None:
-        stats.rounds += 1
-        stats.tree_nodes += nodes
-        key = str(accepted + 1)
-        stats.accept_len_hist[key] = stats.accept_len_hist.get(key, 0) + 1
-        while len(stats.accepted_at_depth) < accepted:
-            stats.accepted_at_depth.append(0)
-        for k in range(accepted):
-            stats.accepted_at_depth[k] += 1
 
     def close(self) -> None:
         if self.link is not None:
