@@ -13,10 +13,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 
-from bench.run import _lines, lossless_check, machine_info
+from bench.run import lossless_check, machine_info, wait_for_outputs
 
 EDGE_NOTES = {
     "system_tok_s": "committed tokens of all drafters over the run's span",
@@ -180,16 +179,7 @@ def _run_variant(cfg: EdgeConfig, n: int, schedule: str, max_batch: int | str, l
                  "--shard", f"{i}/{n}", "--name", f"drafter{i}"],
                 env=child_env(cfg.threads), stderr=log, stdout=subprocess.DEVNULL)
                 for i, out in enumerate(outs)]
-            done = 0
-            while any(p.poll() is None for p in procs):
-                time.sleep(0.5)
-                now = sum(_lines(out) for out in outs)
-                tick(now - done)
-                done = now
-            tick(sum(_lines(out) for out in outs) - done)
-            codes = [p.returncode for p in procs]
-            if any(codes):
-                raise RuntimeError(f"a drafter failed (exit codes {codes}); see {log.name}")
+            wait_for_outputs(procs, outs, tick, f"a drafter failed; see {log.name}")
         client = observer_client(address, timeout_s=30, name="bench")
         stats = client.request(Stats()).body
         client.close()

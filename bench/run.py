@@ -274,21 +274,28 @@ def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
                                         "--name", f"target{i}"])
             procs.append(subprocess.Popen(cmd, env=child_env(cfg.threads), stderr=target_log,
                                           stdout=subprocess.DEVNULL))
-        done = 0
-        while any(p.poll() is None for p in procs):
-            time.sleep(0.5)
-            now = sum(_lines(out) for out in outs)
-            tick(now - done)
-            done = now
-        tick(sum(_lines(out) for out in outs) - done)
-        codes = [p.returncode for p in procs]
-        if any(codes):
-            raise RuntimeError(f"a target failed (exit codes {codes}); see {target_log.name}")
+        wait_for_outputs(procs, outs, tick, f"a target failed; see {target_log.name}")
         client = observer_client(hub.address, timeout_s=30, name="bench")
         stats = client.request(Stats()).body
         client.close()
     return star_row(cfg, n, [list(iter_results(out)) for out in outs], stats, reference,
                     depth, max_targets)
+
+
+def wait_for_outputs(procs: list[subprocess.Popen], outs: list[str], tick,
+                     failure: str) -> None:
+    """Wait for ``procs``, ticking once per JSON line they write to ``outs``; raise
+    RuntimeError(``failure`` and the exit codes) if any of them failed."""
+    done = 0
+    while any(p.poll() is None for p in procs):
+        time.sleep(0.5)
+        now = sum(_lines(out) for out in outs)
+        tick(now - done)
+        done = now
+    tick(sum(_lines(out) for out in outs) - done)
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        raise RuntimeError(f"{failure} (exit codes {codes})")
 
 
 def _lines(path: str) -> int:
