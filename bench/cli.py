@@ -123,26 +123,24 @@ def parse_targets(text: str) -> list[int]:
 
 def edge_doc(args: argparse.Namespace) -> dict:
     from bench.edge import EdgeConfig, run_edge_real
-    from starhub.edge_cli import SCHEDULES, batch_arg, budget_arg
+    from starhub.edge_cli import SCHEDULES, budget_arg
+    from starhub.options import auto_or_count
 
     def schedule(text: str) -> str:
         if text not in SCHEDULES:
             raise argparse.ArgumentTypeError(f"unknown schedule '{text}' ({', '.join(SCHEDULES)})")
         return text
 
-    def as_given(text: str) -> int | str:
-        batch_arg(text)
-        return "auto" if text.strip().lower() == "auto" else int(text)
-
     tree = hub_defaults()
     cfg = EdgeConfig(drafters=parse_targets(args.drafters),
                      schedules=parse_list(args.schedule, schedule, "--schedule"),
-                     max_batch=parse_list(args.max_batch, as_given, "--max-batch"),
+                     max_batch=parse_list(args.max_batch, auto_or_count(1, "max-batch"),
+                                          "--max-batch"),
                      drafter=args.drafter or tree["drafter"], draft=args.draft,
                      model=args.model, prompts=args.prompts,
                      max_new_tokens=args.max_new_tokens or 64, threads=args.threads,
                      verifier_threads=args.verifier_threads,
-                     budget=budget_arg(args.budget),
+                     budget=parse_list(args.budget, budget_arg, "--budget")[0],
                      nodes=args.nodes or args.max_nodes or tree["max_nodes"],
                      depth=int(args.depth) if args.depth else 5,
                      topk=args.topk or tree["topk"], log_dir=args.log_dir,

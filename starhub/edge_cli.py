@@ -10,34 +10,29 @@ import sys
 from starhub import security
 from starhub.launch import READY
 from starhub.limits import VERIFIER_LIMITS, add_limit_args, limits_from_args
-from starhub.options import DRAFTERS, DTYPES, LINEARS, TreeShape
+from starhub.options import AUTO, DRAFTERS, DTYPES, LINEARS, TreeShape, auto_or_count
 
 SCHEDULES = ("fifo", "goodspeed", "slo", "random")
 DEFAULT_SHAPE = TreeShape()
 
 
-def batch_arg(text: str) -> int:
-    """``auto`` (0: as many rows as the token budget holds) or a row count >= 1."""
-    if text.strip().lower() == "auto":
-        return 0
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a count >= 1, got '{text}'") \
-            from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"max-batch must be at least 1, got {value}")
-    return value
+def auto_as_zero(minimum: int, what: str):
+    """``options.auto_or_count`` with ``auto`` read as 0, which the verifier's settings use
+    for "choose for me"."""
+    parse = auto_or_count(minimum, what)
+
+    def convert(text: str) -> int:
+        value = parse(text)
+        return 0 if value == AUTO else value
+
+    convert.__name__ = what
+    return convert
 
 
-def budget_arg(text: str) -> int:
-    """``auto`` (0: measured at start) or a token count >= 2."""
-    if text.strip().lower() == "auto":
-        return 0
-    value = int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"budget must be at least 2, got {value}")
-    return value
+batch_arg = auto_as_zero(1, "max-batch")
+"""``auto`` (0: as many rows as the token budget holds) or a row count >= 1."""
+budget_arg = auto_as_zero(2, "budget")
+"""``auto`` (0: measured at start) or a token count >= 2."""
 
 
 def add_parsers(sub) -> None:
