@@ -90,9 +90,7 @@ class VerifyEngine:
 
     def cached(self, sid: int) -> int:
         """Entries in a session's cache once the last verify is compacted."""
-        target = self.sessions[sid]
-        keep = target._keep
-        return target.cache.get_seq_length() if keep is None else keep[0] + len(keep[1])
+        return self.sessions[sid].cached
 
     def cost(self, work: list[tuple[int, DraftTree]]) -> BatchStats:
         new = [len(tree) + 1 for _, tree in work]

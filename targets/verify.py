@@ -50,6 +50,13 @@ class TargetModel:
         states = out.hidden_states
         return torch.cat([states[i][0] for i in self.feature_layers], -1)
 
+    @property
+    def cached(self) -> int:
+        """Cache entries once the last verify is compacted (without compacting now)."""
+        if self._keep is None:
+            return self.cache.get_seq_length()
+        return self._keep[0] + len(self._keep[1])
+
     @torch.inference_mode()
     def compact(self) -> None:
         """Drop the rejected tree nodes of the last verify from the cache."""
