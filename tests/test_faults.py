@@ -226,4 +226,5 @@ def test_sampled_output_is_reproducible_for_a_seed(tiny_model):
         gen.close()
     hub.stop()
     assert outs[0].output_ids == outs[1].output_ids
+    assert outs[2].output_ids != outs[0].output_ids, "the seed must matter"
     assert outs[0].stats.rounds > 0 and outs[2].stats.rounds > 0
