@@ -17,11 +17,13 @@ log = logging.getLogger("starhub.target")
 
 
 class HubUnavailable(RuntimeError):
-    """No drafts from this hub for now; ``retry_after_s`` > 0 when it said to ask again."""
+    """No drafts from this hub for now; ``retry_after_s`` > 0 when it said to ask again.
+    ``rejected``: the hub answered REJECT (with ``retry_after_s`` 0: for good)."""
 
-    def __init__(self, message: str, retry_after_s: float = 0.0):
+    def __init__(self, message: str, retry_after_s: float = 0.0, rejected: bool = False):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.rejected = rejected
 
 
 class HubError(RuntimeError):
@@ -67,7 +69,7 @@ class HubClient:
         reply = self.recv()
         if isinstance(reply, Reject):
             raise HubUnavailable(f"the hub rejected this target: {reply.reason}",
-                                 retry_after_s=reply.retry_after_s)
+                                 retry_after_s=reply.retry_after_s, rejected=True)
         if not isinstance(reply, Welcome):
             raise HubUnavailable(f"expected WELCOME, got {reply.TYPE}: "
                                  f"{getattr(reply, 'message', '')}")

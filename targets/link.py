@@ -97,7 +97,7 @@ class HubLink:
 
     def _retry_later(self, exc: HubUnavailable) -> None:
         self.note = str(exc)
-        if exc.retry_after_s <= 0 and "rejected" in str(exc):
+        if exc.rejected and exc.retry_after_s <= 0:
             log.warning("%s: %s; decoding on its own", self.name, exc)
             return
         if self._thread is not None and self._thread.is_alive():
@@ -117,7 +117,7 @@ class HubLink:
                 return
             if outcome.retry_after_s > 0:
                 wait = outcome.retry_after_s
-            elif "rejected" in str(outcome):
+            elif outcome.rejected:
                 log.warning("%s: %s; decoding on its own", self.name, outcome)
                 return
             else:
