@@ -27,8 +27,10 @@ from starhub.options import (  # noqa: F401  (re-exported: earlier homes of thes
     LINEARS,
     MAX_AUTO_DEPTH,
     auto_or_count,
+    batch_arg,
     depth_arg,
     max_targets_arg,
+    on_off_arg,
 )
 from starhub.options import add_tree_args as _add_tree_args
 
@@ -93,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "stays at or above its own standalone speed (the load model's "
                           "N_max); N: at most N targets; 0: no limit. A rejected target "
                           "decodes on its own and asks again later")
+    hub.add_argument("--batch", type=batch_arg, default=AUTO,
+                     help="requests drafted together, one pass per tree layer for all of them. "
+                          "auto (default): every request waiting when the drafter frees up "
+                          "(never waits for more); 1: one at a time")
+    hub.add_argument("--predraft", type=on_off_arg, default=True, metavar="on|off",
+                     help="on (default): while a target verifies and no request waits, draft "
+                          "its next tree for the likeliest outcomes, so a matching COMMIT "
+                          "gets its PROPOSE at once (greedy sessions; output never changes)")
     hub.add_argument("--max-message-mb", type=float, default=64.0,
                      help="larger messages are refused with an ERROR")
     add_limit_args(hub)
@@ -193,7 +203,8 @@ def cmd_hub(args: argparse.Namespace) -> int:
                        ttl_s=args.ttl, max_targets=args.max_targets,
                        max_message_bytes=int(args.max_message_mb * (1 << 20)),
                        metrics_port=args.metrics_port, threads=threads,
-                       limits=limits_from_args(args), security=secure)
+                       limits=limits_from_args(args), security=secure,
+                       batch=args.batch, predraft=args.predraft)
     hub = Hub(drafter, config)
     logging.getLogger("starhub.hub").info("torch threads=%d, drafter weights %s", threads,
                                           getattr(drafter, "dtype", "none"))

@@ -38,6 +38,12 @@ class HubConfig:
     limits: SessionLimits = field(default_factory=SessionLimits)
     """Sessions, their lengths and the tokens cached over all of them (``starhub.limits``)."""
     security: ServerSecurity = field(default_factory=ServerSecurity)
+    batch: int | str = AUTO
+    """``--batch``: sessions drafted together in one pass per tree layer; ``auto`` takes
+    every waiting request (up to ``MAX_AUTO_BATCH``), 1 drafts one at a time."""
+    predraft: bool = True
+    """``--predraft``: while a proposal is out and nothing waits, draft the session's next
+    tree for its likeliest outcomes, so a matching COMMIT is answered at once."""
 
     def control(self) -> ControlConfig:
         return ControlConfig(depth=AUTO if self.adaptive else self.shape.depth,

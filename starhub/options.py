@@ -50,6 +50,17 @@ def auto_or_count(minimum: int, what: str):
 
 
 depth_arg = auto_or_count(1, "depth")
+batch_arg = auto_or_count(1, "batch")
+
+
+def on_off_arg(text: str) -> bool:
+    """An argparse type for on/off switches that the benchmark can list (``on,off``)."""
+    value = str(text).strip().lower()
+    if value in ("on", "true", "1", "yes"):
+        return True
+    if value in ("off", "false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected 'on' or 'off', got '{text}'")
 max_targets_arg = auto_or_count(0, "max-targets")
 
 
