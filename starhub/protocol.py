@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import typing
 from dataclasses import dataclass, field
@@ -182,14 +183,15 @@ class Propose(Message):
                       f"tokens to decode and no tree")
         if len(self.parents) != n:
             self.fail(f"parents has {len(self.parents)} entries for {n} tokens")
-        if n and np.any((self.parents < -1) | (self.parents >= np.arange(n))):
+        # ndarray methods rather than np.any/np.all: the same test without their dispatch
+        if n and ((self.parents < -1) | (self.parents >= np.arange(n))).any():
             self.fail("every parent index must be -1 or an earlier node")
         if (self.dist_ids is None) != (self.dist_probs is None):
             self.fail("dist_ids and dist_probs come together")
         if self.dist_ids is not None:
             if self.dist_ids.shape != self.dist_probs.shape or self.dist_ids.shape[0] != n + 1:
                 self.fail(f"dist arrays must both be [{n + 1}, k]")
-            if not np.all(np.isfinite(self.dist_probs)) or np.any(self.dist_probs < 0):
+            if not np.isfinite(self.dist_probs).all() or (self.dist_probs < 0).any():
                 self.fail("dist_probs must be finite and non-negative")
 
 
@@ -272,12 +274,58 @@ _INT_RANGE = (-(1 << 63), (1 << 64) - 1)
 _MAX_STR = 4096
 
 
+@dataclass(frozen=True)
+class _ArraySpec:
+    name: str
+    dtypes: tuple[str, ...]
+    ndim: int
+    optional: bool
+    np_dtypes: frozenset[np.dtype]
+    """The numpy dtypes whose arrays pass at once; any other goes through the full check."""
+
+
+@dataclass(frozen=True)
+class Schema:
+    """Everything ``build`` and ``encode`` derive from a message class, worked out once.
+
+    ``header`` pairs each header field's name with its validator, ``arrays`` describes the
+    array fields; both keep the dataclass's field order.
+    """
+
+    cls: type[Message]
+    header_fields: tuple[dataclasses.Field, ...]
+    array_fields: tuple[dataclasses.Field, ...]
+    header: tuple[tuple[str, typing.Callable[[Any], Any]], ...]
+    header_names: tuple[str, ...]
+    arrays: tuple[_ArraySpec, ...]
+    array_names: frozenset[str]
+
+
+@functools.cache
+def schema(cls: type[Message]) -> Schema:
+    """The class's schema, built on first use: ``typing.get_type_hints`` (the costly part)
+    and ``dataclasses.fields`` run once per class instead of once per message."""
+    fields = dataclasses.fields(cls)
+    header_fs = tuple(f for f in fields if not f.metadata.get("array"))
+    array_fs = tuple(f for f in fields if f.metadata.get("array"))
+    hints = typing.get_type_hints(cls)
+    arrays = tuple(
+        _ArraySpec(f.name, tuple(f.metadata["dtypes"]), f.metadata["ndim"], f.metadata["optional"],
+                   frozenset(np.dtype(d) for d in f.metadata["dtypes"] if d != "bfloat16"))
+        for f in array_fs)
+    return Schema(cls=cls, header_fields=header_fs, array_fields=array_fs,
+                  header=tuple((f.name, _scalar_checker(cls.TYPE, f.name, hints[f.name]))
+                               for f in header_fs),
+                  header_names=tuple(f.name for f in header_fs), arrays=arrays,
+                  array_names=frozenset(f.name for f in array_fs))
+
+
 def array_fields(cls: type[Message]) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if f.metadata.get("array")]
+    return list(schema(cls).array_fields)
 
 
 def header_fields(cls: type[Message]) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if not f.metadata.get("array")]
+    return list(schema(cls).header_fields)
 
 
 def _check_scalar(msg_type: str, name: str, hint: Any, value: Any) -> Any:
@@ -298,31 +346,56 @@ def _check_scalar(msg_type: str, name: str, hint: Any, value: Any) -> Any:
     return float(value) if hint is float else value
 
 
+def _scalar_checker(msg_type: str, name: str, hint: Any) -> typing.Callable[[Any], Any]:
+    """A validator for one header field: a fast path for the plain values msgpack yields,
+    and ``_check_scalar`` (the rules, and their error messages) for anything else."""
+    def slow(value: Any) -> Any:
+        return _check_scalar(msg_type, name, hint, value)
+
+    if typing.get_origin(hint) is list or hint not in _SCALARS:
+        return slow
+    lo, hi = _INT_RANGE
+    if hint is int:
+        def check(value: Any) -> Any:
+            return value if type(value) is int and lo <= value <= hi else slow(value)
+    elif hint is float:
+        def check(value: Any) -> Any:
+            return value if type(value) is float else slow(value)
+    elif hint is str:
+        def check(value: Any) -> Any:
+            return value if type(value) is str and len(value) <= _MAX_STR else slow(value)
+    else:  # bool, dict: exactly that type, no range
+        def check(value: Any, exact: type = hint) -> Any:
+            return value if type(value) is exact else slow(value)
+    return check
+
+
 def build(cls: type[Message], header: dict, arrays: dict[str, np.ndarray]) -> Message:
     """Construct a message from decoded parts, validating every field."""
-    hints = typing.get_type_hints(cls)
+    sch = schema(cls)
     kwargs: dict[str, Any] = {}
-    for f in header_fields(cls):
-        if f.name not in header:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE} is missing field '{f.name}'",
+    for name, check in sch.header:
+        if name not in header:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE} is missing field '{name}'",
                                 tag=_int_or0(header.get("tag")))
-        kwargs[f.name] = _check_scalar(cls.TYPE, f.name, hints[f.name], header[f.name])
-    for f in array_fields(cls):
-        arr = arrays.get(f.name)
-        meta = f.metadata
+        kwargs[name] = check(header[name])
+    for spec in sch.arrays:
+        arr = arrays.get(spec.name)
         if arr is None:
-            if not meta["optional"]:
-                raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE} is missing array '{f.name}'",
+            if not spec.optional:
+                raise ProtocolError(ErrorCode.BAD_FIELD,
+                                    f"{cls.TYPE} is missing array '{spec.name}'",
                                     tag=kwargs.get("tag", 0))
-        elif arr.dtype.name not in meta["dtypes"] and not _is_bf16(arr, meta["dtypes"]):
+        elif (arr.dtype not in spec.np_dtypes and not _is_bf16(arr, spec.dtypes)
+              and arr.dtype.name not in spec.dtypes):
             raise ProtocolError(ErrorCode.BAD_FIELD,
-                                f"{cls.TYPE}.{f.name} must be {'/'.join(meta['dtypes'])}")
-        elif arr.ndim != meta["ndim"]:
+                                f"{cls.TYPE}.{spec.name} must be {'/'.join(spec.dtypes)}")
+        elif arr.ndim != spec.ndim:
             raise ProtocolError(ErrorCode.BAD_FIELD,
-                                f"{cls.TYPE}.{f.name} must have {meta['ndim']} dimensions")
-        kwargs[f.name] = arr
-    extra = set(arrays) - {f.name for f in array_fields(cls)}
-    if extra:
+                                f"{cls.TYPE}.{spec.name} must have {spec.ndim} dimensions")
+        kwargs[spec.name] = arr
+    if not sch.array_names.issuperset(arrays):
+        extra = set(arrays) - sch.array_names
         raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE} has unknown arrays {sorted(extra)}")
     msg = cls(**kwargs)
     msg.check()
@@ -339,7 +412,8 @@ def _check_finite(msg: Message, features: np.ndarray | None) -> None:
     if features is None or not features.size:
         return
     if getattr(features, "is_bf16", False):  # raw bfloat16 bits: all-ones exponent
-        finite = not np.any((features.view(np.uint16) & 0x7F80) == 0x7F80)
+        bits = features.view(dtype=np.uint16, type=np.ndarray)  # plain: subclass ufuncs are slow
+        finite = not ((bits & 0x7F80) == 0x7F80).any()
     else:
         finite = bool(np.isfinite(features).all())
     if not finite:

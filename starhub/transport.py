@@ -23,9 +23,8 @@ from starhub.protocol import (
     Message,
     ProtocolError,
     _int_or0,
-    array_fields,
     build,
-    header_fields,
+    schema,
 )
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
@@ -33,6 +32,8 @@ MAX_HEADER_BYTES = 64 << 10
 MAX_ARRAYS = 8
 
 _WIRE_DTYPES = {"int32", "int64", "float16", "float32", "bfloat16"}
+_NP_DTYPES = {name: np.dtype(np.uint16 if name == "bfloat16" else name) for name in _WIRE_DTYPES}
+_DTYPE_NAMES: dict[np.dtype, str] = {}
 
 
 class BFloat16Array(np.ndarray):
@@ -53,6 +54,8 @@ def to_wire(value: np.ndarray | torch.Tensor) -> np.ndarray:
         if t.dtype == torch.bfloat16:
             return t.view(torch.int16).numpy().view(np.uint16).view(BFloat16Array)
         return t.numpy()
+    if isinstance(value, np.ndarray) and value.flags.c_contiguous:
+        return value  # as it is: a BFloat16Array stays one
     return np.ascontiguousarray(value)
 
 
@@ -64,21 +67,30 @@ def to_torch(arr: np.ndarray) -> torch.Tensor:
 
 
 def _dtype_name(arr: np.ndarray) -> str:
-    return "bfloat16" if getattr(arr, "is_bf16", False) else arr.dtype.name
+    if getattr(arr, "is_bf16", False):
+        return "bfloat16"
+    dtype = arr.dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:  # ``dtype.name`` is slow; the few dtypes sent are remembered
+        name = dtype.name
+        if len(_DTYPE_NAMES) < 64:
+            _DTYPE_NAMES[dtype] = name
+    return name
 
 
 def encode(msg: Message) -> list[Any]:
     """Frames for one message: header first, then each present array's raw bytes."""
+    sch = schema(type(msg))
     header: dict[str, Any] = {"v": VERSION, "type": msg.TYPE}
-    for f in header_fields(type(msg)):
-        header[f.name] = getattr(msg, f.name)
+    for name in sch.header_names:
+        header[name] = getattr(msg, name)
     specs, frames = [], []
-    for f in array_fields(type(msg)):
-        value = getattr(msg, f.name)
+    for spec in sch.arrays:
+        value = getattr(msg, spec.name)
         if value is None:
             continue
         arr = to_wire(value)
-        specs.append([f.name, _dtype_name(arr), list(arr.shape)])
+        specs.append([spec.name, _dtype_name(arr), list(arr.shape)])
         frames.append(memoryview(arr.view(np.uint8).reshape(-1)) if arr.size else b"")
     header["arrays"] = specs
     return [msgpack.packb(header, use_bin_type=True), *frames]
@@ -147,7 +159,7 @@ def _decode_arrays(msg_type: str, specs: Any, frames: list[memoryview]) -> dict[
         name, dtype, shape = spec
         if name in arrays:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{msg_type}: array '{name}' given twice")
-        np_dtype = np.dtype(np.uint16 if dtype == "bfloat16" else dtype)
+        np_dtype = _NP_DTYPES[dtype]
         expected = math.prod(shape) * np_dtype.itemsize  # Python ints: no int64 wrap-around
         if expected != buf.nbytes:
             raise ProtocolError(ErrorCode.BAD_FRAME,
