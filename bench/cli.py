@@ -7,7 +7,15 @@ import json
 import sys
 from pathlib import Path
 
-from starhub.options import DTYPES, LINEARS, depth_arg, max_targets_arg, tree_defaults
+from starhub.options import (
+    DTYPES,
+    LINEARS,
+    batch_arg,
+    depth_arg,
+    max_targets_arg,
+    on_off_arg,
+    tree_defaults,
+)
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "scripts" / "prompts" / "demo.jsonl"
 TREE_ARGS = ("drafter", "draft", "depth", "topk", "max_nodes", "draft_dtype")
@@ -34,6 +42,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--max-targets", default="0",
                    help="comma list of the hub's admission setting (0, N or auto); each value "
                         "gets its own star row for every N")
+    p.add_argument("--batch", default=None,
+                   help="comma list of the hub's --batch (auto or N); each value gets its own "
+                        "star row for every N (default: auto)")
+    p.add_argument("--predraft", default=None,
+                   help="comma list of the hub's --predraft (on, off); each value gets its "
+                        "own star row for every N (default: on)")
     p.add_argument("--topk", type=int, default=None)
     p.add_argument("--max-nodes", type=int, default=None)
     p.add_argument("--draft-dtype", default=None, choices=DTYPES,
@@ -154,6 +168,11 @@ def edge_doc(args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.topology == "edge" or args.emulate:
+        given = [flag for flag, value in (("--batch", args.batch), ("--predraft", args.predraft))
+                 if value is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} apply to the real star bench only")
     if args.topology == "edge":
         return write(args, edge_doc(args))
 
@@ -185,6 +204,9 @@ def main(args: argparse.Namespace) -> int:
         cfg = BenchConfig(targets=ns, model=args.model, prompts=args.prompts,
                           max_new_tokens=args.max_new_tokens or 64, threads=args.threads,
                           hub_threads=args.hub_threads, max_targets=admission,
+                          batch=parse_list(args.batch or "auto", batch_arg, "--batch"),
+                          predraft=parse_list(args.predraft or "on", on_off_arg,
+                                              "--predraft"),
                           baselines=baselines, log_dir=args.log_dir, dtype=args.dtype,
                           linear=args.linear, **tree)
         doc = run_real(cfg, progress=not args.no_progress)

@@ -33,6 +33,10 @@ EMULATED_EXTRA = [
 ]
 
 
+CONTROL_COLUMNS = [("batch", "batch", "{}"), ("predraft", "predraft", "{}")]
+"""After ``max`` in star tables whose rows record the hub's batching and pre-drafting."""
+
+
 EDGE_COLUMNS = [
     ("mode", "mode", "{}"),
     ("N", "drafters", "{}"),
@@ -76,7 +80,11 @@ def columns(doc: dict) -> list[tuple[str, object, str]]:
     emulated = doc["config"].get("mode") == "emulated"
     if doc["config"].get("topology") == "edge":
         return EDGE_COLUMNS + (EDGE_EMULATED_EXTRA if emulated else EDGE_REAL_EXTRA)
-    return COLUMNS + (EMULATED_EXTRA if emulated else REAL_EXTRA)
+    cols = COLUMNS + (EMULATED_EXTRA if emulated else REAL_EXTRA)
+    if any("batch" in row or "predraft" in row for row in doc["rows"]):
+        at = [c[1] for c in cols].index("max_targets") + 1
+        cols = cols[:at] + CONTROL_COLUMNS + cols[at:]
+    return cols
 
 
 def table_cells(doc: dict) -> tuple[list[str], list[list[str]]]:

@@ -76,6 +76,10 @@ class BenchConfig:
     log_dir: str | None = None
     max_targets: list[int | str] = field(default_factory=lambda: [0])
     """Star rows run once per value: the hub's ``--max-targets``."""
+    batch: list[int | str] = field(default_factory=lambda: ["auto"])
+    """Star rows run once per value: the hub's ``--batch``."""
+    predraft: list[bool] = field(default_factory=lambda: [True])
+    """Star rows run once per value: the hub's ``--predraft``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.depth, list):
@@ -86,15 +90,45 @@ class BenchConfig:
         """The depth of the baselines that need one: the first fixed value given."""
         return next((d for d in self.depth if isinstance(d, int)), TreeShape().depth)
 
-    def hub_flags(self, depth: int | str, max_targets: int | str = 0) -> list[str]:
-        draft = ["--draft", self.draft] if self.draft else []
-        return ["--model", self.model, "--drafter", self.drafter, *draft,
-                "--depth", str(depth), "--topk", str(self.topk),
-                "--max-nodes", str(self.max_nodes), "--draft-dtype", self.draft_dtype,
-                "--max-targets", str(max_targets)]
 
-    def star_variants(self) -> list[tuple[int | str, int | str]]:
-        return [(d, m) for d in self.depth for m in self.max_targets]
+def variants(cfg) -> list[StarVariant]:
+    """Every combination of a config's ``depth``, ``max_targets``, ``batch`` and
+    ``predraft`` lists, one row each."""
+    return [StarVariant(d, m, b, p) for d in cfg.depth for m in cfg.max_targets
+            for b in cfg.batch for p in cfg.predraft]
+
+
+def hub_flags(cfg, variant: StarVariant) -> list[str]:
+    """``starhub hub`` flags for a config's drafter and tree, with one row's settings."""
+    draft = ["--draft", cfg.draft] if cfg.draft else []
+    return ["--model", cfg.model, "--drafter", cfg.drafter, *draft,
+            "--depth", str(variant.depth), "--topk", str(cfg.topk),
+            "--max-nodes", str(cfg.max_nodes), "--draft-dtype", cfg.draft_dtype,
+            "--max-targets", str(variant.max_targets), "--batch", str(variant.batch),
+            "--predraft", on_off(variant.predraft)]
+
+
+@dataclass(frozen=True)
+class StarVariant:
+    """One star row's hub settings: each comparison option's value for that row."""
+
+    depth: int | str
+    max_targets: int | str = 0
+    batch: int | str = "auto"
+    predraft: bool = True
+
+    @property
+    def name(self) -> str:
+        return f"d{self.depth}-m{self.max_targets}-b{self.batch}-p{on_off(self.predraft)}"
+
+    def record(self) -> dict:
+        """What a row records: the values as given to the hub."""
+        return {"depth": self.depth, "max_targets": self.max_targets, "batch": self.batch,
+                "predraft": on_off(self.predraft)}
+
+
+def on_off(value: bool) -> str:
+    return "on" if value else "off"
 
 
 def machine_info() -> dict:
@@ -186,10 +220,10 @@ def per_target_rows(results: list[list[dict]]) -> list[dict]:
 
 
 def star_row(cfg: BenchConfig, n: int, results: list[list[dict]], hub: dict,
-             reference: dict | None, depth: int | str | None = None,
-             max_targets: int | str = 0) -> dict:
+             reference: dict | None, variant: StarVariant | None = None) -> dict:
     """One N from the targets' JSONL results and the hub's STATS reply."""
-    row = empty_row("star", n, cfg.drafter, cfg.fixed_depth if depth is None else depth)
+    variant = variant or StarVariant(cfg.fixed_depth)
+    row = empty_row("star", n, cfg.drafter, variant.depth)
     gens = [g for target in results for g in target]
     tokens = sum(len(g["output_ids"]) for g in gens)
     starts = [g["stats"]["started_at"] for g in gens]
@@ -223,7 +257,7 @@ def star_row(cfg: BenchConfig, n: int, results: list[list[dict]], hub: dict,
         threads={"hub": hub.get("threads"),
                  "targets": [target[0]["stats"].get("threads") for target in results if target]},
         standalone_prompts=sum(bool(g["stats"]["standalone"]) for g in gens),
-        max_targets=max_targets,
+        **variant.record(),
         per_target=per_target_rows(results),
         n_max=hub.get("n_max"),
         n_full=hub.get("n_full"),
@@ -250,17 +284,16 @@ def add_speedups(rows: list[dict]) -> None:
 
 
 def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
-             tick=lambda k: None, depth: int | str | None = None,
-             max_targets: int | str = 0) -> dict:
+             tick=lambda k: None, variant: StarVariant | None = None) -> dict:
     from starhub.launch import child_env, spawn_hub, target_command
     from starhub.launch.status import observer_client
     from starhub.protocol import Stats
     from targets.runner import iter_results
 
-    depth = cfg.fixed_depth if depth is None else depth
-    name = f"n{n}-d{depth}-m{max_targets}"
+    variant = variant or StarVariant(cfg.fixed_depth)
+    name = f"n{n}-{variant.name}"
     with open(f"{log_dir}/hub-{name}.log", "w") as hub_log, \
-            spawn_hub(cfg.hub_flags(depth, max_targets), threads=cfg.hub_threads,
+            spawn_hub(hub_flags(cfg, variant), threads=cfg.hub_threads,
                       log_file=hub_log) as hub, \
             open(f"{log_dir}/targets-{name}.log", "w") as target_log:
         outs = [f"{log_dir}/{name}-target{i}.jsonl" for i in range(n)]
@@ -279,7 +312,7 @@ def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
         stats = client.request(Stats()).body
         client.close()
     return star_row(cfg, n, [list(iter_results(out)) for out in outs], stats, reference,
-                    depth, max_targets)
+                    variant)
 
 
 def wait_for_outputs(procs: list[subprocess.Popen], outs: list[str], tick,
@@ -322,8 +355,8 @@ def run_real(cfg: BenchConfig, progress: bool = True) -> dict:
     prompts = [(str(id_), encode_prompt(tokenizer, text)) for id_, text in items]
     rows: list[dict] = []
     reference: dict | None = None
-    variants = cfg.star_variants()
-    total = len(prompts) * (len(cfg.baselines) + len(cfg.targets) * len(variants))
+    star_rows = variants(cfg)
+    total = len(prompts) * (len(cfg.baselines) + len(cfg.targets) * len(star_rows))
     with tqdm(total=total, unit="prompt", disable=not progress, file=sys.stderr) as bar:
         def tick(k: int = 1) -> None:
             bar.update(k)
@@ -349,18 +382,20 @@ def run_real(cfg: BenchConfig, progress: bool = True) -> dict:
                                      reference))
             del drafter
         for n in cfg.targets:
-            for depth, max_targets in variants:
-                bar.set_description(f"star N={n} depth={depth} max-targets={max_targets}")
-                rows.append(run_star(cfg, n, log_dir, reference, tick=tick, depth=depth,
-                                     max_targets=max_targets))
-        if reference is not None and cfg.targets and variants:
+            for variant in star_rows:
+                bar.set_description(f"star N={n} depth={variant.depth} max-targets="
+                                    f"{variant.max_targets} batch={variant.batch} "
+                                    f"predraft={on_off(variant.predraft)}")
+                rows.append(run_star(cfg, n, log_dir, reference, tick=tick, variant=variant))
+        if reference is not None and cfg.targets and star_rows:
             bar.set_description("hf-generate (second pass)")
             bar.total += len(prompts)
             again = hf_generate(model, prompts, cfg.max_new_tokens, tick=tick)
             rows[0] = pooled_generate_row([generate_runs, again], threads, reference)
     add_speedups(rows)
     config = {k: v for k, v in asdict(cfg).items() if k != "log_dir"}
-    config.update(linear=linear_kernel(cfg.linear, model.dtype))
+    config.update(linear=linear_kernel(cfg.linear, model.dtype),
+                  predraft=[on_off(p) for p in cfg.predraft])
     config.update(mode="real", n_prompts=len(prompts), threads_note=THREADS_NOTE,
                   metric_notes=METRIC_NOTES, logs=log_dir)
     return {"machine": machine_info(), "config": config, "rows": rows}
