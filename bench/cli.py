@@ -18,6 +18,7 @@ from starhub.options import (
 )
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "scripts" / "prompts" / "demo.jsonl"
+DEFAULT_REPLAY_PROMPTS = DEFAULT_PROMPTS.with_name("eval.jsonl")
 TREE_ARGS = ("drafter", "draft", "depth", "topk", "max_nodes", "draft_dtype")
 BASELINES = ("hf-generate", "hf-prompt-lookup", "colocated")
 
@@ -44,10 +45,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "gets its own star row for every N")
     p.add_argument("--batch", default=None,
                    help="comma list of the hub's --batch (auto or N); each value gets its own "
-                        "star row for every N (default: auto)")
+                        "star or hub-load row for every N (default: auto)")
     p.add_argument("--predraft", default=None,
                    help="comma list of the hub's --predraft (on, off); each value gets its "
-                        "own star row for every N (default: on)")
+                        "own star or hub-load row for every N (default: on)")
     p.add_argument("--topk", type=int, default=None)
     p.add_argument("--max-nodes", type=int, default=None)
     p.add_argument("--draft-dtype", default=None, choices=DTYPES,
@@ -60,9 +61,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--linear", default="auto", choices=LINEARS,
                    help="matrix-multiply kernel of the targets and of every baseline, as for "
                         "`starhub target`")
-    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt file")
+    p.add_argument("--prompts", default=None,
+                   help=f"JSONL prompt file (default {DEFAULT_PROMPTS.name}; --hub-load: "
+                        f"{DEFAULT_REPLAY_PROMPTS.name})")
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="per prompt (default 64); emulated sessions default to 512")
+                   help="per prompt (default 64); emulated sessions default to 512, "
+                        "--hub-load recordings to 128")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of each target and of the baselines")
     p.add_argument("--hub-threads", type=int, default=1,
@@ -77,12 +81,25 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="e.g. t_s=1.4ms,t_v=25ms,t_c=1ms,beta=0.8,depth=6; add trace=RUN.json "
                         "to replay a real run's accepted lengths instead of beta")
     p.add_argument("--duration", type=float, default=3.0,
-                   help="emulation: measured seconds per N (longer where N is large)")
-    p.add_argument("--warmup", type=float, default=1.0, help="emulation: unmeasured seconds")
+                   help="emulation and --hub-load: measured seconds per row (emulation: "
+                        "longer where N is large)")
+    p.add_argument("--warmup", type=float, default=1.0,
+                   help="emulation and --hub-load: unmeasured seconds first")
     p.add_argument("--emulate-procs", type=int, default=1,
                    help="emulation: processes the targets are spread over")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="emulation: the hub serves Prometheus text on this port")
+    load = p.add_argument_group(
+        "hub load", "--hub-load: a real hub and drafter, and N replay clients that compute "
+        "nothing: they answer each PROPOSE from a recorded greedy run of --model (recorded "
+        "once, then cached), at once or after --emulate t_v=TIME. One row per N and "
+        "combination of --depth, --max-targets, --batch and --predraft")
+    load.add_argument("--hub-load", action="store_true")
+    load.add_argument("--record-prompts", type=int, default=8,
+                      help="prompts of --prompts to record and replay")
+    load.add_argument("--replay-cache", default=None,
+                      help="where recordings are cached (default "
+                           "$XDG_CACHE_HOME/starhub/hub-load)")
     edge = p.add_argument_group(
         "edge topology", "--topology edge: one verifier and N drafters instead of one hub and "
         "N targets; one row per combination of --drafters, --schedule and --max-batch")
@@ -151,7 +168,7 @@ def edge_doc(args: argparse.Namespace) -> dict:
                      max_batch=parse_list(args.max_batch, auto_or_count(1, "max-batch"),
                                           "--max-batch"),
                      drafter=args.drafter or tree["drafter"], draft=args.draft,
-                     model=args.model, prompts=args.prompts,
+                     model=args.model, prompts=args.prompts or str(DEFAULT_PROMPTS),
                      max_new_tokens=args.max_new_tokens or 64, threads=args.threads,
                      verifier_threads=args.verifier_threads,
                      budget=parse_list(args.budget, budget_arg, "--budget")[0],
@@ -167,12 +184,32 @@ def edge_doc(args: argparse.Namespace) -> dict:
     return run_edge_real(cfg, progress=not args.no_progress)
 
 
+def hub_load_doc(args: argparse.Namespace, ns: list[int], tree: dict,
+                 admission: list) -> dict:
+    from bench.hub_load import HubLoadConfig, parse_t_v, run_hub_load
+
+    cfg = HubLoadConfig(targets=ns, model=args.model, dtype=args.dtype,
+                        prompts=args.prompts or str(DEFAULT_REPLAY_PROMPTS),
+                        record_prompts=args.record_prompts,
+                        max_new_tokens=args.max_new_tokens or 128, threads=args.threads,
+                        hub_threads=args.hub_threads, max_targets=admission,
+                        batch=parse_list(args.batch or "auto", batch_arg, "--batch"),
+                        predraft=parse_list(args.predraft or "on", on_off_arg, "--predraft"),
+                        warmup_s=args.warmup, duration_s=args.duration,
+                        t_v=parse_t_v(args.emulate), cache=args.replay_cache,
+                        log_dir=args.log_dir, **tree)
+    if cfg.record_prompts < 1:
+        raise ValueError("--record-prompts must be at least 1")
+    return run_hub_load(cfg, progress=not args.no_progress)
+
+
 def main(args: argparse.Namespace) -> int:
-    if args.topology == "edge" or args.emulate:
+    if args.topology == "edge" or (args.emulate and not args.hub_load):
         given = [flag for flag, value in (("--batch", args.batch), ("--predraft", args.predraft))
                  if value is not None]
         if given:
-            raise ValueError(f"{' and '.join(given)} apply to the real star bench only")
+            raise ValueError(f"{' and '.join(given)} apply to the real star bench and "
+                             f"--hub-load only")
     if args.topology == "edge":
         return write(args, edge_doc(args))
 
@@ -184,6 +221,8 @@ def main(args: argparse.Namespace) -> int:
         if key != "depth" and getattr(args, key) is not None:
             tree[key] = getattr(args, key)
     tree["depth"] = depths or [tree["depth"]]
+    if args.hub_load:
+        return write(args, hub_load_doc(args, ns, tree, admission))
     if args.emulate:
         from bench.emulate import EmulateOptions, EmulateSpec, emulated_doc
 
@@ -201,7 +240,8 @@ def main(args: argparse.Namespace) -> int:
         unknown = set(baselines) - set(BASELINES)
         if unknown:
             raise ValueError(f"unknown baselines {sorted(unknown)}; choose from {BASELINES}")
-        cfg = BenchConfig(targets=ns, model=args.model, prompts=args.prompts,
+        cfg = BenchConfig(targets=ns, model=args.model,
+                          prompts=args.prompts or str(DEFAULT_PROMPTS),
                           max_new_tokens=args.max_new_tokens or 64, threads=args.threads,
                           hub_threads=args.hub_threads, max_targets=admission,
                           batch=parse_list(args.batch or "auto", batch_arg, "--batch"),

@@ -35,6 +35,25 @@ EMULATED_EXTRA = [
 
 CONTROL_COLUMNS = [("batch", "batch", "{}"), ("predraft", "predraft", "{}")]
 """After ``max`` in star tables whose rows record the hub's batching and pre-drafting."""
+HUB_LOAD_COLUMNS = [
+    ("mode", "mode", "{}"),
+    ("N", "targets", "{}"),
+    ("d", "depth", "{}"),
+    ("max", "max_targets", "{}"),
+    *CONTROL_COLUMNS,
+    ("r_q", "r_q", "{:.1f}"),
+    ("t_s_ms", "t_s_ms", "{:.2f}"),
+    ("draft_ms", "t_draft_ms", "{:.2f}"),
+    ("load", "load", "{:.3f}"),
+    ("system_tok_s", "system_tok_s", "{:.1f}"),
+    ("tau", "mean_accept_len", "{:.2f}"),
+    ("plain", "plain_rounds", "{}"),
+    ("batch_mean", "batch_mean", "{:.2f}"),
+    ("ms/batch", "draft_ms_per_batch", "{:.2f}"),
+    ("ms/session", "draft_ms_per_session", "{:.2f}"),
+    ("predraft_hit", "predraft_hit_rate", "{:.3f}"),
+    ("critical_ms", "critical_draft_ms", "{:.2f}"),
+]
 
 
 EDGE_COLUMNS = [
@@ -80,6 +99,8 @@ def columns(doc: dict) -> list[tuple[str, object, str]]:
     emulated = doc["config"].get("mode") == "emulated"
     if doc["config"].get("topology") == "edge":
         return EDGE_COLUMNS + (EDGE_EMULATED_EXTRA if emulated else EDGE_REAL_EXTRA)
+    if doc["config"].get("mode") == "hub-load":
+        return HUB_LOAD_COLUMNS
     cols = COLUMNS + (EMULATED_EXTRA if emulated else REAL_EXTRA)
     if any("batch" in row or "predraft" in row for row in doc["rows"]):
         at = [c[1] for c in cols].index("max_targets") + 1
@@ -103,6 +124,8 @@ def preamble(doc: dict) -> list[str]:
         budget = cfg["budget"] or "auto"
         return [f"edge, {what}; verifier budget {budget} tokens per pass (rows: 'budget')",
                 cfg.get("threads_note", "")]
+    if cfg.get("mode") == "hub-load":
+        return hub_load_preamble(cfg)
     if cfg.get("mode") == "emulated":
         m = cfg["model"]
         lines.append(f"emulated {cfg['emulate']}: S(d)={m['S_ms']:.2f}ms Z(d)={m['Z_ms']:.2f}ms "
@@ -119,6 +142,23 @@ def preamble(doc: dict) -> list[str]:
                      f"weights {cfg.get('draft_dtype', 'auto')}, linear kernel "
                      f"{cfg.get('linear', 'auto')}")
     return lines
+
+
+def hub_load_preamble(cfg: dict) -> list[str]:
+    rec = cfg.get("recording") or {}
+    answer = (f"after t_v={1e3 * cfg['t_v']:g}ms" if cfg.get("t_v") is not None
+              else "as soon as it arrives")
+    return [f"hub-load: a real hub ({cfg['drafter']} drafter, {cfg['hub_threads']} torch "
+            f"thread(s)) and N replay clients that compute nothing: each tree is answered "
+            f"{answer}, a plain round after the recorded step per token; "
+            f"{cfg['warmup_s']:g}s warm-up, {cfg['duration_s']:g}s measured per row",
+            f"replaying {len(rec.get('prompt_names') or [])} prompts from {rec.get('prompts')}, "
+            f"{rec.get('max_new_tokens')} new tokens each, features {rec.get('feature_layers')}"
+            f"; recorded step {rec.get('step_ms') or 0:.1f}ms, verify "
+            f"{rec.get('verify_ms') or 0:.1f}ms ({'cached' if rec.get('reused') else 'recorded'}"
+            f": {rec.get('path')})",
+            "t_s_ms: draft time per tree layer; draft_ms: per round; '-': the hub does not "
+            "report it"]
 
 
 def text_table(doc: dict) -> str:
