@@ -90,11 +90,13 @@ def test_tables_show_hub_load_rows_and_star_controls():
 @pytest.mark.slow
 def test_hub_load_end_to_end_with_a_cached_recording(tmp_path, monkeypatch):
     """Record 2 prompts of 16 tokens, replay them to a real hub with the shipped EAGLE head
-    for each batch value, and read the recording back from the cache the second time."""
+    for each batch value, and read the recording back from the cache the second time. The
+    depth is fixed: on a busy machine ``auto`` may rightly decode such short runs plainly."""
     out = tmp_path / "load.json"
     cache = tmp_path / "cache"
     args = build_parser().parse_args([
-        "bench", "--hub-load", "--targets", "2", "--batch", "1,auto", "--record-prompts", "2",
+        "bench", "--hub-load", "--targets", "2", "--batch", "1,auto", "--depth", "4",
+        "--record-prompts", "2",
         "--max-new-tokens", "16", "--warmup", "0.5", "--duration", "1",
         "--replay-cache", str(cache), "--json", str(out), "--no-progress",
         "--log-dir", str(tmp_path / "logs")])
@@ -106,6 +108,7 @@ def test_hub_load_end_to_end_with_a_cached_recording(tmp_path, monkeypatch):
     assert [r["batch"] for r in doc["rows"]] == [1, "auto"]
     for row in doc["rows"]:
         assert row["mode"] == "hub-load" and row["targets"] == 2 and row["predraft"] == "on"
+        assert row["depth"] == 4 and row["plain_rounds"] == 0
         assert row["r_q"] > 0 and 0 < row["load"] <= 1 and row["t_s_ms"] > 0
         assert row["mean_accept_len"] > 1, "greedy replay accepted no drafted token"
         assert row["replay"]["errors"] == 0 and row["replay"]["stray"] == 0
