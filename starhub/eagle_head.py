@@ -29,6 +29,8 @@ from transformers import LlamaConfig, PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from starhub.kvcache import KVCache, Segment
+
 EAGLE = "eagle"
 EAGLE3 = "eagle3"
 OPTIONAL_KEYS = ("embed_tokens.weight",)
@@ -37,71 +39,6 @@ _CONFIG_FIELDS = (
     "hidden_act", "rms_norm_eps", "max_position_embeddings", "vocab_size", "attention_bias",
     "mlp_bias", "bos_token_id", "eos_token_id", "pad_token_id",
 )
-
-
-class KVCache:
-    """Keys and values of the head's single attention layer, ``[B, kv_heads, S, head_dim]``.
-
-    Drafting appends tree entries after the committed prefix; ``crop`` drops them again and
-    ``keep`` retains chosen entries (e.g. an accepted tree path) in the given order. Entries
-    live in buffers that grow by doubling, so a session's rounds write in place rather than
-    reallocating; tensors that need gradients (training unrolls) are concatenated instead.
-    """
-
-    def __init__(self, k: Tensor | None = None, v: Tensor | None = None) -> None:
-        self._k, self._v = k, v
-        self.length = 0 if k is None else k.shape[2]
-
-    @property
-    def k(self) -> Tensor | None:
-        return None if self._k is None else self._k[:, :, :self.length]
-
-    @property
-    def v(self) -> Tensor | None:
-        return None if self._v is None else self._v[:, :, :self.length]
-
-    def _autograd(self, k: Tensor) -> bool:
-        return k.requires_grad or (self._k is not None and self._k.requires_grad)
-
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        need = self.length + k.shape[2]
-        if self._autograd(k):
-            self._k = k if self._k is None else torch.cat([self.k, k], dim=2)
-            self._v = v if self._v is None else torch.cat([self.v, v], dim=2)
-        else:
-            if self._k is None or need > self._k.shape[2]:
-                self._grow(k, v, max(need, 64, 2 * (0 if self._k is None else self._k.shape[2])))
-            self._k[:, :, self.length:need] = k
-            self._v[:, :, self.length:need] = v
-        self.length = need
-        return self.k, self.v
-
-    def _grow(self, k: Tensor, v: Tensor, capacity: int) -> None:
-        new_k = k.new_empty(*k.shape[:2], capacity, k.shape[3])
-        new_v = v.new_empty(*v.shape[:2], capacity, v.shape[3])
-        if self.length:
-            new_k[:, :, :self.length] = self.k
-            new_v[:, :, :self.length] = self.v
-        self._k, self._v = new_k, new_v
-
-    def crop(self, length: int) -> None:
-        self.length = min(self.length, length)
-
-    def keep(self, index: Tensor | list[int]) -> None:
-        if self._k is None:
-            return
-        index = torch.as_tensor(index, dtype=torch.long, device=self._k.device)
-        k, v = self.k[:, :, index], self.v[:, :, index]
-        if self._autograd(k):
-            self._k, self._v = k, v
-        else:
-            self._k[:, :, :len(index)] = k
-            self._v[:, :, :len(index)] = v
-        self.length = len(index)
-
-    def clone(self) -> KVCache:
-        return KVCache(None if self._k is None else self.k.clone(),
-                       None if self._v is None else self.v.clone())
 
 
 class RMSNorm(nn.Module):
@@ -134,7 +71,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None,
-                cache: KVCache | None) -> Tensor:
+                cache: KVCache | None, segments: list[Segment] | None = None) -> Tensor:
+        """``segments`` packs rows of several caches (sessions, or outcomes sharing one):
+        projections run once over all rows, attention per segment over its own cache."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
@@ -142,17 +81,33 @@ class Attention(nn.Module):
         cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        if segments is None:
+            y = self._attend(q, k, v, mask, cache)
+        else:
+            ys, start = [], 0
+            for seg in segments:
+                end = start + seg.rows
+                ys.append(self._attend(q[:, :, start:end], k[:, :, start:end],
+                                       v[:, :, start:end], seg.mask, seg.cache))
+                start = end
+            y = torch.cat(ys, dim=2)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                cache: KVCache | None) -> Tensor:
+        t = q.shape[2]
         past = 0 if cache is None else cache.length
         if cache is not None:
             k, v = cache.append(k, v)
         if mask is None and past > 0 and t > 1:
-            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(past)
+        elif mask is not None and mask.dim() == 2:
+            mask = mask[None, None]
         causal = mask is None and past == 0 and t > 1
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(q.dtype)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                           enable_gqa=self.n_kv != self.n_heads)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              enable_gqa=self.n_kv != self.n_heads)
 
 
 class MLP(nn.Module):
@@ -184,11 +139,12 @@ class DecoderLayer(nn.Module):
             self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, emb: Tensor | None, rope: tuple[Tensor, Tensor],
-                mask: Tensor | None, cache: KVCache | None) -> Tensor:
+                mask: Tensor | None, cache: KVCache | None,
+                segments: list[Segment] | None = None) -> Tensor:
         attn_in = x
         if self.eagle3:
             attn_in = torch.cat((self.input_layernorm(emb), self.hidden_norm(x)), dim=-1)
-        x = x + self.self_attn(attn_in, rope, mask, cache)
+        x = x + self.self_attn(attn_in, rope, mask, cache, segments)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -315,7 +271,8 @@ class EagleHead(nn.Module):
     def forward(self, features: Tensor, input_ids: Tensor | None = None, *,
                 inputs_embeds: Tensor | None = None, position_ids: Tensor | None = None,
                 attention_mask: Tensor | None = None, cache: KVCache | None = None,
-                num_logits: int | None = None) -> tuple[Tensor, Tensor | None]:
+                num_logits: int | None = None, segments: list[Segment] | None = None
+                ) -> tuple[Tensor, Tensor | None]:
         """Run the head over T new (token, feature) pairs.
 
         features: [B, T, F]; F is ``feature_size`` for target features, or H for the head's
@@ -327,6 +284,8 @@ class EagleHead(nn.Module):
             float; use it for tree drafting.
         cache: appended in place with the T new entries.
         num_logits: compute logits for the last ``num_logits`` positions only (0 = none).
+        segments: instead of ``attention_mask`` and ``cache``, rows packed from several caches
+            (B = 1): the matrix products run once over all of them (batched drafting).
 
         Returns (hidden [B, T, H], logits [B, T', draft_vocab] or None). Map logits' argmax or
         top-k indices to target ids with ``to_target_ids``.
@@ -338,6 +297,8 @@ class EagleHead(nn.Module):
         emb = inputs_embeds.to(features.dtype)
         b, t, _ = features.shape
         if position_ids is None:
+            if segments is not None:
+                raise ValueError("packed segments need explicit position_ids")
             past = 0 if cache is None else cache.length
             position_ids = torch.arange(past, past + t, device=features.device)
         if position_ids.dim() == 1:
@@ -345,10 +306,10 @@ class EagleHead(nn.Module):
         rope = self.rotary(features, position_ids)
         if self.kind == EAGLE:
             x = self.fc(torch.cat((emb, features), dim=-1))
-            hidden = self.layers[0](x, None, rope, attention_mask, cache)
+            hidden = self.layers[0](x, None, rope, attention_mask, cache, segments)
         else:
             x = self.fc(features) if features.shape[-1] != self.cfg.hidden_size else features
-            hidden = self.midlayer(x, emb, rope, attention_mask, cache)
+            hidden = self.midlayer(x, emb, rope, attention_mask, cache, segments)
         if num_logits == 0:
             return hidden, None
         tail = hidden if num_logits is None else hidden[:, -num_logits:]

@@ -1,6 +1,7 @@
 """The draft hub: StarSD's Algorithm 1 on one ROUTER socket.
 
-receiver -> global request buffer -> work-conserving worker (drafts in a thread) -> sender.
+receiver -> global request buffer -> work-conserving worker (``starhub.worker``: drafts
+batches in a thread, pre-drafts when idle) -> sender.
 The receiver never waits for drafting, so a slow target never holds up the others, and
 nothing a peer sends can stop the loop: bad input gets an ERROR and serving goes on.
 The controller (``starhub.control``) admits targets at HELLO and shapes every round before
@@ -43,8 +44,8 @@ from starhub.protocol import (
 )
 from starhub.security import bind_server
 from starhub.sessions import Peer, Session, SessionTable
-from starhub.transport import Limits, configure_socket, decode, encode, error_for, to_torch
-from starhub.tree import DraftTree
+from starhub.transport import Limits, configure_socket, decode, encode, error_for
+from starhub.worker import DraftWorker
 
 log = logging.getLogger("starhub.hub")
 
@@ -87,7 +88,8 @@ class Hub:
         await asyncio.get_running_loop().run_in_executor(self._executor, self.calibrate)
         self.ready.set()
         tasks = [asyncio.create_task(coro) for coro in (
-            self.receiver(sock), self.worker(), self.sender(sock), self.housekeeping())]
+            self.receiver(sock), DraftWorker(self).run(), self.sender(sock),
+            self.housekeeping())]
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -235,7 +237,7 @@ class Hub:
         self.budget.check_open(identity, len(msg.tokens), msg.ref)
         self._check_ids(peer, msg)
         keep = msg.features is not None and self.drafter.feature_layers
-        session = self.table.open(identity, msg, [to_torch(msg.features)] if keep else [])
+        session = self.table.open(identity, msg, [msg.features] if keep else [])
         self.budget.opened(session.tag, identity, len(msg.tokens))
         self.control.open(session.tag, identity, msg.step_ms / 1e3)
         self.metrics.sessions_opened += 1
@@ -265,16 +267,17 @@ class Hub:
         session.ctx.tokens.extend(msg.tokens.tolist())
         self.budget.grew(session.tag, len(msg.tokens))
         if msg.features is not None and self.drafter.feature_layers:
-            session.ctx.features.append(to_torch(msg.features))
+            session.ctx.features.append(msg.features)  # the drafting thread copies it
         session.seq += 1
         returned = now - session.proposed_at if session.proposed_at is not None else None
         self.control.observe_commit(session.tag, msg.accepted, session.last_tree_depth,
                                     session.last_tree_size, msg.verify_ms / 1e3, returned,
                                     msg.step_ms / 1e3)
         self.metrics.committed(msg.accepted, len(msg.tokens), identity, plain=bool(plain))
-        self.enqueue(identity, session, 0)
+        self.enqueue(identity, session, 0, tuple(msg.tokens.tolist()))
 
-    def enqueue(self, identity: bytes, session: Session, ref: int) -> None:
+    def enqueue(self, identity: bytes, session: Session, ref: int,
+                committed: tuple[int, ...] = ()) -> None:
         """Ask the controller for this round's shape: a plain round is answered at once,
         a tree goes to the global buffer."""
         choice = self.control.choose(session.tag)
@@ -287,61 +290,14 @@ class Hub:
             self.metrics.returned(session.tag, now)
             session.last_tree_size = session.last_tree_depth = 0
             session.proposed_at = now
+            session.out_tree = None
             self.reply(identity, Propose(tag=session.tag, seq=session.seq, ref=ref,
                                          plain=choice.plain))
             return
         session.busy = True
         self.metrics.arrived(session.tag, identity, now)
-        self.buffer.append(Request(identity, session, ref, now))
+        self.buffer.append(Request(identity, session, ref, now, committed))
         self._work.set()
-
-    async def worker(self) -> None:
-        """Work-conserving: whenever the buffer holds a request, draft it (FIFO)."""
-        loop = asyncio.get_running_loop()
-        backlog_since: float | None = None
-        while True:
-            if not self.buffer:
-                self._work.clear()
-                backlog_since = None
-                await self._work.wait()
-                continue
-            req = self.buffer.popleft()
-            session = req.session
-            if self.table.sessions.get(session.tag) is not session:
-                continue
-            started = time.monotonic()
-            if backlog_since is not None:
-                self.control.observe_overhead(started - backlog_since)
-            self.metrics.draft_started(req.arrival, started, len(self.table))
-            choice = session.choice
-            shape = TreeShape(choice.depth, self.config.shape.topk, choice.nodes,
-                              self.config.shape.support)
-            try:
-                tree = await loop.run_in_executor(self._executor, self.drafter.propose,
-                                                  session.ctx, shape)
-            except Exception as exc:
-                log.exception("drafting failed for tag %d", session.tag)
-                self.close(session.tag)
-                self.reply(req.identity, Error(tag=session.tag, ref=req.ref,
-                                               code=int(ErrorCode.INTERNAL),
-                                               message=f"drafting failed: {exc}"))
-                continue
-            finished = time.monotonic()
-            self.metrics.draft_finished(started, finished, tree.depth, len(tree),
-                                        req.arrival, session.tag, req.identity)
-            self.control.observe_draft(choice.depth, choice.nodes, finished - started)
-            backlog_since = finished if self.buffer else None
-            session.busy = False
-            if self.table.sessions.get(session.tag) is not session:
-                continue
-            session.last_tree_size, session.last_tree_depth = len(tree), tree.depth
-            session.proposed_at = finished
-            self.reply(req.identity, self.propose_message(session, tree, req.ref))
-
-    @staticmethod
-    def propose_message(session: Session, tree: DraftTree, ref: int) -> Propose:
-        return Propose(tag=session.tag, seq=session.seq, ref=ref, tokens=tree.tokens,
-                       parents=tree.parents, dist_ids=tree.dist_ids, dist_probs=tree.dist_probs)
 
     def reply(self, identity: bytes, msg: Message) -> None:
         self.outbox.put_nowait((identity, msg))

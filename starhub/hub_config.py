@@ -59,6 +59,8 @@ class Request:
     session: Session
     ref: int
     arrival: float
+    committed: tuple[int, ...] = ()
+    """The tokens of the COMMIT that asked for this draft (a pre-drafted tree's key)."""
 
 
 def drafting_thread(threads: int) -> None:

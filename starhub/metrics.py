@@ -24,7 +24,8 @@ from wsgiref.simple_server import WSGIServer
 
 SCALARS = ("rounds", "draft_s", "draft_layers", "wait_s", "idle_s", "sched_s", "idle_gaps",
            "iterations", "return_s", "returns", "commits", "committed_tokens", "proposed_nodes",
-           "plain_rounds", "plain_tokens")
+           "plain_rounds", "plain_tokens", "batches", "batched", "batch_s", "predraft_hits",
+           "predraft_misses", "predraft_s", "critical_draft_s")
 """Counters that add up over time; two ``counters()`` readings give any window's rates."""
 
 _PENDING_LIMIT = 1 << 16
@@ -69,6 +70,16 @@ class HubMetrics:
     proposed_nodes: int = 0
     plain_rounds: int = 0
     plain_tokens: int = 0
+    batches: int = 0
+    """Drafting passes, each over one or more sessions (``--batch``)."""
+    batched: int = 0
+    batch_s: float = 0.0
+    predraft_hits: int = 0
+    """Rounds answered at once by a tree pre-drafted while the target verified."""
+    predraft_misses: int = 0
+    predraft_s: float = 0.0
+    critical_draft_s: float = 0.0
+    """Drafting between a COMMIT and its PROPOSE: what the target waited on (0 for a hit)."""
     choices: Counter = field(default_factory=Counter)
     """Rounds by the controller's choice: ``d{depth}n{nodes}`` or ``plain``."""
     accept_lengths: Counter = field(default_factory=Counter)
@@ -123,10 +134,13 @@ class HubMetrics:
             totals.first = now
         totals.last = now
 
-    def draft_started(self, arrival: float, now: float, active: int = 1) -> None:
+    def draft_started(self, arrival: float, now: float, active: int = 1,
+                      first: bool = True) -> None:
+        """A request's draft begins; ``first`` is false for the later requests of a batch,
+        whose start closes no idle gap of its own."""
         self.wait_s += now - arrival
         self.iterations += 1.0 / max(active, 1)
-        if self._busy_until is not None:
+        if first and self._busy_until is not None:
             free = max(arrival, self._busy_until)
             self.idle_s += free - self._busy_until
             self.sched_s += max(0.0, now - free)
@@ -134,9 +148,12 @@ class HubMetrics:
 
     def draft_finished(self, started: float, now: float, layers: int, nodes: int,
                        arrival: float | None = None, key: int = 0,
-                       identity: bytes = b"") -> None:
+                       identity: bytes = b"", share: int = 1) -> None:
+        """One session's draft is done; drafted in a batch of ``share`` sessions, it counts
+        that fraction of the batch's time toward the hub's busy time."""
         self.rounds += 1
-        self.draft_s += now - started
+        self.critical_draft_s += now - started
+        self.draft_s += (now - started) / share
         self.draft_layers += max(layers, 1)
         self.proposed_nodes += nodes
         self._busy_until = self.last_event = now
@@ -147,8 +164,21 @@ class HubMetrics:
         if identity:
             totals = self.peer(identity)
             totals.rounds += 1
-            totals.draft_s += now - started
+            totals.draft_s += (now - started) / share
             totals.queue_s += started - (started if arrival is None else arrival)
+
+    def batch(self, size: int, seconds: float) -> None:
+        self.batches += 1
+        self.batched += size
+        self.batch_s += seconds
+
+    def predraft(self, hit: bool | None, seconds: float = 0.0) -> None:
+        """A greedy tree round found (``hit``) or missed a pre-drafted tree; None records
+        only the time spent pre-drafting."""
+        if hit is not None:
+            self.predraft_hits += hit
+            self.predraft_misses += not hit
+        self.predraft_s += seconds
 
     def committed(self, accepted: int, tokens: int, identity: bytes = b"",
                   plain: bool = False) -> None:
@@ -257,6 +287,14 @@ def derive(c0: dict | None, c1: dict, targets: int | None = None) -> dict:
                                  for k in range(1, max(at_depth, default=0) + 1)],
         "accept_len_hist": {str(k): v for k, v in hist.items()},
         "proposed_nodes_mean": d["proposed_nodes"] / rounds,
+        "batch_mean": d["batched"] / max(d["batches"], 1),
+        "draft_ms_per_batch": 1e3 * d["batch_s"] / max(d["batches"], 1),
+        "draft_ms_per_session": 1e3 * d["batch_s"] / max(d["batched"], 1),
+        "critical_draft_ms": 1e3 * d["critical_draft_s"] / rounds,
+        "predraft_hits": d["predraft_hits"],
+        "predraft_hit_rate": d["predraft_hits"] / max(d["predraft_hits"] + d["predraft_misses"],
+                                                      1),
+        "predraft_load": d["predraft_s"] / wall,
     }
 
 
@@ -280,7 +318,8 @@ def _peer_rates(c0: dict | None, c1: dict) -> list[tuple[float, float]]:
 
 GAUGES = ("system_tok_s", "per_target_tok_s", "t_s_ms", "t_wait_ms", "t_idle_ms",
           "t_idle_gap_ms", "t_sched_ms", "z_ms", "r_q", "r_p", "load", "mean_accept_len",
-          "active_sessions", "peers", "queue", "admitted", "n_max", "n_full")
+          "active_sessions", "peers", "queue", "admitted", "n_max", "n_full", "batch_mean",
+          "critical_draft_ms", "predraft_hit_rate")
 COUNTERS = {"rounds": "draft rounds", "commits": "verification rounds (COMMITs)",
             "tokens": "committed tokens", "sessions_opened": "sessions opened",
             "sessions_expired": "sessions released by TTL",

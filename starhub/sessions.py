@@ -11,6 +11,7 @@ import torch
 from starhub.control import Choice
 from starhub.drafters.base import DraftContext
 from starhub.protocol import ErrorCode, Open, ProtocolError
+from starhub.tree import DraftTree
 
 
 @dataclass
@@ -28,6 +29,12 @@ class Session:
     choice: Choice = Choice()
     """The controller's plan for the round in flight."""
     proposed_at: float | None = None
+    out_tree: DraftTree | None = None
+    """The tree in flight (None after a plain round): what pre-drafting guesses from."""
+    predraft_for: int = -1
+    """The round (seq) whose outcomes were last pre-drafted."""
+    predrafts: dict[tuple[int, ...], DraftTree] = field(default_factory=dict)
+    """Next trees by the tokens that round's COMMIT may carry."""
 
 
 @dataclass
@@ -51,7 +58,7 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self.sessions)
 
-    def open(self, owner: bytes, msg: Open, features: list[torch.Tensor]) -> Session:
+    def open(self, owner: bytes, msg: Open, features: list) -> Session:
         tag = secrets.randbits(62) or 1
         while tag in self.sessions:
             tag = secrets.randbits(62) or 1

@@ -7,7 +7,7 @@ parent ``parents[i]`` (-1 for the root) and every parent comes before its childr
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +66,47 @@ Ids are candidate ids as the builder hands them out; a parent id is -1 for the r
 id of a node passed to an earlier call. Drafters map ids to their own cache slots.
 """
 
+Frontier = tuple[list[int], list[int], list[int]]
+"""What a growing tree asks to have expanded next: (node ids, tokens, parent ids)."""
+
+Grower = Generator[Frontier, "torch.Tensor | None", DraftTree]
+"""A tree being grown: it yields a frontier, is sent that frontier's draft logits (or None
+to stop growing now and keep what it has), and returns the finished tree."""
+
+
+def drive(grower: Grower, expand: Expand) -> DraftTree:
+    """Grow one tree to the end, expanding each frontier with ``expand``."""
+    return grow_together([grower], lambda frontiers: [expand(*f) for _, f in frontiers])[0]
+
+
+def grow_together(growers: list[Grower],
+                  expand_many: Callable[[list[tuple[int, Frontier]]], list[torch.Tensor]],
+                  stop: Callable[[], bool] | None = None) -> list[DraftTree]:
+    """Grow several trees layer by layer in lockstep, so that a drafter expands every
+    tree's frontier in one batched pass (``expand_many`` gets (index, frontier) pairs and
+    returns their logits in order). ``stop()`` true between layers ends every tree with
+    the nodes it has."""
+    trees: list[DraftTree | None] = [None] * len(growers)
+    waiting: dict[int, Frontier] = {}
+    for i, grower in enumerate(growers):
+        _advance(grower, None, i, waiting, trees, first=True)
+    while waiting:
+        halt = stop is not None and stop()
+        asks = list(waiting.items())
+        answers = [None] * len(asks) if halt else expand_many(asks)
+        waiting = {}
+        for (i, _), logits in zip(asks, answers, strict=True):
+            _advance(growers[i], logits, i, waiting, trees)
+    return trees  # type: ignore[return-value]
+
+
+def _advance(grower: Grower, logits: torch.Tensor | None, i: int,
+             waiting: dict[int, Frontier], trees: list, first: bool = False) -> None:
+    try:
+        waiting[i] = next(grower) if first else grower.send(logits)
+    except StopIteration as done:
+        trees[i] = done.value
+
 
 class TreeFeed:
     """Where fed tree nodes sit in a drafter's cache after the ``base`` committed entries.
@@ -93,6 +134,10 @@ class TreeFeed:
 
 def build_greedy_tree(root_logits: torch.Tensor, expand: Expand, depth: int, topk: int,
                       max_nodes: int) -> DraftTree:
+    return drive(grow_greedy(root_logits, depth, topk, max_nodes), expand)
+
+
+def grow_greedy(root_logits: torch.Tensor, depth: int, topk: int, max_nodes: int) -> Grower:
     """EAGLE-2 dynamic tree: expand the top-k paths per layer, keep the best nodes overall.
 
     A node's score is its path's cumulative log-probability, which never grows along a
@@ -118,7 +163,9 @@ def build_greedy_tree(root_logits: torch.Tensor, expand: Expand, depth: int, top
     for _ in range(depth - 1):
         if _settled(frontier, scores, max_nodes):
             break
-        logits = expand(frontier, [tokens[i] for i in frontier], [parents[i] for i in frontier])
+        logits = yield frontier, [tokens[i] for i in frontier], [parents[i] for i in frontier]
+        if logits is None:
+            break
         logp = torch.log_softmax(logits.float(), -1)
         layer = []
         for row, node in enumerate(frontier):
@@ -131,6 +178,12 @@ def build_greedy_tree(root_logits: torch.Tensor, expand: Expand, depth: int, top
 def build_sampled_tree(root_logits: torch.Tensor, expand: Expand, depth: int, topk: int,
                        max_nodes: int, temperature: float, support: int,
                        generator: torch.Generator) -> DraftTree:
+    return drive(grow_sampled(root_logits, depth, topk, max_nodes, temperature, support,
+                              generator), expand)
+
+
+def grow_sampled(root_logits: torch.Tensor, depth: int, topk: int, max_nodes: int,
+                 temperature: float, support: int, generator: torch.Generator) -> Grower:
     """A tree whose children are drawn without replacement from top-``support`` draft q.
 
     Which nodes get children, and how many, is decided before those children are drawn,
@@ -161,7 +214,9 @@ def build_sampled_tree(root_logits: torch.Tensor, expand: Expand, depth: int, to
         if budget <= 0:
             break
         frontier = _best(layer, scores, topk)
-        logits = expand(frontier, [tokens[i] for i in frontier], [parents[i] for i in frontier])
+        logits = yield frontier, [tokens[i] for i in frontier], [parents[i] for i in frontier]
+        if logits is None:
+            break
         layer = []
         for row, node in enumerate(frontier):
             count = min(topk, budget)

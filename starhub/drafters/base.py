@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,27 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, ctx: DraftContext, shape: TreeShape) -> DraftTree:
         """Draft a tree after ``ctx.tokens``; may read and update ``ctx.state``."""
+
+    def propose_batch(self, jobs: list[tuple[DraftContext, TreeShape]]
+                      ) -> list[DraftTree | Exception]:
+        """Draft several sessions' trees; a failure is returned in that session's place so
+        that one bad session never costs the others their round. Drafters that can share
+        their matrix products across sessions override this."""
+        out: list[DraftTree | Exception] = []
+        for ctx, shape in jobs:
+            try:
+                out.append(self.propose(ctx, shape))
+            except Exception as exc:  # noqa: BLE001 - handed back to the caller per session
+                out.append(exc)
+        return out
+
+    def predraft(self, ctx: DraftContext, tree: DraftTree, shape: TreeShape,
+                 stop: Callable[[], bool]) -> dict[tuple[int, ...], DraftTree]:
+        """Trees for the round after ``tree`` (the proposal in flight), keyed by the tokens
+        its COMMIT would carry (accepted path, then the bonus token). ``stop()`` true means
+        a real request waits: return what is done. Must leave ``ctx`` as it found it, apart
+        from catching up on committed tokens. Drafters that cannot guess return {}."""
+        return {}
 
     def probe_context(self) -> DraftContext:
         """A throwaway session to time drafts on before any target has connected."""

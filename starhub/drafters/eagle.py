@@ -7,7 +7,7 @@ after the round, so each round costs one pass over the new pairs plus one per tr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,21 +17,46 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from starhub.drafters.base import DraftContext, Drafter, TreeShape
-from starhub.eagle_head import EagleHead, KVCache, load_eagle_head
+from starhub.drafters.outcomes import likely_outcomes, path_to
+from starhub.eagle_head import EagleHead, load_eagle_head
+from starhub.kvcache import KVCache, Segment
 from starhub.models import onednn_packs, prepack_linears, resolve
 from starhub.protocol import Hello
-from starhub.tree import DraftTree, TreeFeed, build_greedy_tree, build_sampled_tree
+from starhub.transport import to_torch
+from starhub.tree import (
+    DraftTree,
+    Frontier,
+    TreeFeed,
+    depths,
+    grow_greedy,
+    grow_sampled,
+    grow_together,
+)
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "heads"
 DEFAULT_HEAD = SHIPPED_HEADS / "smollm2-135m"
+PREDRAFT_OUTCOMES = 8
+"""Outcomes pre-drafted per round: grown together, they cost about two plain drafts."""
 
 
 @dataclass
 class _HeadState:
     cache: KVCache = field(default_factory=KVCache)
-    features: torch.Tensor | None = None
     pairs: int = 0
     """Committed pairs already in ``cache``."""
+    root_hidden: torch.Tensor | None = None
+    """The head's output at the last committed pair: the feature the next tree grows from."""
+    root_logits: torch.Tensor | None = None
+
+
+class _Growth:
+    """One tree growing in a packed pass: which cache its nodes go into, where, and the head
+    outputs that feed each node's children."""
+
+    def __init__(self, cache: KVCache, base: int, hidden: dict[int, torch.Tensor]):
+        self.cache = cache
+        self.feed = TreeFeed(base)
+        self.hidden = hidden
 
 
 def target_embeddings(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +87,7 @@ class EagleDrafter(Drafter):
         self.feature_size = head.feature_size
         weight = next(head.parameters())
         self.dtype = weight.dtype
+        self._index: torch.Tensor | None = None
         if onednn_packs(weight.dtype, weight.device.type):
             prepack_linears(head)
 
@@ -109,53 +135,184 @@ class EagleDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, shape: TreeShape) -> DraftTree:
-        if ctx.state is None:
-            ctx.state = _HeadState()
+        result = self.propose_batch([(ctx, shape)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    @torch.inference_mode()
+    def propose_batch(self, jobs: list[tuple[DraftContext, TreeShape]]
+                      ) -> list[DraftTree | Exception]:
+        """All sessions' new committed pairs go through the head in one pass, then every
+        tree layer of every session in one more: each weight is read once per layer for
+        the whole batch, while attention stays within each session's own cache."""
+        out: list[DraftTree | Exception] = list(self._catch_up([ctx for ctx, _ in jobs]))
+        live = [i for i, err in enumerate(out) if err is None]
+        growths, growers = [], []
+        for i in live:
+            ctx, shape = jobs[i]
+            state: _HeadState = ctx.state
+            growths.append(_Growth(state.cache, state.pairs, {-1: state.root_hidden}))
+            if ctx.greedy:
+                growers.append(grow_greedy(state.root_logits, shape.depth, shape.topk,
+                                           shape.max_nodes))
+            else:
+                growers.append(grow_sampled(state.root_logits, shape.depth, shape.topk,
+                                            shape.max_nodes, ctx.temperature, shape.support,
+                                            ctx.generator))
+        trees = grow_together(growers, lambda asks: self._pass(
+            [(growths[j], frontier) for j, frontier in asks]))
+        for i, tree in zip(live, trees, strict=True):
+            jobs[i][0].state.cache.crop(jobs[i][0].state.pairs)
+            out[i] = self._to_target_ids(tree)
+        return out
+
+    def _catch_up(self, ctxs: list[DraftContext], strict: bool = True) -> list[Exception | None]:
+        """Feed each session's newly committed (token, feature) pairs, all sessions in one
+        pass, leaving the head's output at the last pair as the session's tree root.
+        Received features are copied and cast here, on the drafting thread."""
+        errors: list[Exception | None] = []
+        rows, feats, ids, positions, segments = [], [], [], [], []
+        for ctx in ctxs:
+            if ctx.state is None:
+                ctx.state = _HeadState()
+            state: _HeadState = ctx.state
+            take = len(ctx.features)
+            new = [f if isinstance(f, torch.Tensor) else to_torch(f) for f in ctx.features[:take]]
+            del ctx.features[:take]
+            count = sum(len(f) for f in new)
+            total = state.pairs + count
+            have = len(ctx.tokens) - 1
+            if have < total or (strict and have != total) or total == 0:
+                errors.append(ValueError(f"session has {len(ctx.tokens)} tokens but {total} "
+                                         f"feature rows"))
+                continue
+            errors.append(None)
+            if not count and state.root_hidden is not None:
+                continue
+            if not count:  # a state that lost its root: feed the last pair again
+                errors[-1] = ValueError("no feature rows to draft from")
+                continue
+            state.cache.crop(state.pairs)
+            feats.append(torch.cat(new).to(self.dtype))
+            ids.append(torch.tensor(ctx.tokens[state.pairs + 1: total + 1]))
+            positions.append(torch.arange(state.pairs, total))
+            segments.append(Segment(count, state.cache))
+            rows.append((state, total))
+        if segments:
+            hidden, _ = self.head(torch.cat(feats)[None], torch.cat(ids)[None],
+                                  position_ids=torch.cat(positions), segments=segments,
+                                  num_logits=0)
+            ends = torch.tensor([seg.rows for seg in segments]).cumsum(0) - 1
+            last = hidden[0, ends]
+            logits = self.head.logits(last)
+            for j, (state, total) in enumerate(rows):
+                state.pairs = total
+                state.root_hidden, state.root_logits = last[j], logits[j]
+        return errors
+
+    def _pass(self, asks: list[tuple[_Growth, Frontier]]) -> list[torch.Tensor]:
+        """One head pass over the frontiers of several growing trees: their rows are
+        packed, each tree attends over its own cache under its tree mask."""
+        feats, ids, positions, segments = [], [], [], []
+        appended: dict[int, int] = {}
+        for growth, (nodes, tokens, parents) in asks:
+            key = id(growth.cache)
+            start = growth.cache.length + appended.get(key, 0)
+            appended[key] = appended.get(key, 0) + len(nodes)
+            mask, pos = growth.feed.layout(nodes, parents, start)
+            feats.append(torch.stack([growth.hidden[p] for p in parents]))
+            ids.append(torch.tensor(list(tokens)))
+            positions.append(pos)
+            segments.append(Segment(len(nodes), growth.cache, mask))
+        hidden, _ = self.head(torch.cat(feats)[None],
+                              self.head.to_target_ids(torch.cat(ids))[None],
+                              position_ids=torch.cat(positions), segments=segments,
+                              num_logits=0)
+        logits = self.head.logits(hidden[0])
+        out, start = [], 0
+        for growth, (nodes, _, _) in asks:
+            for row, node in enumerate(nodes):
+                growth.hidden[node] = hidden[0, start + row]
+            out.append(logits[start:start + len(nodes)])
+            start += len(nodes)
+        return out
+
+    @torch.inference_mode()
+    def predraft(self, ctx: DraftContext, tree: DraftTree, shape: TreeShape,
+                 stop: Callable[[], bool], limit: int = PREDRAFT_OUTCOMES
+                 ) -> dict[tuple[int, ...], DraftTree]:
+        """Feed the tree in flight again (its nodes' outputs stand in for the target's
+        features, which are not known yet), rank the ways its round can end, and grow the
+        next tree for the likeliest, all in lockstep. Greedy sessions only: a sampled
+        session's random draws must not depend on how much idle time there was."""
+        if not ctx.greedy or ctx.state is None or not len(tree) or shape.depth < 1:
+            return {}
+        if self._catch_up([ctx], strict=False)[0] is not None:
+            return {}
         state: _HeadState = ctx.state
-        if ctx.features:
-            new = torch.cat([f.to(self.dtype) for f in ctx.features])
-            state.features = new if state.features is None else torch.cat([state.features, new])
-            ctx.features.clear()
-        total = 0 if state.features is None else state.features.shape[0]
-        if total != len(ctx.tokens) - 1:
-            raise ValueError(f"session has {len(ctx.tokens)} tokens but {total} feature rows")
-        if state.pairs >= total:
-            state.cache.crop(total - 1)
-            state.pairs = total - 1
-        feats = state.features[state.pairs:total][None]
-        ids = torch.tensor([ctx.tokens[state.pairs + 1: total + 1]])
-        hidden, logits = self.head(feats, ids, position_ids=torch.arange(state.pairs, total),
-                                   cache=state.cache, num_logits=1)
-        state.pairs = total
-        expand = _HeadExpansion(self, state.cache, hidden[0, -1], total)
-        root = logits[0, -1]
-        if ctx.greedy:
-            tree = build_greedy_tree(root, expand, shape.depth, shape.topk, shape.max_nodes)
-        else:
-            tree = build_sampled_tree(root, expand, shape.depth, shape.topk, shape.max_nodes,
-                                      ctx.temperature, shape.support, ctx.generator)
-        state.cache.crop(total)
-        return self._to_target_ids(tree)
+        base = state.pairs
+        try:
+            return self._predraft(state, tree, shape, stop, limit)
+        finally:
+            state.cache.crop(base)
+
+    def _predraft(self, state: _HeadState, tree: DraftTree, shape: TreeShape,
+                  stop: Callable[[], bool], limit: int) -> dict[tuple[int, ...], DraftTree]:
+        index = self._draft_index()
+        tokens = index[torch.from_numpy(tree.tokens.astype(np.int64))].tolist()
+        parents = tree.parents.tolist()
+        if min(tokens) < 0:
+            return {}
+        refeed = _Growth(state.cache, state.pairs, {-1: state.root_hidden})
+        logp = grow_together([_replay(tokens, parents)], lambda asks: self._pass(
+            [(refeed, frontier) for _, frontier in asks]), stop)[0]
+        if logp is None:
+            return {}
+        logp[-1] = torch.log_softmax(state.root_logits.float(), -1)
+        outcomes = likely_outcomes(parents, tokens, logp, limit)
+        growths, growers = [], []
+        for _, v, b in outcomes:
+            growth = _Growth(state.cache, state.pairs, {-2: refeed.hidden[v]})
+            growth.feed.ancestors[-2] = refeed.feed.ancestors[v]
+            growths.append(growth)
+            growers.append(_after_outcome(b, shape))
+        trees = grow_together(growers, lambda asks: self._pass(
+            [(growths[j], frontier) for j, frontier in asks]), stop)
+        sent = tree.tokens.tolist()
+        bonus = self.head.to_target_ids(torch.tensor([b for _, _, b in outcomes])).tolist()
+        found = {}
+        for (_, v, _), b, grown in zip(outcomes, bonus, trees, strict=True):
+            if grown is not None and len(grown):
+                key = tuple(sent[i] for i in path_to(parents, v)) + (b,)
+                found[key] = self._to_target_ids(grown)
+        return found
+
+    def _draft_index(self) -> torch.Tensor:
+        if self._index is None:
+            self._index = self.head.draft_index()
+        return self._index
 
 
-class _HeadExpansion:
-    """Feeds frontier nodes as (draft-vocabulary token, parent's head output) after the
-    committed pairs."""
+def _replay(tokens: list[int], parents: list[int]):
+    """A grower that feeds an existing tree layer by layer and returns the draft's
+    log-probabilities after each of its nodes (None when stopped)."""
+    depth = depths(np.asarray(parents))
+    logp: dict[int, torch.Tensor] = {}
+    for d in range(1, int(depth.max(initial=0)) + 1):
+        nodes = [i for i in range(len(tokens)) if depth[i] == d]
+        logits = yield nodes, [tokens[i] for i in nodes], [parents[i] for i in nodes]
+        if logits is None:
+            return None
+        for row, node in enumerate(nodes):
+            logp[node] = torch.log_softmax(logits[row].float(), -1)
+    return logp
 
-    def __init__(self, drafter: EagleDrafter, cache: KVCache, root_hidden: torch.Tensor,
-                 base: int):
-        self.drafter, self.cache = drafter, cache
-        self.feed = TreeFeed(base)
-        self.hidden: dict[int, torch.Tensor] = {-1: root_hidden}
 
-    def __call__(self, ids: Sequence[int], tokens: Sequence[int],
-                 parents: Sequence[int]) -> torch.Tensor:
-        mask, positions = self.feed.layout(ids, parents, self.cache.length)
-        feats = torch.stack([self.hidden[p] for p in parents])[None]
-        target_ids = self.drafter.head.to_target_ids(torch.tensor([list(tokens)]))
-        hidden, logits = self.drafter.head(feats, target_ids,
-                                           position_ids=positions,
-                                           attention_mask=mask[None, None], cache=self.cache)
-        for row, node in enumerate(ids):
-            self.hidden[node] = hidden[0, row]
-        return logits[0]
+def _after_outcome(bonus: int, shape: TreeShape):
+    """A grower for one guessed outcome: feed the bonus token after the accepted node
+    (virtual id -2), then grow a greedy tree from the bonus token's output."""
+    logits = yield [-1], [bonus], [-2]
+    if logits is None:
+        return None
+    return (yield from grow_greedy(logits[0], shape.depth, shape.topk, shape.max_nodes))
