@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from starhub.options import (
+    DEFAULT_PREDRAFT,
     DTYPES,
     LINEARS,
     batch_arg,
@@ -20,6 +21,7 @@ from starhub.options import (
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "scripts" / "prompts" / "demo.jsonl"
 DEFAULT_REPLAY_PROMPTS = DEFAULT_PROMPTS.with_name("eval.jsonl")
 TREE_ARGS = ("drafter", "draft", "depth", "topk", "max_nodes", "draft_dtype")
+PREDRAFT_DEFAULT = "on" if DEFAULT_PREDRAFT else "off"
 BASELINES = ("hf-generate", "hf-prompt-lookup", "colocated")
 
 
@@ -194,7 +196,8 @@ def hub_load_doc(args: argparse.Namespace, ns: list[int], tree: dict,
                         max_new_tokens=args.max_new_tokens or 128, threads=args.threads,
                         hub_threads=args.hub_threads, max_targets=admission,
                         batch=parse_list(args.batch or "auto", batch_arg, "--batch"),
-                        predraft=parse_list(args.predraft or "on", on_off_arg, "--predraft"),
+                        predraft=parse_list(args.predraft or PREDRAFT_DEFAULT, on_off_arg,
+                                          "--predraft"),
                         warmup_s=args.warmup, duration_s=args.duration,
                         t_v=parse_t_v(args.emulate), cache=args.replay_cache,
                         log_dir=args.log_dir, **tree)
@@ -245,7 +248,7 @@ def main(args: argparse.Namespace) -> int:
                           max_new_tokens=args.max_new_tokens or 64, threads=args.threads,
                           hub_threads=args.hub_threads, max_targets=admission,
                           batch=parse_list(args.batch or "auto", batch_arg, "--batch"),
-                          predraft=parse_list(args.predraft or "on", on_off_arg,
+                          predraft=parse_list(args.predraft or PREDRAFT_DEFAULT, on_off_arg,
                                               "--predraft"),
                           baselines=baselines, log_dir=args.log_dir, dtype=args.dtype,
                           linear=args.linear, **tree)

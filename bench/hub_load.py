@@ -19,6 +19,7 @@ from pathlib import Path
 
 from bench.replay import DEFAULT_REPLAY_PROMPTS, Recording, ensure_recording
 from bench.run import StarVariant, hub_flags, on_off, variants
+from starhub.options import DEFAULT_PREDRAFT
 
 HUB_BATCH_KEYS = ("batch_mean", "draft_ms_per_batch", "draft_ms_per_session",
                   "predraft_hit_rate", "critical_draft_ms")
@@ -61,7 +62,7 @@ class HubLoadConfig:
     hub_threads: int = 1
     max_targets: list[int | str] = field(default_factory=lambda: [0])
     batch: list[int | str] = field(default_factory=lambda: ["auto"])
-    predraft: list[bool] = field(default_factory=lambda: [True])
+    predraft: list[bool] = field(default_factory=lambda: [DEFAULT_PREDRAFT])
     warmup_s: float = 1.0
     duration_s: float = 3.0
     t_v: float | None = None

@@ -35,6 +35,10 @@ EMULATED_EXTRA = [
 
 CONTROL_COLUMNS = [("batch", "batch", "{}"), ("predraft", "predraft", "{}")]
 """After ``max`` in star tables whose rows record the hub's batching and pre-drafting."""
+DRAFT_COLUMNS = [("batch_mean", "batch_mean", "{:.2f}"),
+                 ("predraft_hit", "predraft_hit_rate", "{:.3f}"),
+                 ("critical_ms", "critical_draft_ms", "{:.2f}")]
+"""At the end of real star tables: how the hub drafted."""
 HUB_LOAD_COLUMNS = [
     ("mode", "mode", "{}"),
     ("N", "targets", "{}"),
@@ -105,6 +109,8 @@ def columns(doc: dict) -> list[tuple[str, object, str]]:
     if any("batch" in row or "predraft" in row for row in doc["rows"]):
         at = [c[1] for c in cols].index("max_targets") + 1
         cols = cols[:at] + CONTROL_COLUMNS + cols[at:]
+    if any(row.get("critical_draft_ms") is not None for row in doc["rows"]):
+        cols = cols + DRAFT_COLUMNS
     return cols
 
 

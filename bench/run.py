@@ -16,6 +16,8 @@ from pathlib import Path
 from bench.baselines import PromptRun, colocated, hf_generate
 from bench.cli import BASELINES
 from starhub.drafters.base import TreeShape
+from starhub.metrics import DRAFT_KEYS
+from starhub.options import DEFAULT_PREDRAFT
 
 METRICS = ("system_tok_s", "per_target_tok_s", "t_s_ms", "t_wait_ms", "t_idle_ms", "r_q",
            "r_p", "load", "mean_accept_len")
@@ -78,7 +80,7 @@ class BenchConfig:
     """Star rows run once per value: the hub's ``--max-targets``."""
     batch: list[int | str] = field(default_factory=lambda: ["auto"])
     """Star rows run once per value: the hub's ``--batch``."""
-    predraft: list[bool] = field(default_factory=lambda: [True])
+    predraft: list[bool] = field(default_factory=lambda: [DEFAULT_PREDRAFT])
     """Star rows run once per value: the hub's ``--predraft``."""
 
     def __post_init__(self) -> None:
@@ -115,7 +117,7 @@ class StarVariant:
     depth: int | str
     max_targets: int | str = 0
     batch: int | str = "auto"
-    predraft: bool = True
+    predraft: bool = DEFAULT_PREDRAFT
 
     @property
     def name(self) -> str:
@@ -264,7 +266,8 @@ def star_row(cfg: BenchConfig, n: int, results: list[list[dict]], hub: dict,
         choices=hub.get("choices"),
         control=hub.get("control"),
         plain_tokens=sum(g["stats"].get("plain_tokens", 0) for g in gens),
-        **{k: hub.get(k) for k in ("t_s_ms", "t_wait_ms", "t_idle_ms", "r_q", "load")},
+        **{k: hub.get(k) for k in ("t_s_ms", "t_wait_ms", "t_idle_ms", "r_q", "load",
+                                   *DRAFT_KEYS)},
         hub={k: hub.get(k) for k in ("wall_s", "rounds", "t_idle_gap_ms", "t_sched_ms",
                                      "z_ms", "hub_split", "system_tok_s", "mean_accept_len")},
     )

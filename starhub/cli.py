@@ -22,6 +22,7 @@ from starhub.limits import add_limit_args, limits_from_args
 from starhub.options import (  # noqa: F401  (re-exported: earlier homes of these names)
     AUTO,
     DEFAULT_DEPTH,
+    DEFAULT_PREDRAFT,
     DEFAULT_SHAPE,
     DTYPES,
     LINEARS,
@@ -99,10 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests drafted together, one pass per tree layer for all of them. "
                           "auto (default): every request waiting when the drafter frees up "
                           "(never waits for more); 1: one at a time")
-    hub.add_argument("--predraft", type=on_off_arg, default=True, metavar="on|off",
-                     help="on (default): while a target verifies and no request waits, draft "
-                          "its next tree for the likeliest outcomes, so a matching COMMIT "
-                          "gets its PROPOSE at once (greedy sessions; output never changes)")
+    hub.add_argument("--predraft", type=on_off_arg, default=DEFAULT_PREDRAFT, metavar="on|off",
+                     help="on: while a target verifies and no request waits, draft its next "
+                          "tree for the likeliest outcomes of its round, so a matching COMMIT "
+                          "gets its PROPOSE at once (greedy sessions; output never changes). "
+                          "Off by default: with the shipped head too few guesses hit to pay")
     hub.add_argument("--max-message-mb", type=float, default=64.0,
                      help="larger messages are refused with an ERROR")
     add_limit_args(hub)

@@ -336,7 +336,7 @@ class Hub:
         snap.update(drafter=self.drafter.name,
                     depth=AUTO if self.config.adaptive else self.config.shape.depth,
                     topk=self.config.shape.topk, max_nodes=self.config.shape.max_nodes,
-                    queue=len(self.buffer), threads=torch.get_num_threads(),
+                    queue=len(self.buffer), threads=self.config.threads or torch.get_num_threads(),
                     max_targets=self.config.max_targets, admitted=control["admitted"],
                     n_max=control["n_max"], n_full=control["n_full"],
                     cached_tokens=self.budget.cached,

@@ -9,6 +9,7 @@ import torch
 from starhub.control import AUTO, ControlConfig
 from starhub.drafters.base import TreeShape
 from starhub.limits import SessionLimits
+from starhub.options import DEFAULT_PREDRAFT
 from starhub.security import ServerSecurity
 from starhub.sessions import Session
 from starhub.transport import Limits
@@ -41,7 +42,7 @@ class HubConfig:
     batch: int | str = AUTO
     """``--batch``: sessions drafted together in one pass per tree layer; ``auto`` takes
     every waiting request (up to ``MAX_AUTO_BATCH``), 1 drafts one at a time."""
-    predraft: bool = True
+    predraft: bool = DEFAULT_PREDRAFT
     """``--predraft``: while a proposal is out and nothing waits, draft the session's next
     tree for its likeliest outcomes, so a matching COMMIT is answered at once."""
 

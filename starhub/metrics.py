@@ -320,6 +320,9 @@ GAUGES = ("system_tok_s", "per_target_tok_s", "t_s_ms", "t_wait_ms", "t_idle_ms"
           "t_idle_gap_ms", "t_sched_ms", "z_ms", "r_q", "r_p", "load", "mean_accept_len",
           "active_sessions", "peers", "queue", "admitted", "n_max", "n_full", "batch_mean",
           "critical_draft_ms", "predraft_hit_rate")
+DRAFT_KEYS = ("t_draft_ms", "batch_mean", "draft_ms_per_batch", "draft_ms_per_session",
+              "critical_draft_ms", "predraft_hits", "predraft_hit_rate", "predraft_load")
+"""How the hub drafted: batching and pre-drafting, as benchmark rows record them."""
 COUNTERS = {"rounds": "draft rounds", "commits": "verification rounds (COMMITs)",
             "tokens": "committed tokens", "sessions_opened": "sessions opened",
             "sessions_expired": "sessions released by TTL",

@@ -280,7 +280,8 @@ class EagleDrafter(Drafter):
         trees = grow_together(growers, lambda asks: self._pass(
             [(growths[j], frontier) for j, frontier in asks]), stop)
         sent = tree.tokens.tolist()
-        bonus = self.head.to_target_ids(torch.tensor([b for _, _, b in outcomes])).tolist()
+        bonus = self.head.to_target_ids(
+            torch.tensor([b for _, _, b in outcomes], dtype=torch.long)).tolist()
         found = {}
         for (_, v, _), b, grown in zip(outcomes, bonus, trees, strict=True):
             if grown is not None and len(grown):
