@@ -148,29 +148,30 @@ def grow_greedy(root_logits: torch.Tensor, depth: int, topk: int, max_nodes: int
     parents: list[int] = []
     scores: list[float] = []
 
-    def add(parent: int, logp: torch.Tensor, base: float) -> list[int]:
-        values, ids = logp.topk(min(topk, logp.numel()))
+    def add(nodes: list[int], logits: torch.Tensor) -> list[int]:
+        """Each node's top-k children, scored by log-probability: one top-k and one
+        log-sum-exp for the whole layer rather than a softmax per node."""
+        logits = logits.float()
+        values, ids = logits.topk(min(topk, logits.shape[-1]), dim=-1)
+        values = (values - torch.logsumexp(logits, -1, keepdim=True)).tolist()
         new = []
-        for v, t in zip(values.tolist(), ids.tolist(), strict=True):
-            new.append(len(tokens))
-            tokens.append(t)
-            parents.append(parent)
-            scores.append(base + v)
+        for node, vals, toks in zip(nodes, values, ids.tolist(), strict=True):
+            base = scores[node] if node >= 0 else 0.0
+            for v, t in zip(vals, toks, strict=True):
+                new.append(len(tokens))
+                tokens.append(t)
+                parents.append(node)
+                scores.append(base + v)
         return new
 
-    layer = add(-1, torch.log_softmax(root_logits.float(), -1), 0.0)
-    frontier = _best(layer, scores, topk)
+    frontier = _best(add([-1], root_logits[None]), scores, topk)
     for _ in range(depth - 1):
         if _settled(frontier, scores, max_nodes):
             break
         logits = yield frontier, [tokens[i] for i in frontier], [parents[i] for i in frontier]
         if logits is None:
             break
-        logp = torch.log_softmax(logits.float(), -1)
-        layer = []
-        for row, node in enumerate(frontier):
-            layer += add(node, logp[row], scores[node])
-        frontier = _best(layer, scores, topk)
+        frontier = _best(add(frontier, logits), scores, topk)
     keep = sorted(_best(range(len(tokens)), scores, max_nodes))
     return _subtree(keep, tokens, parents)
 
