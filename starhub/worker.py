@@ -36,6 +36,8 @@ class DraftWorker:
         self.hub = hub
         batch = hub.config.batch
         self.max_batch = MAX_AUTO_BATCH if batch == "auto" else int(batch)
+        if not hub.drafter.batches:
+            self.max_batch = 1
 
     async def run(self) -> None:
         hub = self.hub

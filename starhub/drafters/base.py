@@ -35,6 +35,9 @@ class Drafter(ABC):
     """Hidden states a target must send: [] none, [-1] the final one, else layer indices."""
     feature_size: int = 0
     """The width of the feature rows it reads (0: any, or none read)."""
+    batches: bool = False
+    """Whether ``propose_batch`` shares work across sessions. A drafter that would only
+    loop is given one request at a time, so no session waits for others' drafts."""
 
     @abstractmethod
     def propose(self, ctx: DraftContext, shape: TreeShape) -> DraftTree:

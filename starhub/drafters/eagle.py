@@ -79,6 +79,7 @@ def target_embeddings(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 class EagleDrafter(Drafter):
     name = "eagle"
+    batches = True
 
     def __init__(self, head: EagleHead, label: str = "eagle"):
         self.head = head
