@@ -25,6 +25,27 @@ from dataclasses import asdict, dataclass, field
 from bench.emulate_spec import PROMPT_LEN, VOCAB, EmulateSpec
 
 
+def dealer(ctx, hub: str, name: str):
+    """A DEALER socket to ``hub`` whose identity is ``name`` plus this process's id."""
+    import zmq
+
+    from starhub.transport import Limits, configure_socket
+
+    sock = ctx.socket(zmq.DEALER)
+    configure_socket(sock, Limits())
+    sock.setsockopt(zmq.IDENTITY, f"{name}-{os.getpid()}".encode())
+    sock.connect(hub)
+    return sock
+
+
+async def ask(sock, msg):
+    """Send one message and wait for the reply."""
+    from starhub.transport import decode, encode
+
+    await sock.send_multipart(encode(msg), copy=False)
+    return decode(await sock.recv_multipart(copy=False))
+
+
 class CalibratedWait:
     """``asyncio.sleep`` until a deadline, woken early by the loop's learned lateness."""
 
@@ -88,23 +109,6 @@ class EmulatedTargets:
         self.go = asyncio.Event()
         self.stop = asyncio.Event()
 
-    def socket(self, index: int):
-        import zmq
-
-        from starhub.transport import Limits, configure_socket
-
-        sock = self.ctx.socket(zmq.DEALER)
-        configure_socket(sock, Limits())
-        sock.setsockopt(zmq.IDENTITY, f"emu{index}-{os.getpid()}".encode())
-        sock.connect(self.hub)
-        return sock
-
-    async def ask(self, sock, msg):
-        from starhub.transport import decode, encode
-
-        await sock.send_multipart(encode(msg), copy=False)
-        return decode(await sock.recv_multipart(copy=False))
-
     def hello(self, index: int):
         from starhub.protocol import Hello
 
@@ -115,8 +119,8 @@ class EmulatedTargets:
         own round trip measured so that the emulated ``t_c`` includes it."""
         from starhub.protocol import Ping, Reject, Welcome
 
-        socks = [self.socket(self.first + i) for i in range(self.count)]
-        replies = await asyncio.gather(*(self.ask(s, self.hello(self.first + i))
+        socks = [dealer(self.ctx, self.hub, f"emu{self.first + i}") for i in range(self.count)]
+        replies = await asyncio.gather(*(ask(s, self.hello(self.first + i))
                                          for i, s in enumerate(socks)))
         for i, reply in enumerate(replies):
             if not isinstance(reply, Welcome | Reject):
@@ -126,7 +130,7 @@ class EmulatedTargets:
         rtts = []
         for nonce in range(30):
             start = time.monotonic()
-            await self.ask(socks[0], Ping(nonce=nonce))
+            await ask(socks[0], Ping(nonce=nonce))
             rtts.append(time.monotonic() - start)
         rtt = sorted(rtts[5:])[len(rtts[5:]) // 2]
         self.link_delay = max(0.0, self.spec.t_c - rtt)
@@ -142,11 +146,11 @@ class EmulatedTargets:
         from starhub.protocol import Stats
 
         await self.go.wait()
-        sock = self.socket(-1)
+        sock = dealer(self.ctx, self.hub, "emu-1")
         before = None
         try:
             while True:
-                stats = await self.ask(sock, Stats(body={"counters": True}))
+                stats = await ask(sock, Stats(body={"counters": True}))
                 now = stats.body["counters"]
                 if before is not None and now["returns"] - before["returns"] >= 4:
                     z = (now["return_s"] - before["return_s"]) / (now["returns"]
@@ -182,7 +186,7 @@ class EmulatedTargets:
                 await self.alone(i, float("inf"))
                 return
             await self.alone(i, time.monotonic() + retry)
-            reply = await self.ask(sock, self.hello(self.first + i))
+            reply = await ask(sock, self.hello(self.first + i))
             self.totals.admitted[i] = isinstance(reply, Welcome)
             self.retry_after[i] = getattr(reply, "retry_after_s", 0.0)
             self.totals.rejections += not self.totals.admitted[i]

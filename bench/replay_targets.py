@@ -13,13 +13,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.emulate_targets import CalibratedWait
+from bench.emulate_targets import CalibratedWait, ask, dealer
 from bench.replay import Recording, accepted_path
 
 log = logging.getLogger("starhub.bench.replay")
@@ -72,23 +71,6 @@ class ReplayTargets:
         self.stop = asyncio.Event()
         self.socks: list = []
 
-    def socket(self, name: str):
-        import zmq
-
-        from starhub.transport import Limits, configure_socket
-
-        sock = self.ctx.socket(zmq.DEALER)
-        configure_socket(sock, Limits())
-        sock.setsockopt(zmq.IDENTITY, f"{name}-{os.getpid()}".encode())
-        sock.connect(self.hub)
-        return sock
-
-    async def ask(self, sock, msg):
-        from starhub.transport import decode, encode
-
-        await sock.send_multipart(encode(msg), copy=False)
-        return decode(await sock.recv_multipart(copy=False))
-
     def hello(self, index: int):
         from starhub.protocol import Hello
 
@@ -101,18 +83,18 @@ class ReplayTargets:
         """The hub's raw counters, asked on an observer socket (``sock``)."""
         from starhub.protocol import Stats
 
-        return (await self.ask(sock, Stats(body={"counters": True}))).body
+        return (await ask(sock, Stats(body={"counters": True}))).body
 
     async def observer(self):
         from starhub.protocol import Hello
 
-        sock = self.socket("replay-observer")
-        await self.ask(sock, Hello(name="bench", observer=True))
+        sock = dealer(self.ctx, self.hub, "replay-observer")
+        await ask(sock, Hello(name="bench", observer=True))
         return sock
 
     async def run(self) -> None:
         """Greet the hub from every client, then keep one session open per client."""
-        self.socks = [self.socket(f"replay{i}") for i in range(self.count)]
+        self.socks = [dealer(self.ctx, self.hub, f"replay{i}") for i in range(self.count)]
         try:
             await asyncio.gather(*(self.client(i, s) for i, s in enumerate(self.socks)))
         finally:
@@ -129,7 +111,7 @@ class ReplayTargets:
         admitted = False
         while not self.stop.is_set():
             if not admitted:
-                reply = await self.ask(sock, self.hello(i))
+                reply = await ask(sock, self.hello(i))
                 if isinstance(reply, Welcome):
                     admitted = True
                     self.totals.admitted += 1

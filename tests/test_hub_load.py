@@ -96,6 +96,7 @@ def test_hub_load_end_to_end_with_a_cached_recording(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     args = build_parser().parse_args([
         "bench", "--hub-load", "--targets", "2", "--batch", "1,auto", "--depth", "4",
+            "--predraft", "on",
         "--record-prompts", "2",
         "--max-new-tokens", "16", "--warmup", "0.5", "--duration", "1",
         "--replay-cache", str(cache), "--json", str(out), "--no-progress",
@@ -109,6 +110,7 @@ def test_hub_load_end_to_end_with_a_cached_recording(tmp_path, monkeypatch):
     for row in doc["rows"]:
         assert row["mode"] == "hub-load" and row["targets"] == 2 and row["predraft"] == "on"
         assert row["depth"] == 4 and row["plain_rounds"] == 0
+        assert row["critical_draft_ms"] is not None and row["predraft_hit_rate"] is not None
         assert row["r_q"] > 0 and 0 < row["load"] <= 1 and row["t_s_ms"] > 0
         assert row["mean_accept_len"] > 1, "greedy replay accepted no drafted token"
         assert row["replay"]["errors"] == 0 and row["replay"]["stray"] == 0
