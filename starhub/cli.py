@@ -6,17 +6,14 @@ Every handler imports what it needs itself, so ``starhub --help`` loads no model
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from bench import cli as bench_cli
 from starhub import edge_cli, security
-from starhub.launch import READY, child_env, spawn_hub, target_command
+from starhub.launch import READY, spawn_hub
 from starhub.launch import cli as launch_cli
 from starhub.limits import add_limit_args, limits_from_args
 from starhub.options import (  # noqa: F401  (re-exported: earlier homes of these names)
@@ -271,37 +268,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from targets.runner import iter_results
+    from starhub.demo import run_demo
 
-    quiet = ["--log-level", "warning"]
-    with tempfile.TemporaryDirectory() as tmp, spawn_hub(_tree_flags(args),
-                                                         pre_args=quiet) as hub:
-        procs, outs = [], []
-        print(f"hub at {hub.address} ({args.drafter} drafter); {args.targets} targets, "
-              f"1 torch thread each", file=sys.stderr)
-        for i in range(args.targets):
-            out = f"{tmp}/target{i}.jsonl"
-            cmd = target_command(hub.address, args.prompts, out, pre_args=quiet,
-                                 extra=["--model", args.model, "--dtype", args.dtype,
-                                        "--linear", args.linear,
-                                        "--max-new-tokens", str(args.max_new_tokens), "--shard",
-                                        f"{i}/{args.targets}", "--name", f"target{i}"])
-            procs.append(subprocess.Popen(cmd, env=child_env(1)))
-            outs.append(out)
-        codes = [p.wait() for p in procs]
-        if any(codes):
-            print(f"a target failed: exit codes {codes}", file=sys.stderr)
-            return 1
-        for i, out in enumerate(outs):
-            rows = list(iter_results(out))
-            toks = sum(len(r["output_ids"]) for r in rows)
-            wall = sum(r["stats"]["wall_s"] for r in rows)
-            tau = sum(r["stats"]["mean_accept_len"] for r in rows) / max(len(rows), 1)
-            print(f"target{i}: {len(rows)} prompts, {toks} tokens, {toks / wall:.1f} tok/s, "
-                  f"mean accepted length {tau:.2f}")
-            if rows:
-                print(f"  e.g. {json.dumps(rows[0]['text'][:160])}")
-    return 0
+    return run_demo(args, _tree_flags(args))
 
 
 def cmd_keys(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ import asyncio
 from starhub.hub import Hub, HubConfig
 from starhub.protocol import Message
 from starhub.transport import decode, encode
+from starhub.worker import DraftWorker
 
 
 def wire(msg: Message) -> list[bytes]:
@@ -24,7 +25,7 @@ class HubHarness:
     def __init__(self, drafter, **config):
         self.loop = asyncio.new_event_loop()
         self.hub = Hub(drafter, HubConfig(**config))
-        self.worker = self.loop.create_task(self.hub.worker())
+        self.worker = self.loop.create_task(DraftWorker(self.hub).run())
 
     def send(self, identity: bytes, msg: Message | list[bytes]) -> list[Message]:
         frames = msg if isinstance(msg, list) else wire(msg)

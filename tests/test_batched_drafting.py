@@ -155,6 +155,7 @@ class _Hub:
 
         self.config = HubConfig()
         self.metrics = HubMetrics()
+        self.drafter = EagleDrafter.__new__(EagleDrafter)
 
 
 def test_a_commit_gets_the_tree_predrafted_for_exactly_its_tokens():
@@ -201,3 +202,15 @@ def test_a_batching_predrafting_hub_stays_lossless_for_concurrent_targets(tiny_m
         assert stats["rounds"] > 0 and stats["batch_mean"] >= 1.0
     finally:
         hub.stop()
+
+
+def test_only_a_drafter_that_shares_work_gets_batches():
+    from starhub.drafters.ngram import NgramDrafter
+    from starhub.worker import MAX_AUTO_BATCH
+
+    hub = _Hub()
+    assert DraftWorker(hub).max_batch == MAX_AUTO_BATCH
+    hub.config.batch = 3
+    assert DraftWorker(hub).max_batch == 3
+    hub.drafter = NgramDrafter()
+    assert DraftWorker(hub).max_batch == 1
