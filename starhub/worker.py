@@ -95,7 +95,11 @@ class DraftWorker:
             hub.metrics.draft_started(req.arrival, started, len(hub.table), first=i == 0)
         jobs = [(req.session.ctx, self.shape(req.session)) for req in batch]
         loop = asyncio.get_running_loop()
-        results = await loop.run_in_executor(hub._executor, hub.drafter.propose_batch, jobs)
+        try:
+            results = await loop.run_in_executor(hub._executor, hub.drafter.propose_batch, jobs)
+        except Exception as exc:  # a failing drafter fails this batch's rounds, not the hub
+            log.exception("drafting a batch of %d failed", len(batch))
+            results = [exc] * len(batch)
         finished = time.monotonic()
         hub.metrics.batch(len(batch), finished - started)
         share = (finished - started) / len(batch)

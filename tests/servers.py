@@ -65,9 +65,10 @@ class HubHarness:
         self.hub._executor.shutdown(wait=True)
 
 
-def _rows(state) -> int:
-    features = getattr(state, "features", None)
-    return 0 if features is None else int(features.shape[0])
+def _rows(state) -> tuple[int, int]:
+    """A drafter state's committed pairs and cached entries (0 for drafters without)."""
+    cache = getattr(state, "cache", None)
+    return getattr(state, "pairs", 0), getattr(cache, "length", 0)
 
 
 class VerifierHarness:

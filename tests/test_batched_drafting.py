@@ -214,3 +214,31 @@ def test_only_a_drafter_that_shares_work_gets_batches():
     assert DraftWorker(hub).max_batch == 3
     hub.drafter = NgramDrafter()
     assert DraftWorker(hub).max_batch == 1
+
+
+def test_a_drafter_that_raises_fails_its_rounds_and_the_hub_serves_on():
+    from starhub.drafters.ngram import NgramDrafter
+    from starhub.protocol import Error, ErrorCode, Hello, Open, Propose, Welcome
+    from tests.servers import HubHarness
+
+    class Exploding(NgramDrafter):
+        batches = True
+        armed = True
+
+        def propose_batch(self, jobs):
+            if self.armed:
+                raise RuntimeError("boom")
+            return super().propose_batch(jobs)
+
+    drafter = Exploding()
+    hub = HubHarness(drafter, shape=TreeShape(3, 2, 4))
+    try:
+        assert isinstance(hub.ask(b"a", Hello(name="t", vocab_size=100)), Welcome)
+        opening = Open(ref=1, prompt_len=5, tokens=np.arange(1, 7, dtype=np.int32))
+        reply = hub.ask(b"a", opening)
+        assert isinstance(reply, Error) and reply.code == ErrorCode.INTERNAL
+        assert "boom" in reply.message and not hub.hub.table.sessions
+        drafter.armed = False
+        assert isinstance(hub.ask(b"a", opening), Propose)
+    finally:
+        hub.close()

@@ -189,10 +189,9 @@ class EagleDrafter(Drafter):
                                          f"feature rows"))
                 continue
             errors.append(None)
-            if not count and state.root_hidden is not None:
-                continue
-            if not count:  # a state that lost its root: feed the last pair again
-                errors[-1] = ValueError("no feature rows to draft from")
+            if not count:
+                if state.root_hidden is None:  # an earlier pass failed before setting it
+                    errors[-1] = ValueError("no feature rows to draft from")
                 continue
             state.cache.crop(state.pairs)
             feats.append(torch.cat(new).to(self.dtype))
