@@ -15,7 +15,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from starhub.drafters.base import TreeShape
+from starhub.drafters.base import Drafter, TreeShape
 from starhub.hub_config import Request
 from starhub.protocol import Error, ErrorCode, Propose
 from starhub.sessions import Session
@@ -38,6 +38,9 @@ class DraftWorker:
         self.max_batch = MAX_AUTO_BATCH if batch == "auto" else int(batch)
         if not hub.drafter.batches:
             self.max_batch = 1
+        self.predrafting = hub.config.predraft and type(hub.drafter).predraft is not \
+            Drafter.predraft
+        """Only for drafters that can guess; the others would return nothing every time."""
 
     async def run(self) -> None:
         hub = self.hub
@@ -45,7 +48,7 @@ class DraftWorker:
         while True:
             if not hub.buffer:
                 backlog_since = None
-                if hub.config.predraft and await self.predraft():
+                if self.predrafting and await self.predraft():
                     continue
                 hub._work.clear()
                 await hub._work.wait()

@@ -242,3 +242,15 @@ def test_a_drafter_that_raises_fails_its_rounds_and_the_hub_serves_on():
         assert isinstance(hub.ask(b"a", opening), Propose)
     finally:
         hub.close()
+
+
+def test_pre_drafting_runs_only_for_a_drafter_that_can_guess():
+    from starhub.drafters.ngram import NgramDrafter
+
+    hub = _Hub()
+    hub.config.predraft = True
+    assert DraftWorker(hub).predrafting
+    hub.drafter = NgramDrafter()
+    assert not DraftWorker(hub).predrafting
+    hub.config.predraft, hub.drafter = False, EagleDrafter.__new__(EagleDrafter)
+    assert not DraftWorker(hub).predrafting
