@@ -14,12 +14,11 @@ import asyncio
 import os
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.replay import DEFAULT_REPLAY_PROMPTS, Recording, ensure_recording
-from bench.run import StarVariant, hub_flags, on_off, variants
-from starhub.options import DEFAULT_PREDRAFT
+from bench.run import StarConfig, StarVariant, hub_flags, on_off, variants
 
 HUB_BATCH_KEYS = ("batch_mean", "draft_ms_per_batch", "draft_ms_per_session",
                   "predraft_hit_rate", "critical_draft_ms")
@@ -44,31 +43,15 @@ METRIC_NOTES = {
 
 
 @dataclass
-class HubLoadConfig:
-    targets: list[int]
-    drafter: str
-    draft: str | None
-    depth: list[int | str]
-    topk: int
-    max_nodes: int
-    draft_dtype: str = "auto"
-    model: str = "default"
-    dtype: str = "auto"
+class HubLoadConfig(StarConfig):
     prompts: str = str(DEFAULT_REPLAY_PROMPTS)
     record_prompts: int = 8
     max_new_tokens: int = 128
-    threads: int = 1
-    """Torch threads of the recording (the model runs in this process, once)."""
-    hub_threads: int = 1
-    max_targets: list[int | str] = field(default_factory=lambda: [0])
-    batch: list[int | str] = field(default_factory=lambda: ["auto"])
-    predraft: list[bool] = field(default_factory=lambda: [DEFAULT_PREDRAFT])
     warmup_s: float = 1.0
     duration_s: float = 3.0
     t_v: float | None = None
     """Seconds the clients wait before answering a tree; None answers at once."""
     cache: str | None = None
-    log_dir: str | None = None
 
     def variants(self) -> list[StarVariant]:
         return variants(self)

@@ -58,7 +58,10 @@ METRIC_NOTES = {
 
 
 @dataclass
-class BenchConfig:
+class StarConfig:
+    """What the star benchmarks share: the hub's drafter and tree, and the control lists
+    that give every combination its own row (``variants``)."""
+
     targets: list[int]
     drafter: str
     draft: str | None
@@ -68,13 +71,9 @@ class BenchConfig:
     max_nodes: int
     draft_dtype: str = "auto"
     dtype: str = "auto"
-    linear: str = "auto"
     model: str = "default"
-    prompts: str = ""
-    max_new_tokens: int = 64
     threads: int = 1
     hub_threads: int = 1
-    baselines: list[str] = field(default_factory=lambda: list(BASELINES))
     log_dir: str | None = None
     max_targets: list[int | str] = field(default_factory=lambda: [0])
     """Star rows run once per value: the hub's ``--max-targets``."""
@@ -82,6 +81,14 @@ class BenchConfig:
     """Star rows run once per value: the hub's ``--batch``."""
     predraft: list[bool] = field(default_factory=lambda: [DEFAULT_PREDRAFT])
     """Star rows run once per value: the hub's ``--predraft``."""
+
+
+@dataclass
+class BenchConfig(StarConfig):
+    linear: str = "auto"
+    prompts: str = ""
+    max_new_tokens: int = 64
+    baselines: list[str] = field(default_factory=lambda: list(BASELINES))
 
     def __post_init__(self) -> None:
         if not isinstance(self.depth, list):
