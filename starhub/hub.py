@@ -288,7 +288,6 @@ class Hub:
         now = time.monotonic()
         if choice.plain:
             self.metrics.returned(session.tag, now)
-            session.last_tree_size = session.last_tree_depth = 0
             session.proposed_at = now
             session.out_tree = None
             self.reply(identity, Propose(tag=session.tag, seq=session.seq, ref=ref,

@@ -23,18 +23,24 @@ class Session:
     last_seen: float = field(default_factory=time.monotonic)
     seq: int = 0
     busy: bool = False
-    last_tree_size: int = 0
-    """Nodes in the PROPOSE awaiting this session's COMMIT; COMMITs must not exceed it."""
-    last_tree_depth: int = 0
     choice: Choice = Choice()
     """The controller's plan for the round in flight."""
     proposed_at: float | None = None
     out_tree: DraftTree | None = None
-    """The tree in flight (None after a plain round): what pre-drafting guesses from."""
+    """The tree in flight (None after a plain round): its COMMIT may not accept more
+    nodes than it has, and pre-drafting guesses from it."""
     predraft_for: int = -1
     """The round (seq) whose outcomes were last pre-drafted."""
     predrafts: dict[tuple[int, ...], DraftTree] = field(default_factory=dict)
     """Next trees by the tokens that round's COMMIT may carry."""
+
+    @property
+    def last_tree_size(self) -> int:
+        return len(self.out_tree) if self.out_tree is not None else 0
+
+    @property
+    def last_tree_depth(self) -> int:
+        return self.out_tree.depth if self.out_tree is not None else 0
 
 
 @dataclass

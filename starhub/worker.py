@@ -130,7 +130,6 @@ class DraftWorker:
 
     def send(self, req: Request, tree: DraftTree, now: float) -> None:
         session = req.session
-        session.last_tree_size, session.last_tree_depth = len(tree), tree.depth
         session.proposed_at = now
         session.out_tree = tree
         self.hub.reply(req.identity, Propose(
