@@ -19,10 +19,8 @@ from pathlib import Path
 
 from bench.replay import DEFAULT_REPLAY_PROMPTS, Recording, ensure_recording
 from bench.run import StarConfig, StarVariant, hub_flags, on_off, variants
+from starhub.metrics import DRAFT_KEYS
 
-HUB_BATCH_KEYS = ("batch_mean", "draft_ms_per_batch", "draft_ms_per_session",
-                  "predraft_hit_rate", "critical_draft_ms")
-"""The hub's batching and pre-drafting metrics, copied into rows when its STATS have them."""
 WINDOW_KEYS = ("r_q", "t_s_ms", "t_draft_ms", "load", "system_tok_s", "per_target_tok_s",
                "mean_accept_len", "t_wait_ms", "t_idle_ms", "z_ms", "rounds", "commits",
                "plain_rounds", "tokens", "wall_s", "proposed_nodes_mean")
@@ -92,7 +90,7 @@ def load_row(cfg: HubLoadConfig, n: int, variant: StarVariant, c0: dict, c1: dic
     return {
         "mode": "hub-load", "targets": n, "drafter": drafter, **variant.record(),
         **{k: window.get(k) for k in WINDOW_KEYS},
-        **{k: window.get(k) for k in HUB_BATCH_KEYS},
+        **{k: window.get(k) for k in DRAFT_KEYS},
         "choices": window.get("choices"), "accept_len_hist": window.get("accept_len_hist"),
         "accept_rate_by_depth": window.get("accept_rate_by_depth"),
         "hub_split": window.get("hub_split"),
