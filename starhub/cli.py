@@ -24,6 +24,7 @@ from starhub.options import (  # noqa: F401  (re-exported: earlier homes of thes
     DTYPES,
     LINEARS,
     MAX_AUTO_DEPTH,
+    add_device_args,
     auto_or_count,
     batch_arg,
     depth_arg,
@@ -54,6 +55,7 @@ def _add_weight_args(p: argparse.ArgumentParser) -> None:
                         "and, where the CPU has it natively, bfloat16 (weights prepacked at "
                         "load; faster than PyTorch's default for the few-row products of "
                         "decoding and verification), torch otherwise")
+    add_device_args(p, "the target model", device_map=True)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -86,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="torch threads for drafting. A head pass is a few small matrix "
                           "products; a second thread saves little and, on a machine the hub "
                           "shares with targets, takes cores from them")
+    add_device_args(hub, "the drafter")
     hub.add_argument("--ttl", type=float, default=120.0,
                      help="seconds without messages after which a session is released")
     hub.add_argument("--max-targets", type=max_targets_arg, default=0,
@@ -195,7 +198,7 @@ def cmd_hub(args: argparse.Namespace) -> int:
     security.check_bind(args.bind, secure)  # before the drafter loads: fail at once
     threads = args.threads or set_threads(None)
     set_threads(1)
-    drafter = make_drafter(args.drafter, args.draft, args.model, args.draft_dtype)
+    drafter = make_drafter(args.drafter, args.draft, args.model, args.draft_dtype, args.device)
     adaptive = args.depth == AUTO
     shape = TreeShape(MAX_AUTO_DEPTH if adaptive else args.depth, args.topk, args.max_nodes)
     config = HubConfig(bind=args.bind, shape=shape, adaptive=adaptive,
@@ -241,7 +244,7 @@ def cmd_target(args: argparse.Namespace) -> int:
                args.temperature, args.top_p, args.seed, args.threads,
                not args.no_chat_template, args.name or f"target{index}",
                (int(index), int(count or 1)), args.dtype, args.linear,
-               hub_timeout_s=args.hub_timeout)
+               hub_timeout_s=args.hub_timeout, device=args.device, device_map=args.device_map)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -250,7 +253,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     with spawn_hub(_tree_flags(args), threads=args.threads) as hub:
-        model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear)
+        model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear,
+                                      device=args.device, device_map=args.device_map)
         with attach(model, tokenizer, hub.address, name="generate",
                     chat_template=not args.no_chat_template) as session:
             start = time.perf_counter()

@@ -24,7 +24,7 @@ def run_demo(args: argparse.Namespace, hub_flags: list[str]) -> int:
             out = f"{tmp}/target{i}.jsonl"
             cmd = target_command(hub.address, args.prompts, out, pre_args=quiet,
                                  extra=["--model", args.model, "--dtype", args.dtype,
-                                        "--linear", args.linear,
+                                        "--linear", args.linear, "--device", args.device,
                                         "--max-new-tokens", str(args.max_new_tokens), "--shard",
                                         f"{i}/{args.targets}", "--name", f"target{i}"])
             procs.append(subprocess.Popen(cmd, env=child_env(1)))
@@ -52,7 +52,7 @@ def generate_alone(args: argparse.Namespace, rows: list[dict]) -> dict[str, tupl
     from starhub.models import load_model
 
     torch.set_num_threads(1)
-    model, _ = load_model(args.model, dtype=args.dtype, linear=args.linear)
+    model, _ = load_model(args.model, dtype=args.dtype, linear=args.linear, device=args.device)
     runs = hf_generate(model, [(r["id"], r["prompt_ids"]) for r in rows], args.max_new_tokens)
     return {run.id: (run.output_ids, run.wall_s) for run in runs}
 

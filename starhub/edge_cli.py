@@ -10,7 +10,15 @@ import sys
 from starhub import security
 from starhub.launch import READY
 from starhub.limits import VERIFIER_LIMITS, add_limit_args, limits_from_args
-from starhub.options import AUTO, DRAFTERS, DTYPES, LINEARS, TreeShape, auto_or_count
+from starhub.options import (
+    AUTO,
+    DRAFTERS,
+    DTYPES,
+    LINEARS,
+    TreeShape,
+    add_device_args,
+    auto_or_count,
+)
 
 SCHEDULES = ("fifo", "goodspeed", "slo", "random")
 DEFAULT_SHAPE = TreeShape()
@@ -75,6 +83,7 @@ def add_parsers(sub) -> None:
                      help="seconds without messages after which a session is released")
     ver.add_argument("--dtype", choices=DTYPES, default="auto")
     ver.add_argument("--linear", choices=LINEARS, default="auto")
+    add_device_args(ver, "the target model", device_map=True)
     ver.add_argument("--threads", type=int, default=None,
                      help="torch threads for verification (default: torch's own choice)")
     security.add_server_args(ver)
@@ -94,6 +103,7 @@ def add_parsers(sub) -> None:
                     help="eagle: a head folder (default: the shipped head). model: "
                          "'self:layers=K' (default 8) or a model spec")
     dr.add_argument("--draft-dtype", choices=DTYPES, default="auto")
+    add_device_args(dr, "the drafter")
     dr.add_argument("--depth", type=int, default=DEFAULT_SHAPE.depth)
     dr.add_argument("--topk", type=int, default=DEFAULT_SHAPE.topk)
     dr.add_argument("--max-nodes", type=int, default=DEFAULT_SHAPE.max_nodes,
@@ -126,7 +136,8 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     secure = security.ServerSecurity.from_args(args)
     security.check_bind(args.bind, secure)  # before the model loads: fail at once
     threads = set_threads(args.threads)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear,
+                                  device=args.device, device_map=args.device_map)
     config = VerifierConfig(bind=args.bind, budget=args.budget, max_batch=args.max_batch,
                             schedule=args.schedule, nodes=args.nodes, max_nodes=args.max_nodes,
                             ttl_s=args.ttl, max_depth=args.max_depth,
@@ -156,7 +167,7 @@ def cmd_drafter(args: argparse.Namespace) -> int:
     items = read_prompts(args.prompts)[int(index)::int(count or 1)]
     name = args.name or f"drafter{index}"
     tokenizer = load_tokenizer(args.model)
-    drafter = make_drafter(args.drafter, args.draft, args.model, args.draft_dtype)
+    drafter = make_drafter(args.drafter, args.draft, args.model, args.draft_dtype, args.device)
     shape = TreeShape(args.depth, args.topk, args.max_nodes)
     edge = EdgeDrafter(drafter, args.verifier, shape, eos_ids(args.model), name=name,
                        timeout_s=args.timeout, retries=args.retries, curve=curve)

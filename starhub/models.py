@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from starhub.devices import device_map_kwargs, resolve_device
 from starhub.options import DTYPES, LINEARS
 
 log = logging.getLogger(__name__)
@@ -175,15 +176,23 @@ def linear_kernel(linear: str, dtype: torch.dtype, device: str = "cpu") -> str:
 
 
 def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device: str = "cpu",
-               layers: int | None = None, linear: str = "auto") -> tuple[PreTrainedModel, object]:
+               layers: int | None = None, linear: str = "auto",
+               device_map: str | None = None) -> tuple[PreTrainedModel, object]:
     """(model, tokenizer) in eval mode; ``layers`` keeps only the first K decoder layers.
 
-    With oneDNN linears (see ``linear_kernel``) the weights are prepacked once and the model is
-    for inference only: its ``nn.Linear`` layers no longer expose a plain ``.weight``.
+    ``device`` is cpu, cuda, cuda:N or auto; ``device_map`` (auto or GPU indices) spreads the
+    model over several GPUs instead (see ``starhub.devices``). With oneDNN linears (see
+    ``linear_kernel``) the weights are prepacked once and the model is for inference only:
+    its ``nn.Linear`` layers no longer expose a plain ``.weight``.
     """
     path = resolve(spec)
+    spread = device_map_kwargs(device_map)
+    device = "cuda" if spread else resolve_device(device)
     dtype = target_dtype(dtype, device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **spread)
+    if not spread:
+        model = model.to(device)
+    model.eval()
     if layers is not None:
         truncate_layers(model, layers)
     if linear_kernel(linear, dtype, device) == "onednn":

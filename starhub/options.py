@@ -14,6 +14,8 @@ from starhub.control import AUTO, MAX_AUTO_DEPTH
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LINEARS = ("auto", "onednn", "torch")
 DRAFTERS = ("eagle", "ngram", "model")
+DEFAULT_DEVICE = "auto"
+"""The first visible GPU where there is one, else the CPU."""
 
 
 @dataclass
@@ -103,3 +105,26 @@ def tree_defaults() -> dict:
     p = argparse.ArgumentParser(add_help=False)
     add_tree_args(p)
     return vars(p.parse_args([]))
+
+
+def device_arg(text: str) -> str:
+    """An argparse type for ``--device``: cpu, cuda, cuda:N or auto (checked for existence
+    only when the model loads, so ``--help`` needs no torch)."""
+    value = str(text).strip().lower()
+    if value in ("cpu", "cuda", AUTO) or (value.startswith("cuda:") and value[5:].isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:N or auto, got '{text}'")
+
+
+def add_device_args(p: argparse.ArgumentParser, what: str, device_map: bool = False) -> None:
+    """``--device`` (and, for processes that hold a target, ``--device-map``)."""
+    p.add_argument("--device", type=device_arg, default=DEFAULT_DEVICE,
+                   help=f"where {what} runs: cpu, cuda (the first visible GPU), cuda:N, or "
+                        "auto (default: cuda where a GPU is visible, else cpu). On a GPU the "
+                        "weights default to bfloat16; tensors cross to the CPU only at the "
+                        "wire")
+    if device_map:
+        p.add_argument("--device-map", default=None, metavar="auto|I,J,...",
+                       help="spread a target too large for one GPU over several with "
+                            "accelerate: 'auto' uses every visible GPU, '0,1' only those. "
+                            "Replaces --device")

@@ -240,7 +240,7 @@ def truncated_distribution(logits: torch.Tensor, temperature: float,
     """The top-``support`` entries of softmax(logits / T), renormalised: exact q, k entries."""
     probs = torch.softmax(logits.double() / max(temperature, 1e-5), -1)
     values, ids = probs.topk(min(support, probs.numel()))
-    return ids, values / values.sum()
+    return ids.cpu(), (values / values.sum()).cpu()  # drawn with a CPU generator, sent as is
 
 
 def sample_without_replacement(probs: torch.Tensor, count: int,

@@ -143,8 +143,9 @@ def _verify_batch(model: PreTrainedModel, targets: list[TargetModel],
         _write_back(cache, b, target, length, base, keep)
         feats = None
         if target.feature_layers:
-            feats = torch.cat([out.hidden_states[i][b, :n] for i in target.feature_layers],
-                              -1)[keep]
+            first = out.hidden_states[target.feature_layers[0]].device
+            feats = torch.cat([out.hidden_states[i][b, :n].to(first)
+                               for i in target.feature_layers], -1)[keep]
         target.last = bonus
         verdicts.append(Verdict(path=path, tokens=[int(tree.tokens[i]) for i in path] + [bonus],
                                 features=feats))
@@ -171,8 +172,9 @@ def _padded_cache(model: PreTrainedModel, targets: list[TargetModel], base: int
 def _write_back(cache: DynamicCache, b: int, target: TargetModel, length: int, base: int,
                 keep: list[int]) -> None:
     """The session's cache becomes its old entries plus the kept tree entries, in order."""
-    index = torch.tensor([base + k for k in keep], device=target.device)
+    index = torch.tensor([base + k for k in keep])
     for mine, batched in zip(target.cache.layers, cache.layers, strict=True):
+        index = index.to(batched.keys.device)  # a device map puts layers on several GPUs
         mine.keys = torch.cat([batched.keys[b:b + 1, :, :length],
                                batched.keys[b:b + 1, :, index]], 2)
         mine.values = torch.cat([batched.values[b:b + 1, :, :length],

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from starhub.devices import model_device
 from starhub.models import linear_kernel, load_model, set_threads
 from starhub.prompts import encode_prompt, read_prompts  # noqa: F401  (re-exported)
 from targets.generate import SpeculativeGenerator
@@ -20,13 +21,16 @@ log = logging.getLogger("starhub.target")
 def run(hub: str | None, model_spec: str, prompts: str, out: str, max_new_tokens: int,
         temperature: float, top_p: float, seed: int, threads: int | None,
         chat_template: bool, name: str, shard: tuple[int, int] = (0, 1),
-        dtype: str = "auto", linear: str = "auto", hub_timeout_s: float = 3.0) -> int:
+        dtype: str = "auto", linear: str = "auto", hub_timeout_s: float = 3.0,
+        device: str = "cpu", device_map: str | None = None) -> int:
     threads = set_threads(threads)
     items = read_prompts(prompts)[shard[0]::shard[1]]
-    model, tokenizer = load_model(model_spec, dtype=dtype, linear=linear)
+    model, tokenizer = load_model(model_spec, dtype=dtype, linear=linear, device=device,
+                                  device_map=device_map)
     gen = SpeculativeGenerator(model, tokenizer, hub, name=name, timeout_s=hub_timeout_s)
-    log.info("%s: %d prompts, %s weights, %s linear, torch threads=%d, hub=%s", name,
-             len(items), model.dtype, linear_kernel(linear, model.dtype),
+    where = model_device(model)
+    log.info("%s: %d prompts, %s weights on %s, %s linear, torch threads=%d, hub=%s", name,
+             len(items), model.dtype, where, linear_kernel(linear, model.dtype, where.type),
              threads, hub if gen.client else "none")
     tokens = 0
     with open(out, "w", encoding="utf-8") as fh, tqdm(total=len(items), desc=name, unit="prompt",

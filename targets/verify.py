@@ -48,7 +48,8 @@ class TargetModel:
         if not self.feature_layers:
             return None
         states = out.hidden_states
-        return torch.cat([states[i][0] for i in self.feature_layers], -1)
+        first = states[self.feature_layers[0]].device  # a device map puts layers apart
+        return torch.cat([states[i][0].to(first) for i in self.feature_layers], -1)
 
     @property
     def cached(self) -> int:

@@ -111,8 +111,11 @@ def test_every_shipped_config_is_valid_and_plans_its_processes(name):
         == [1] * len(plan.workers)
     text = describe(plan, "out", "10.0.0.1:6379")
     assert text.count(" -m starhub ") == len(plan.processes)
-    if not any(p.ray_options.get("num_gpus") or p.gpu is not None for p in plan.processes):
-        check_commands(plan, build_parser())  # the CPU configs run on this starhub as is
+    parser = build_parser()
+    check_commands(plan, parser)
+    for spec in plan.processes:  # every value parses too (a GPU config's --device included)
+        parser.parse_args(spec.command(hub="tcp://10.0.0.1:5555", prompts="p.jsonl",
+                                       out="o.jsonl")[3:])
 
 
 def test_single_host_config_pins_one_gpu_per_process():

@@ -22,18 +22,21 @@ def parse_draft(spec: str) -> tuple[str, int | None]:
 
 
 def make_drafter(kind: str, draft: str | None = None, model: str = "default",
-                 dtype: str = "auto") -> Drafter:
+                 dtype: str = "auto", device: str = "cpu") -> Drafter:
     """Build a drafter. ``draft`` is the head folder (eagle) or the draft model spec (model);
     ``model`` is the target's model spec, whose weights ``self`` and eagle heads borrow.
 
     ``dtype`` ``auto`` gives an EAGLE head bfloat16 where the hardware has it; a draft model
-    keeps the target's own dtype, so that ``self`` reproduces the target exactly.
+    keeps the target's own dtype, so that ``self`` reproduces the target exactly. ``device``
+    is cpu, cuda, cuda:N or auto (``starhub.devices``).
     """
     if kind == "eagle":
+        from starhub.devices import resolve_device
         from starhub.drafters.eagle import EagleDrafter
         from starhub.models import draft_dtype
 
-        return EagleDrafter.load(draft, model, dtype=draft_dtype(dtype))
+        device = resolve_device(device)
+        return EagleDrafter.load(draft, model, dtype=draft_dtype(dtype, device), device=device)
     if kind == "ngram":
         from starhub.drafters.ngram import NgramDrafter
 
@@ -44,6 +47,6 @@ def make_drafter(kind: str, draft: str | None = None, model: str = "default",
 
         source, layers = parse_draft(draft or "self:layers=8")
         spec = model if source == "self" else source
-        draft_model, tokenizer = load_model(spec, dtype=dtype, layers=layers)
+        draft_model, tokenizer = load_model(spec, dtype=dtype, layers=layers, device=device)
         return ModelDrafter(draft_model, tokenizer, label=draft)
     raise ValueError(f"unknown drafter '{kind}'; choose from {', '.join(DRAFTERS)}")

@@ -88,13 +88,14 @@ class EagleDrafter(Drafter):
         self.feature_size = head.feature_size
         weight = next(head.parameters())
         self.dtype = weight.dtype
+        self.device = weight.device
         self._index: torch.Tensor | None = None
         if onednn_packs(weight.dtype, weight.device.type):
             prepack_linears(head)
 
     @classmethod
     def load(cls, head_dir: str | Path | None, model: str = "default",
-             dtype: torch.dtype = torch.float32) -> EagleDrafter:
+             dtype: torch.dtype = torch.float32, device: str = "cpu") -> EagleDrafter:
         if head_dir is None and model != "default":
             raise ValueError(f"the shipped EAGLE head drafts for the embedded default model, not "
                              f"'{model}': pass --draft HEAD_DIR (see `starhub train-eagle`) or "
@@ -105,7 +106,7 @@ class EagleDrafter(Drafter):
         model_dir = resolve(model)
         embed, lm_head = target_embeddings(model_dir)
         head = load_eagle_head(head_dir, AutoConfig.from_pretrained(model_dir), embed, lm_head,
-                               dtype=dtype)
+                               dtype=dtype).to(device)
         return cls(head, label=str(head_dir))
 
     def probe_context(self) -> DraftContext:
@@ -128,7 +129,7 @@ class EagleDrafter(Drafter):
         reduced) and travel in target ids."""
         if self.head.d2t is None:
             return tree
-        d2t = self.head.d2t.numpy()
+        d2t = self.head.d2t.cpu().numpy()
         tree.tokens = (tree.tokens + d2t[tree.tokens]).astype(np.int32)
         if tree.dist_ids is not None:
             tree.dist_ids = (tree.dist_ids + d2t[tree.dist_ids]).astype(np.int32)
@@ -194,16 +195,16 @@ class EagleDrafter(Drafter):
                     errors[-1] = ValueError("no feature rows to draft from")
                 continue
             state.cache.crop(state.pairs)
-            feats.append(torch.cat(new).to(self.dtype))
+            feats.append(torch.cat(new).to(self.device, self.dtype))
             ids.append(torch.tensor(ctx.tokens[state.pairs + 1: total + 1]))
             positions.append(torch.arange(state.pairs, total))
             segments.append(Segment(count, state.cache))
             rows.append((state, total))
         if segments:
-            hidden, _ = self.head(torch.cat(feats)[None], torch.cat(ids)[None],
-                                  position_ids=torch.cat(positions), segments=segments,
-                                  num_logits=0)
-            ends = torch.tensor([seg.rows for seg in segments]).cumsum(0) - 1
+            hidden, _ = self.head(torch.cat(feats)[None], torch.cat(ids)[None].to(self.device),
+                                  position_ids=torch.cat(positions).to(self.device),
+                                  segments=segments, num_logits=0)
+            ends = torch.tensor([seg.rows for seg in segments], device=self.device).cumsum(0) - 1
             last = hidden[0, ends]
             logits = self.head.logits(last)
             for j, (state, total) in enumerate(rows):
@@ -224,11 +225,11 @@ class EagleDrafter(Drafter):
             feats.append(torch.stack([growth.hidden[p] for p in parents]))
             ids.append(torch.tensor(list(tokens)))
             positions.append(pos)
-            segments.append(Segment(len(nodes), growth.cache, mask))
+            segments.append(Segment(len(nodes), growth.cache, mask.to(self.device)))
         hidden, _ = self.head(torch.cat(feats)[None],
-                              self.head.to_target_ids(torch.cat(ids))[None],
-                              position_ids=torch.cat(positions), segments=segments,
-                              num_logits=0)
+                              self.head.to_target_ids(torch.cat(ids).to(self.device))[None],
+                              position_ids=torch.cat(positions).to(self.device),
+                              segments=segments, num_logits=0)
         logits = self.head.logits(hidden[0])
         out, start = [], 0
         for growth, (nodes, _, _) in asks:
@@ -281,7 +282,7 @@ class EagleDrafter(Drafter):
             [(growths[j], frontier) for j, frontier in asks]), stop)
         sent = tree.tokens.tolist()
         bonus = self.head.to_target_ids(
-            torch.tensor([b for _, _, b in outcomes], dtype=torch.long)).tolist()
+            torch.tensor([b for _, _, b in outcomes], device=self.device)).tolist()
         found = {}
         for (_, v, _), b, grown in zip(outcomes, bonus, trees, strict=True):
             if grown is not None and len(grown):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from starhub.devices import model_device
 from starhub.drafters.base import DraftContext, Drafter, TreeShape
 from starhub.kvcache import crop_to
 from starhub.models import tokenizer_fingerprint
@@ -49,7 +50,7 @@ class ModelDrafter(Drafter):
             crop_to(state.kv, len(ctx.tokens) - 1)
             state.cached = len(ctx.tokens) - 1
         base = len(ctx.tokens)
-        pending = torch.tensor([ctx.tokens[state.cached:]], dtype=torch.long)
+        pending = torch.tensor([ctx.tokens[state.cached:]], device=model_device(self.model))
         root_logits = self.model(pending, past_key_values=state.kv, use_cache=True).logits[0, -1]
         state.cached = base
         expand = _TreeExpansion(self.model, state.kv, base)
@@ -73,7 +74,9 @@ class _TreeExpansion:
     def __call__(self, ids: Sequence[int], tokens: Sequence[int],
                  parents: Sequence[int]) -> torch.Tensor:
         mask, positions = self.feed.layout(ids, parents, self.kv.get_seq_length())
-        out = self.model(torch.tensor([list(tokens)], dtype=torch.long),
-                         position_ids=positions[None], attention_mask=mask[None, None],
+        device = model_device(self.model)
+        out = self.model(torch.tensor([list(tokens)], device=device),
+                         position_ids=positions[None].to(device),
+                         attention_mask=mask[None, None].to(device),
                          past_key_values=self.kv, use_cache=True)
         return out.logits[0]

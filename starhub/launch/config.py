@@ -114,6 +114,9 @@ class TargetsSection(ClientKeys, WorkerSection):
     name: str = _opt("target", doc="process names are NAME0, NAME1, ...")
     dtype: str = _opt("auto", choices=DTYPES)
     linear: str = _opt("auto", choices=LINEARS)
+    device_map: str | None = _opt(None, doc="--device-map: 'auto' spreads the model over every "
+                                            "GPU the process sees (on Ray, the num_gpus it "
+                                            "reserved), or GPU indices such as '0,1'")
 
 
 @dataclass(kw_only=True)
@@ -129,6 +132,9 @@ class VerifierSection(ServerKeys, Placement):
     ttl: float = _opt(120.0, minimum=0)
     dtype: str = _opt("auto", choices=DTYPES)
     linear: str = _opt("auto", choices=LINEARS)
+    device_map: str | None = _opt(None, doc="--device-map: 'auto' spreads the model over every "
+                                            "GPU the process sees (on Ray, the num_gpus it "
+                                            "reserved), or GPU indices such as '0,1'")
     threads: int = _opt(1, minimum=1)
     gpu: int | None = _opt(None, minimum=0)
 

@@ -160,6 +160,7 @@ def _target(dep: Deployment, pre: list[str], i: int) -> ProcessSpec:
     name = f"{t.name}{i}"
     args = [*pre, "target", *_flags([("--hub", HUB), ("--model", t.model),
                                      ("--dtype", t.dtype), ("--linear", t.linear),
+                                     ("--device-map", t.device_map),
                                      *_sampling(t, i, name), *_client_keys(t)])]
     if not t.chat_template:
         args.append("--no-chat-template")
@@ -174,6 +175,7 @@ def _verifier(dep: Deployment, pre: list[str]) -> ProcessSpec:
         ("--max-batch", v.max_batch), ("--schedule", v.schedule), ("--nodes", v.nodes),
         ("--max-nodes", v.max_nodes), ("--ttl", v.ttl), ("--dtype", v.dtype),
         ("--linear", v.linear), ("--threads", v.threads), ("--device", v.device),
+        ("--device-map", v.device_map),
         *_server_keys(v)])] + (["--insecure"] if v.insecure else [])
     return ProcessSpec("verifier", "verifier", args, v.threads, True, "verifier", v.gpu,
                        _ray_options(v, v.threads))
