@@ -9,12 +9,15 @@ from pathlib import Path
 
 from starhub.options import (
     DEFAULT_PREDRAFT,
+    DEFAULT_THREADS,
     DTYPES,
     LINEARS,
     batch_arg,
     depth_arg,
     max_targets_arg,
     on_off_arg,
+    resolve_threads,
+    threads_arg,
     tree_defaults,
 )
 
@@ -69,8 +72,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="per prompt (default 64); emulated sessions default to 512, "
                         "--hub-load recordings to 128")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads of each target and of the baselines")
+    p.add_argument("--threads", type=threads_arg, default=DEFAULT_THREADS,
+                   help="torch threads of each target and of the baselines. auto (default): "
+                        "the usable cores split evenly between a row's N targets; the "
+                        "baselines, one process, get them all (the bench prints the counts)")
     p.add_argument("--hub-threads", type=int, default=1,
                    help="torch threads of the hub, as for `starhub hub --threads`")
     p.add_argument("--baselines", default=",".join(BASELINES),
@@ -165,13 +170,15 @@ def edge_doc(args: argparse.Namespace) -> dict:
         return text
 
     tree = hub_defaults()
-    cfg = EdgeConfig(drafters=parse_targets(args.drafters),
+    ns_edge = parse_targets(args.drafters)
+    cfg = EdgeConfig(drafters=ns_edge,
                      schedules=parse_list(args.schedule, schedule, "--schedule"),
                      max_batch=parse_list(args.max_batch, auto_or_count(1, "max-batch"),
                                           "--max-batch"),
                      drafter=args.drafter or tree["drafter"], draft=args.draft,
                      model=args.model, prompts=args.prompts or str(DEFAULT_PROMPTS),
-                     max_new_tokens=args.max_new_tokens or 64, threads=args.threads,
+                     max_new_tokens=args.max_new_tokens or 64,
+                     threads=resolve_threads(args.threads, sharing=max(ns_edge) + 1),
                      verifier_threads=args.verifier_threads,
                      budget=parse_list(args.budget, budget_arg, "--budget")[0],
                      nodes=args.nodes or args.max_nodes or tree["max_nodes"],
@@ -193,7 +200,8 @@ def hub_load_doc(args: argparse.Namespace, ns: list[int], tree: dict,
     cfg = HubLoadConfig(targets=ns, model=args.model, dtype=args.dtype,
                         prompts=args.prompts or str(DEFAULT_REPLAY_PROMPTS),
                         record_prompts=args.record_prompts,
-                        max_new_tokens=args.max_new_tokens or 128, threads=args.threads,
+                        max_new_tokens=args.max_new_tokens or 128,
+                        threads=resolve_threads(args.threads),
                         hub_threads=args.hub_threads, max_targets=admission,
                         batch=parse_list(args.batch or "auto", batch_arg, "--batch"),
                         predraft=parse_list(args.predraft or PREDRAFT_DEFAULT, on_off_arg,

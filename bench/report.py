@@ -142,12 +142,22 @@ def preamble(doc: dict) -> list[str]:
                      "minus S(d)")
     else:
         lines.append(f"real: {cfg['n_prompts']} prompts from {cfg['prompts']}, "
-                     f"{cfg['max_new_tokens']} new tokens, {cfg['threads']} torch thread(s) "
-                     f"per target and baseline, {cfg.get('hub_threads', cfg['threads'])} for "
+                     f"{cfg['max_new_tokens']} new tokens, {threads_phrase(cfg)}, "
+                     f"{cfg.get('hub_threads', cfg['threads'])} for "
                      f"the hub, target weights {cfg.get('dtype', 'auto')}, drafter "
                      f"weights {cfg.get('draft_dtype', 'auto')}, linear kernel "
                      f"{cfg.get('linear', 'auto')}")
     return lines
+
+
+def threads_phrase(cfg: dict) -> str:
+    """How many torch threads each target and the baselines ran, and why."""
+    resolved = cfg.get("threads_resolved")
+    if not resolved:
+        return f"{cfg['threads']} torch thread(s) per target and baseline"
+    per_n = ", ".join(f"{t} with N={n}" for n, t in resolved["targets"].items())
+    return (f"torch threads {cfg['threads']} ({resolved['cores']} usable cores): per target "
+            f"{per_n}; baselines {resolved['baselines']}")
 
 
 def hub_load_preamble(cfg: dict) -> list[str]:

@@ -17,14 +17,16 @@ from bench.baselines import PromptRun, colocated, hf_generate
 from bench.cli import BASELINES
 from starhub.drafters.base import TreeShape
 from starhub.metrics import DRAFT_KEYS
-from starhub.options import DEFAULT_PREDRAFT
+from starhub.options import AUTO, DEFAULT_PREDRAFT, resolve_threads, usable_cores
 
 METRICS = ("system_tok_s", "per_target_tok_s", "t_s_ms", "t_wait_ms", "t_idle_ms", "r_q",
            "r_p", "load", "mean_accept_len")
 
-THREADS_NOTE = ("every process sets its torch thread count: each target from --threads and the "
-                "hub from --hub-threads (via their own --threads flag), the benchmark process, "
-                "which runs the baselines, from --threads via torch.set_num_threads; child "
+THREADS_NOTE = ("every process sets its torch thread count: each target from --threads (auto: "
+                "the usable cores over the row's N targets) and the hub from --hub-threads "
+                "(via their own --threads flag), the benchmark process, which runs the "
+                "baselines, from --threads (auto: every usable core) via "
+                "torch.set_num_threads; child "
                 "processes also get OMP_NUM_THREADS/MKL_NUM_THREADS; "
                 "each row lists the count every process reported")
 METRIC_NOTES = {
@@ -72,7 +74,9 @@ class StarConfig:
     draft_dtype: str = "auto"
     dtype: str = "auto"
     model: str = "default"
-    threads: int = 1
+    threads: int | str = AUTO
+    """Each target's torch threads; ``auto``: the usable cores split between a row's N
+    targets (``resolve_threads``); the baselines, one process, get them all."""
     hub_threads: int = 1
     log_dir: str | None = None
     max_targets: list[int | str] = field(default_factory=lambda: [0])
@@ -302,6 +306,7 @@ def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
 
     variant = variant or StarVariant(cfg.fixed_depth)
     name = f"n{n}-{variant.name}"
+    threads = resolve_threads(cfg.threads, sharing=n)
     with open(f"{log_dir}/hub-{name}.log", "w") as hub_log, \
             spawn_hub(hub_flags(cfg, variant), threads=cfg.hub_threads,
                       log_file=hub_log) as hub, \
@@ -309,13 +314,13 @@ def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
         outs = [f"{log_dir}/{name}-target{i}.jsonl" for i in range(n)]
         procs = []
         for i, out in enumerate(outs):
-            cmd = target_command(hub.address, cfg.prompts, out, threads=cfg.threads,
+            cmd = target_command(hub.address, cfg.prompts, out, threads=threads,
                                  extra=["--model", cfg.model, "--dtype", cfg.dtype,
                                         "--linear", cfg.linear,
                                         "--max-new-tokens",
                                         str(cfg.max_new_tokens), "--shard", f"{i}/{n}",
                                         "--name", f"target{i}"])
-            procs.append(subprocess.Popen(cmd, env=child_env(cfg.threads), stderr=target_log,
+            procs.append(subprocess.Popen(cmd, env=child_env(threads), stderr=target_log,
                                           stdout=subprocess.DEVNULL))
         wait_for_outputs(procs, outs, tick, f"a target failed; see {target_log.name}")
         client = observer_client(hub.address, timeout_s=30, name="bench")
@@ -350,14 +355,25 @@ def _lines(path: str) -> int:
 
 
 def run_real(cfg: BenchConfig, progress: bool = True) -> dict:
+    """Baselines in this process, then a hub and N target processes per star row. This
+    process's torch threads are set for the baselines and restored afterwards."""
+    from starhub.models import set_threads
+
+    previous = set_threads(None)
+    try:
+        return _run_real(cfg, set_threads(resolve_threads(cfg.threads)), progress)
+    finally:
+        set_threads(previous)
+
+
+def _run_real(cfg: BenchConfig, threads: int, progress: bool) -> dict:
     from tqdm import tqdm
 
     from starhub.drafters import TreeShape, make_drafter
-    from starhub.models import linear_kernel, load_model, set_threads
+    from starhub.models import linear_kernel, load_model
     from targets.generate import encode_prompt
     from targets.runner import read_prompts
 
-    threads = set_threads(cfg.threads)
     items = read_prompts(cfg.prompts)
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="starhub-bench-")
     os.makedirs(log_dir, exist_ok=True)
@@ -406,6 +422,9 @@ def run_real(cfg: BenchConfig, progress: bool = True) -> dict:
     config = {k: v for k, v in asdict(cfg).items() if k != "log_dir"}
     config.update(linear=linear_kernel(cfg.linear, model.dtype),
                   predraft=[on_off(p) for p in cfg.predraft])
+    config.update(threads_resolved={"cores": usable_cores(), "baselines": threads,
+                                    "targets": {str(n): resolve_threads(cfg.threads, n)
+                                                for n in cfg.targets}})
     config.update(mode="real", n_prompts=len(prompts), threads_note=THREADS_NOTE,
                   metric_notes=METRIC_NOTES, logs=log_dir)
     return {"machine": machine_info(), "config": config, "rows": rows}

@@ -21,6 +21,7 @@ from starhub.options import (  # noqa: F401  (re-exported: earlier homes of thes
     DEFAULT_DEPTH,
     DEFAULT_PREDRAFT,
     DEFAULT_SHAPE,
+    DEFAULT_THREADS,
     DTYPES,
     LINEARS,
     MAX_AUTO_DEPTH,
@@ -30,6 +31,8 @@ from starhub.options import (  # noqa: F401  (re-exported: earlier homes of thes
     depth_arg,
     max_targets_arg,
     on_off_arg,
+    resolve_threads,
+    threads_arg,
 )
 from starhub.options import add_tree_args as _add_tree_args
 
@@ -125,7 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     tgt.add_argument("--out", required=True, help="JSONL output")
     _add_sampling_args(tgt)
     _add_weight_args(tgt)
-    tgt.add_argument("--threads", type=int, default=None, help="torch threads for this target")
+    tgt.add_argument("--threads", type=threads_arg, default=DEFAULT_THREADS,
+                     help="torch threads for this target. auto (default): every core this "
+                          "process may use (the hub drafts while the target waits, so they "
+                          "take turns). Several targets on one machine should split the "
+                          "cores, as `demo`, `bench` and `launch` do")
     tgt.add_argument("--no-chat-template", action="store_true",
                      help="tokenize prompts as plain text")
     tgt.add_argument("--name", default=None, help="name shown by the hub and progress bar")
@@ -145,7 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tree_args(gen)
     _add_sampling_args(gen)
     _add_weight_args(gen)
-    gen.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    gen.add_argument("--threads", type=threads_arg, default=DEFAULT_THREADS,
+                     help="torch threads of the target (this process). auto (default): every "
+                          "core it may use; the hub it starts drafts with 1")
     gen.add_argument("--no-chat-template", action="store_true")
 
     demo = sub.add_parser("demo", help="two targets sharing one hub, with per-target speed")
@@ -154,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompts", default=str(DEMO_PROMPTS))
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--targets", type=int, default=2)
+    demo.add_argument("--threads", type=threads_arg, default=DEFAULT_THREADS,
+                      help="torch threads of each target and of the generate() it is "
+                           "compared with. auto (default): the usable cores split evenly "
+                           "between the targets")
     _add_weight_args(demo)
     edge_cli.add_parsers(sub)
     bench_cli.add_parser(sub)
@@ -251,8 +264,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from starhub.models import load_model, set_threads
     from targets.api import attach
 
-    set_threads(args.threads)
-    with spawn_hub(_tree_flags(args), threads=args.threads) as hub:
+    set_threads(resolve_threads(args.threads))
+    with spawn_hub(_tree_flags(args), threads=1) as hub:
         model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear,
                                       device=args.device, device_map=args.device_map)
         with attach(model, tokenizer, hub.address, name="generate",

@@ -10,32 +10,36 @@ import sys
 import tempfile
 
 from starhub.launch import child_env, spawn_hub, target_command
+from starhub.options import resolve_threads, usable_cores
 
 
 def run_demo(args: argparse.Namespace, hub_flags: list[str]) -> int:
     from targets.runner import iter_results
 
     quiet = ["--log-level", "warning"]
+    args.threads = resolve_threads(args.threads, sharing=args.targets)
     with tempfile.TemporaryDirectory() as tmp, spawn_hub(hub_flags, pre_args=quiet) as hub:
         procs, outs = [], []
         print(f"hub at {hub.address} ({args.drafter} drafter); {args.targets} targets, "
-              f"1 torch thread each", file=sys.stderr)
+              f"{args.threads} torch thread(s) each ({usable_cores()} usable cores)",
+              file=sys.stderr)
         for i in range(args.targets):
             out = f"{tmp}/target{i}.jsonl"
-            cmd = target_command(hub.address, args.prompts, out, pre_args=quiet,
+            cmd = target_command(hub.address, args.prompts, out, threads=args.threads,
+                                 pre_args=quiet,
                                  extra=["--model", args.model, "--dtype", args.dtype,
                                         "--linear", args.linear, "--device", args.device,
                                         "--max-new-tokens", str(args.max_new_tokens), "--shard",
                                         f"{i}/{args.targets}", "--name", f"target{i}"])
-            procs.append(subprocess.Popen(cmd, env=child_env(1)))
+            procs.append(subprocess.Popen(cmd, env=child_env(args.threads)))
             outs.append(out)
         codes = [p.wait() for p in procs]
         if any(codes):
             print(f"a target failed: exit codes {codes}", file=sys.stderr)
             return 1
         results = [list(iter_results(out)) for out in outs]
-    print("timing plain generate() on each target's prompts, one process, 1 torch thread ...",
-          file=sys.stderr)
+    print(f"timing plain generate() on each target's prompts, one process, {args.threads} "
+          f"torch thread(s) ...", file=sys.stderr)
     reference = generate_alone(args, [r for rows in results for r in rows])
     for i, rows in enumerate(results):
         print(target_line(f"target{i}", rows, reference))
@@ -51,7 +55,7 @@ def generate_alone(args: argparse.Namespace, rows: list[dict]) -> dict[str, tupl
     from bench.baselines import hf_generate
     from starhub.models import load_model
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     model, _ = load_model(args.model, dtype=args.dtype, linear=args.linear, device=args.device)
     runs = hf_generate(model, [(r["id"], r["prompt_ids"]) for r in rows], args.max_new_tokens)
     return {run.id: (run.output_ids, run.wall_s) for run in runs}

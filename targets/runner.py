@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from starhub.devices import model_device
 from starhub.models import linear_kernel, load_model, set_threads
+from starhub.options import resolve_threads
 from starhub.prompts import encode_prompt, read_prompts  # noqa: F401  (re-exported)
 from targets.generate import SpeculativeGenerator
 
@@ -19,11 +20,11 @@ log = logging.getLogger("starhub.target")
 
 
 def run(hub: str | None, model_spec: str, prompts: str, out: str, max_new_tokens: int,
-        temperature: float, top_p: float, seed: int, threads: int | None,
+        temperature: float, top_p: float, seed: int, threads: int | str | None,
         chat_template: bool, name: str, shard: tuple[int, int] = (0, 1),
         dtype: str = "auto", linear: str = "auto", hub_timeout_s: float = 3.0,
         device: str = "cpu", device_map: str | None = None) -> int:
-    threads = set_threads(threads)
+    threads = set_threads(resolve_threads(threads))
     items = read_prompts(prompts)[shard[0]::shard[1]]
     model, tokenizer = load_model(model_spec, dtype=dtype, linear=linear, device=device,
                                   device_map=device_map)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from bench.baselines import colocated, hf_generate
 from bench.cli import hub_defaults, parse_targets
@@ -14,6 +15,7 @@ from bench.run import METRICS, BenchConfig, baseline_row, run_real
 from starhub.cli import build_parser
 from starhub.drafters.base import TreeShape
 from starhub.drafters.ngram import NgramDrafter
+from starhub.options import AUTO, resolve_threads, usable_cores
 
 PROMPTS = ["a b c a b c a b", "one two three one two three one"]
 
@@ -108,7 +110,12 @@ def test_real_bench_end_to_end(tiny_dir, tmp_path):
         assert star[key] is not None, key
     assert star["targets"] == 2 and star["prompts"] == 2
     assert star["lossless"] is True and star["standalone_prompts"] == 0
-    assert star["threads"] == {"hub": 1, "targets": [1, 1]}
+    per_target = resolve_threads(AUTO, sharing=2)  # auto: the usable cores over 2 targets
+    assert star["threads"] == {"hub": 1, "targets": [per_target, per_target]}
+    assert doc["config"]["threads_resolved"] == {
+        "cores": usable_cores(), "baselines": resolve_threads(AUTO), "targets": {"2": per_target}}
+    assert doc["rows"][0]["threads"] == {"bench": resolve_threads(AUTO)}
+    assert torch.get_num_threads() == 1, "the bench restores this process's threads"
     generate = doc["rows"][0]
     assert len(generate["passes_tok_s"]) == 2 and generate["deterministic"] is True
     assert star["tokens"] * 2 == generate["tokens"] and generate["prompts"] == 2
@@ -117,3 +124,19 @@ def test_real_bench_end_to_end(tiny_dir, tmp_path):
         star["per_target_tok_s"] / doc["rows"][0]["per_target_tok_s"])
     assert star["target_split"]["verify_s"] > 0 and star["target_split"]["hub_draft_s"] > 0
     json.dumps(doc)
+
+
+def test_auto_threads_split_the_usable_cores_between_the_processes(monkeypatch):
+    import starhub.options as options
+
+    monkeypatch.setattr(options, "usable_cores", lambda: 8)
+    assert [resolve_threads(AUTO, n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+    assert resolve_threads(None) == 8 and resolve_threads(3, 4) == 3
+    assert build_parser().parse_args(["target", "--prompts", "p", "--out", "o"]).threads == AUTO
+    assert build_parser().parse_args(["bench"]).threads == AUTO
+
+
+def test_usable_cores_follow_this_process_affinity():
+    import os
+
+    assert 1 <= usable_cores() <= len(os.sched_getaffinity(0))
