@@ -435,7 +435,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.synth_prompts:
         rows += synthesize_prompts(data_model, tokenizer, args.synth_prompts,
                                    work / f"synth-prompts{data_tag}.jsonl", args.gen_batch,
-                                   seed=args.seed, exclude={p for _, p in eval_rows})
+                                   seed=args.seed,
+                                   exclude={p for _, p in eval_rows if isinstance(p, str)})
     record = Record(default_feature_layers(args.kind, model.config.num_hidden_layers),
                     args.teacher_topk)
     store = FeatureStore(work / (f"features-k{args.teacher_topk}{data_tag}"

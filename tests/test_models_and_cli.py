@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,39 @@ def test_prompt_files_accept_plain_and_mt_bench_lines(tmp_path):
     path.write_text('{"text": "nope"}\n')
     with pytest.raises(ValueError, match=":1: needs 'prompt'"):
         read_prompts(path)
+
+
+def test_conversation_prompts_keep_their_turns_and_end_with_the_user(tmp_path, tokenizer):
+    from starhub.prompts import encode_prompt
+
+    turns = [{"role": "user", "content": "Name a planet."},
+             {"role": "assistant", "content": "Mars."},
+             {"role": "user", "content": "Why is it red?"}]
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"id": "c", "messages": turns}) + "\n")
+    [(id_, prompt)] = read_prompts(path)
+    assert id_ == "c" and prompt == turns
+    ids = encode_prompt(tokenizer, prompt)
+    assert ids == list(tokenizer.apply_chat_template(turns, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False))
+    assert "Mars." in tokenizer.decode(ids) and len(ids) > len(encode_prompt(tokenizer, "Why?"))
+    for bad in ([], turns[:2], [{"role": "robot", "content": "x"}], [{"role": "user"}]):
+        path.write_text(json.dumps({"id": "c", "messages": bad}) + "\n")
+        with pytest.raises(ValueError, match=":1: 'messages' must be a list"):
+            read_prompts(path)
+
+
+def test_the_held_out_set_covers_its_styles_and_shares_nothing_with_training():
+    root = Path(__file__).resolve().parent.parent / "scripts" / "prompts"
+    rows = [json.loads(line) for line in (root / "heldout.jsonl").read_text().splitlines()]
+    assert {r["category"] for r in rows} == {"multi-part", "passage", "code", "persona",
+                                             "math-word", "two-turn"}
+    assert all(len(r["messages"]) == 3 and r["messages"][1]["content"]
+               for r in rows if r["category"] == "two-turn")
+    assert len(read_prompts(root / "heldout.jsonl")) == len(rows) == 40
+    train = {json.loads(line)["prompt"] for line in (root / "train.jsonl").read_text().splitlines()}
+    asked = {r.get("prompt") or r["messages"][0]["content"] for r in rows}
+    assert not asked & train
 
 
 def test_help_explains_every_command():
