@@ -193,14 +193,12 @@ class EdgeDrafter:
         ref = next(self._refs)
         prefix = [*prompt, *out]
         self._send(Open(ref=ref, prompt_len=len(prompt), temperature=temperature, top_p=top_p,
-                        seed=seed + len(out), target_tok_s=target_tok_s,
+                        seed=seed, target_tok_s=target_tok_s,
                         tokens=torch.tensor(prefix, dtype=torch.int32)))
         opened = self._reply(lambda m: isinstance(m, Open) and m.ref == ref, ref=ref)
         tag = opened.tag
         first = int(opened.tokens[-1])
-        generator = torch.Generator().manual_seed(seed + len(out))
-        ctx = DraftContext(tokens=opened.tokens.tolist(), temperature=temperature,
-                           generator=generator,
+        ctx = DraftContext(tokens=opened.tokens.tolist(), temperature=temperature, seed=seed,
                            features=[] if opened.features is None else [to_torch(opened.features)])
         out.append(first)
         nodes = self.shape.max_nodes

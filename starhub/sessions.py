@@ -70,7 +70,7 @@ class SessionTable:
             tag = secrets.randbits(62) or 1
         generator = torch.Generator().manual_seed(msg.seed)
         ctx = DraftContext(tokens=msg.tokens.tolist(), temperature=msg.temperature,
-                           generator=generator, features=features)
+                           generator=generator, features=features, seed=msg.seed)
         session = Session(tag=tag, owner=owner, ctx=ctx, prompt_len=msg.prompt_len)
         self.sessions[tag] = session
         if owner in self.peers:

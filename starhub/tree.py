@@ -132,26 +132,33 @@ class TreeFeed:
         return mask, positions
 
 
+Score = Callable[[torch.Tensor, int], torch.Tensor]
+"""Turns a layer's logits into the scores its children are ranked by, given the layer's
+depth (1 for the root's children); a seeded sampled session adds the target's noise."""
+
+
 def build_greedy_tree(root_logits: torch.Tensor, expand: Expand, depth: int, topk: int,
-                      max_nodes: int) -> DraftTree:
-    return drive(grow_greedy(root_logits, depth, topk, max_nodes), expand)
+                      max_nodes: int, score: Score | None = None) -> DraftTree:
+    return drive(grow_greedy(root_logits, depth, topk, max_nodes, score), expand)
 
 
-def grow_greedy(root_logits: torch.Tensor, depth: int, topk: int, max_nodes: int) -> Grower:
+def grow_greedy(root_logits: torch.Tensor, depth: int, topk: int, max_nodes: int,
+                score: Score | None = None) -> Grower:
     """EAGLE-2 dynamic tree: expand the top-k paths per layer, keep the best nodes overall.
 
     A node's score is its path's cumulative log-probability, which never grows along a
     path, so the best ``max_nodes`` always include each chosen node's ancestors, and
-    expansion stops as soon as no deeper node could enter them.
+    expansion stops as soon as no deeper node could enter them. With ``score``, the
+    log-probabilities are those of the softmax of ``score(logits, layer depth)``.
     """
     tokens: list[int] = []
     parents: list[int] = []
     scores: list[float] = []
 
-    def add(nodes: list[int], logits: torch.Tensor) -> list[int]:
+    def add(nodes: list[int], logits: torch.Tensor, layer: int) -> list[int]:
         """Each node's top-k children, scored by log-probability: one top-k and one
         log-sum-exp for the whole layer rather than a softmax per node."""
-        logits = logits.float()
+        logits = (logits if score is None else score(logits, layer)).float()
         values, ids = logits.topk(min(topk, logits.shape[-1]), dim=-1)
         values = (values - torch.logsumexp(logits, -1, keepdim=True)).tolist()
         new = []
@@ -164,14 +171,14 @@ def grow_greedy(root_logits: torch.Tensor, depth: int, topk: int, max_nodes: int
                 scores.append(base + v)
         return new
 
-    frontier = _best(add([-1], root_logits[None]), scores, topk)
-    for _ in range(depth - 1):
+    frontier = _best(add([-1], root_logits[None], 1), scores, topk)
+    for layer in range(2, depth + 1):
         if _settled(frontier, scores, max_nodes):
             break
         logits = yield frontier, [tokens[i] for i in frontier], [parents[i] for i in frontier]
         if logits is None:
             break
-        frontier = _best(add(frontier, logits), scores, topk)
+        frontier = _best(add(frontier, logits, layer), scores, topk)
     keep = sorted(_best(range(len(tokens)), scores, max_nodes))
     return _subtree(keep, tokens, parents)
 

@@ -138,7 +138,7 @@ def _verify_batch(model: PreTrainedModel, targets: list[TargetModel],
     verdicts = []
     for b, (target, tree, length) in enumerate(zip(targets, trees, cached, strict=True)):
         n = len(tree) + 1
-        path, bonus = target.accept(tree, logits[b, :n])
+        path, bonus = target.accept(tree, logits[b, :n], length)
         keep = [0] + [i + 1 for i in path]
         _write_back(cache, b, target, length, base, keep)
         feats = None

@@ -348,6 +348,3 @@ def check_propose(msg: Propose, target: TargetModel, vocab_size: int) -> None:
     for arr in ids:
         if arr.size and not (0 <= int(arr.min()) and int(arr.max()) < vocab_size):
             raise HubUnavailable(f"the hub sent token ids outside [0, {vocab_size})")
-    if not msg.plain and not target.sampling.greedy and msg.dist_ids is None:
-        raise HubUnavailable("the hub sent a sampled session a tree without draft "
-                             "distributions")

@@ -241,9 +241,6 @@ class Verifier:
         check_tree(msg.parents, self.config.max_nodes, self.config.max_depth, msg.tag)
         self.budget.check_grow(msg.tag, len(msg.tokens) + 1)
         self._check_ids(msg.tokens.tolist(), msg)
-        if not session.greedy and msg.dist_ids is None:
-            raise ProtocolError(ErrorCode.BAD_FIELD, "a sampled session needs draft "
-                                "distributions (dist_ids, dist_probs)", tag=msg.tag)
         if msg.dist_ids is not None:
             self._check_ids(msg.dist_ids.reshape(-1).tolist(), msg)
         now = time.monotonic()

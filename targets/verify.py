@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from starhub.coupling import sample_at
 from starhub.kvcache import keep_rows
 from starhub.tree import DraftTree, ancestor_mask, depths
-from targets.acceptance import Sampling, accept_greedy, accept_sampled, sample, target_probs
+from targets.acceptance import Sampling, accept_greedy, accept_sampled, target_probs
 
 
 @dataclass
@@ -35,7 +36,9 @@ class TargetModel:
                  feature_layers: list[int] | None = None):
         self.model = model
         self.sampling = sampling
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        """Sampled tokens are seeded draws keyed by (seed, sequence index): the output is a
+        function of the seed alone, whatever the hub drafted (``starhub.coupling``)."""
         self.feature_layers = feature_layers or []
         self.cache = DynamicCache(config=model.config)
         self.device = next(model.parameters()).device
@@ -70,32 +73,35 @@ class TargetModel:
                           use_cache=True, output_hidden_states=bool(self.feature_layers),
                           **kwargs)
 
-    def next_token(self, logits: torch.Tensor) -> int:
+    def next_token(self, logits: torch.Tensor, index: int) -> int:
+        """The token at sequence ``index`` from the logits before it."""
         if self.sampling.greedy:
             return int(logits.argmax())
-        return sample(target_probs(logits.float().cpu(), self.sampling), self.generator)
+        return sample_at(target_probs(logits.float().cpu(), self.sampling), self.seed, index)
 
     @torch.inference_mode()
     def prefill(self, prompt: list[int]) -> tuple[int, torch.Tensor | None]:
         """Process the prompt; return the first generated token and the prompt's features."""
         out = self._forward(prompt)
-        self.last = self.next_token(out.logits[0, -1])
+        self.last = self.next_token(out.logits[0, -1], len(prompt))
         return self.last, self.features_of(out)
 
     @torch.inference_mode()
     def step(self) -> int:
         """One plain autoregressive step, for decoding without a hub."""
         self.compact()
+        index = self.cache.get_seq_length() + 1
         out = self._forward([self.last])
         self.step_features = self.features_of(out)
-        self.last = self.next_token(out.logits[0, -1])
+        self.last = self.next_token(out.logits[0, -1], index)
         return self.last
 
-    def accept(self, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
-        """The accepted path and the bonus token, from the logits of the root and nodes."""
+    def accept(self, tree: DraftTree, logits: torch.Tensor, cached: int) -> tuple[list[int], int]:
+        """The accepted path and the bonus token, from the logits of the root and nodes;
+        ``cached`` entries precede the root, so the root's child is token ``cached + 1``."""
         if self.sampling.greedy:
             return accept_greedy(tree, logits)
-        return accept_sampled(tree, logits, self.sampling, self.generator)
+        return accept_sampled(tree, logits, self.sampling, self.seed, cached + 1)
 
     @torch.inference_mode()
     def verify(self, tree: DraftTree) -> Verdict:
@@ -109,7 +115,7 @@ class TargetModel:
         out = self._forward([self.last, *tree.tokens.tolist()],
                             position_ids=positions[None].to(self.device),
                             attention_mask=mask[None, None].to(self.device))
-        path, bonus = self.accept(tree, out.logits[0].float().cpu())
+        path, bonus = self.accept(tree, out.logits[0].float().cpu(), cached)
         keep = [0] + [i + 1 for i in path]
         self._keep = (cached, keep)
         feats = self.features_of(out)

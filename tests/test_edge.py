@@ -158,8 +158,6 @@ def test_verifier_answers_bad_input_with_errors_and_keeps_serving(tiny_model, ve
         assert isinstance(opened, Open) and len(opened.tokens) == 4
         tag = opened.tag
         tree = {"tokens": np.array([5, 6], np.int32), "parents": np.array([-1, 0], np.int32)}
-        reply = a.ask(Propose(tag=tag, seq=1, **tree))
-        assert reply.code == ErrorCode.BAD_FIELD and "distributions" in reply.message
         assert isinstance(b.ask(Welcome(drafter="other")), Hello)
         reply = b.ask(Propose(tag=tag, seq=1, **tree))
         assert reply.code == ErrorCode.NOT_OWNER
@@ -168,9 +166,11 @@ def test_verifier_answers_bad_input_with_errors_and_keeps_serving(tiny_model, ve
         assert reply.code == ErrorCode.TOO_LARGE
         reply = a.ask(Propose(tag=tag + 1, seq=1, **tree))
         assert reply.code == ErrorCode.UNKNOWN_TAG
+        reply = a.ask(Propose(tag=tag, seq=1, **tree))  # sampled: the tree alone suffices
+        assert reply.TYPE == "COMMIT" and len(reply.tokens) >= 1
         a.sock.send_multipart(encode(Close(tag=tag)))
         body = a.ask(Stats()).body
-        assert body["sessions"] == 0 and body["errors"]["BAD_FIELD"] == 2
+        assert body["sessions"] == 0 and body["errors"]["BAD_FIELD"] == 1
     finally:
         a.close()
         b.close()

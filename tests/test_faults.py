@@ -187,14 +187,20 @@ def test_a_target_finishes_alone_on_an_invalid_propose(tiny_model, proposal, not
     assert note in result.stats.note and result.stats.rounds == 0
 
 
-def test_a_sampled_target_refuses_a_tree_without_draft_distributions(tiny_model):
+def test_a_sampled_target_verifies_trees_without_distributions_as_if_alone(tiny_model):
+    """A tree is only a guess: with or without draft distributions, and whatever it holds,
+    sampled output is the target's own seeded draw, the same as with no hub at all."""
     model, tokenizer = tiny_model
-    rogue = RogueHub([lambda m, tag: Propose(tag=tag, ref=m.ref, **_tree([5, 6]))])
+    alone = SpeculativeGenerator(model, tokenizer, None)
+    expected = alone.generate([1, 5, 9], max_new_tokens=8, temperature=0.7, seed=3)
+    guess = expected.output_ids[1:3]
+    rogue = RogueHub([lambda m, tag: Propose(tag=tag, ref=m.ref, **_tree(guess))])
     gen = SpeculativeGenerator(model, tokenizer, rogue.address, timeout_s=2.0)
     result = gen.generate([1, 5, 9], max_new_tokens=8, temperature=0.7, seed=3)
     gen.close()
     rogue.close()
-    assert len(result.output_ids) == 8 and "distributions" in result.stats.note
+    assert result.output_ids == expected.output_ids
+    assert result.stats.rounds == 1 and result.stats.mean_accept_len == 3.0
 
 
 def test_a_replayed_propose_is_never_applied_twice(tiny_model):
@@ -212,19 +218,30 @@ def test_a_replayed_propose_is_never_applied_twice(tiny_model):
 
 
 def test_sampled_output_is_reproducible_for_a_seed(tiny_model):
+    """One seed, one output: through a hub with a fixed tree, through a hub that chooses
+    each round's depth from timings (here it decodes plainly: no tree pays for the tiny
+    model), and without a hub."""
     from starhub.drafters.base import TreeShape
     from starhub.drafters.model import ModelDrafter
     from tests.conftest import HubThread
 
     model, tokenizer = tiny_model
-    hub = HubThread(ModelDrafter(model, label="self"), shape=TreeShape(3, 2, 5))
-    outs = []
-    for seed in (11, 11, 12):
-        gen = SpeculativeGenerator(model, tokenizer, hub.address)
-        outs.append(gen.generate([1, 5, 9, 14], max_new_tokens=16, temperature=0.8,
-                                 seed=seed))
-        gen.close()
-    hub.stop()
-    assert outs[0].output_ids == outs[1].output_ids
-    assert outs[2].output_ids != outs[0].output_ids, "the seed must matter"
-    assert outs[0].stats.rounds > 0 and outs[2].stats.rounds > 0
+    prompt, new = [1, 5, 9, 14], 24
+    runs = {}
+    for name, config in (("fixed", {"shape": TreeShape(3, 2, 5)}),
+                         ("auto", {"shape": TreeShape(6, 2, 8), "adaptive": True})):
+        hub = HubThread(ModelDrafter(model, label="self"), **config)
+        for seed in (11, 11, 12):
+            gen = SpeculativeGenerator(model, tokenizer, hub.address)
+            runs.setdefault(name, []).append(gen.generate(prompt, new, temperature=0.8,
+                                                          seed=seed))
+            gen.close()
+        hub.stop()
+    alone = SpeculativeGenerator(model, tokenizer, None).generate(prompt, new,
+                                                                  temperature=0.8, seed=11)
+    for out in runs.values():
+        assert out[0].output_ids == out[1].output_ids == alone.output_ids
+        assert out[2].output_ids != out[0].output_ids, "the seed must matter"
+    fixed = runs["fixed"][0].stats
+    assert fixed.rounds > 0 and fixed.accepted_at_depth[0] == fixed.rounds, \
+        "self-drafts ranked with the target's noise are the target's own draws"

@@ -1,9 +1,10 @@
 """Sampling is lossless: committed tokens follow the target's distribution exactly.
 
 Tiny random models with a 12-token vocabulary make q differ clearly from p; forward passes
-are memoised by context so that 20,000 rounds take seconds. The joint law of the first two
-committed tokens is compared with p(x1) p(x2 | x1) by a chi-square test, and a negative
-control (the verifier told the wrong q) must fail the same test.
+are memoised by context so that 20,000 rounds (one seed each) take seconds. The joint law
+of the first two committed tokens is compared with p(x1) p(x2 | x1) by a chi-square test,
+for trees drafted with the target's noise (coupled) and without it, and a negative control
+(a verifier that reuses one position's noise) must fail the same test.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from starhub.tree import build_sampled_tree
-from targets.acceptance import Sampling, accept_sampled, target_probs
+from starhub.coupling import sample_at
+from starhub.drafters.base import DraftContext
+from starhub.tree import build_greedy_tree, build_sampled_tree
+from targets.acceptance import Sampling, accept_sampled, target_probs, walk
 from tests.conftest import tiny_config
 
 VOCAB = 12
@@ -44,10 +47,11 @@ TARGET = Memo(seed=1, scale=2.0)
 DRAFT = Memo(seed=2, scale=3.0)
 
 
-def model_proposer(topk: int, depth: int, max_nodes: int):
-    """Trees from a memoised independent draft model, as the ``model`` drafter builds them."""
+def model_proposer(topk: int, depth: int, max_nodes: int, coupled: bool = False):
+    """Trees from a memoised independent draft model, as the ``model`` drafter builds them:
+    ranked with the target's noise for the round's seed, or drawn from q."""
 
-    def propose(gen: torch.Generator):
+    def propose(gen: torch.Generator, seed: int):
         seqs: dict[int, tuple[int, ...]] = {-1: CONTEXT}
 
         def expand(ids, tokens, parents):
@@ -57,6 +61,10 @@ def model_proposer(topk: int, depth: int, max_nodes: int):
                 rows.append(DRAFT.logits(seqs[node]))
             return torch.stack(rows)
 
+        if coupled:
+            score = DraftContext(tokens=list(CONTEXT), temperature=1.0, seed=seed).coupled(VOCAB)
+            return build_greedy_tree(DRAFT.logits(CONTEXT), expand, depth, topk, max_nodes,
+                                     score)
         return build_sampled_tree(DRAFT.logits(CONTEXT), expand, depth, topk, max_nodes,
                                   temperature=1.0, support=6, generator=gen)
 
@@ -79,18 +87,17 @@ def eagle_proposer(topk: int, depth: int, max_nodes: int):
     feats = out.hidden_states[-1][0, :-1]
     shape = TreeShape(depth=depth, topk=topk, max_nodes=max_nodes, support=6)
 
-    def propose(gen: torch.Generator):
+    def propose(gen: torch.Generator, seed: int):
         ctx = DraftContext(tokens=list(CONTEXT), temperature=1.0, generator=gen,
-                           features=[feats])
+                           features=[feats], seed=seed)
         return drafter.propose(ctx, shape)
 
     return propose
 
 
-def run_round(propose, gen: torch.Generator, corrupt_q: bool = False) -> list[int]:
-    tree = propose(gen)
-    if corrupt_q:
-        tree.dist_probs = np.where(tree.dist_probs > 0, 1.0, 0.0).astype(np.float32)
+def run_round(propose, gen: torch.Generator, reuse_noise: bool = False) -> list[int]:
+    seed = int(torch.randint(1 << 62, (1,), generator=gen))
+    tree = propose(gen, seed)
     node_seq = {-1: CONTEXT}
     paths = [CONTEXT]
     for i, (tok, parent) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist(),
@@ -98,16 +105,20 @@ def run_round(propose, gen: torch.Generator, corrupt_q: bool = False) -> list[in
         node_seq[i] = node_seq[parent] + (tok,)
         paths.append(node_seq[i])
     logits = torch.stack([TARGET.logits(s) for s in paths])
-    path, bonus = accept_sampled(tree, logits, SAMPLING, gen)
+    if reuse_noise:  # the bug: every depth drawn with the first position's noise
+        path, bonus = walk(tree, lambda pos, depth: sample_at(
+            target_probs(logits[pos], SAMPLING), seed, len(CONTEXT)))
+    else:
+        path, bonus = accept_sampled(tree, logits, SAMPLING, seed, len(CONTEXT))
     return [int(tree.tokens[i]) for i in path] + [bonus]
 
 
-def first_two(propose, corrupt_q=False) -> tuple[np.ndarray, np.ndarray]:
+def first_two(propose, reuse_noise=False) -> tuple[np.ndarray, np.ndarray]:
     gen = torch.Generator().manual_seed(99)
     counts = np.zeros((VOCAB, VOCAB))
     singles = np.zeros(VOCAB)
     for _ in range(SAMPLES):
-        out = run_round(propose, gen, corrupt_q)
+        out = run_round(propose, gen, reuse_noise)
         if len(out) >= 2:
             counts[out[0], out[1]] += 1
         else:
@@ -148,9 +159,10 @@ def joint_observed(counts, singles):
 
 
 PROPOSERS = {
-    "model-chain": lambda: model_proposer(1, 4, 4),
-    "model-tree": lambda: model_proposer(3, 3, 9),
-    "eagle-tree": lambda: eagle_proposer(3, 3, 9),
+    "model-chain-coupled": lambda: model_proposer(1, 4, 4, coupled=True),
+    "model-tree-coupled": lambda: model_proposer(3, 3, 9, coupled=True),
+    "model-tree-drawn": lambda: model_proposer(3, 3, 9),
+    "eagle-tree-coupled": lambda: eagle_proposer(3, 3, 9),
 }
 
 
@@ -169,8 +181,18 @@ def test_sampled_rounds_match_target_distribution(name):
     assert not rejects, f"second token given first: chi2={stat:.1f} > {crit:.1f} (df={df})"
 
 
-def test_the_test_detects_a_verifier_that_ignores_q():
-    counts, singles = first_two(model_proposer(3, 3, 9), corrupt_q=True)
-    first, p1 = joint_observed(counts, singles)
-    rejects, stat, crit, _ = chi_square_rejects(first, p1)
+def test_the_test_detects_a_verifier_that_reuses_one_positions_noise():
+    counts, _ = first_two(model_proposer(3, 3, 9, coupled=True), reuse_noise=True)
+    joint = expected_joint()
+    rows = counts.sum(1, keepdims=True)
+    cond_expected = joint / np.where(joint.sum(1, keepdims=True) > 0,
+                                     joint.sum(1, keepdims=True), 1)
+    rejects, stat, crit, _ = chi_square_rejects(counts, cond_expected * rows / rows.sum())
     assert rejects, f"a biased verifier went unnoticed: chi2={stat:.1f} <= {crit:.1f}"
+
+
+def test_coupled_drafts_are_accepted_more_often_than_drawn_ones():
+    """Not needed for losslessness; it is why drafts rank with the target's noise."""
+    coupled, _ = first_two(model_proposer(3, 3, 9, coupled=True))
+    drawn, _ = first_two(model_proposer(3, 3, 9))
+    assert coupled.sum() > drawn.sum()

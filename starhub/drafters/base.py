@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 
+from starhub.coupling import coupled_scores
 from starhub.options import TreeShape
 from starhub.protocol import Hello
-from starhub.tree import DraftTree
+from starhub.tree import DraftTree, Score
 
 
 @dataclass
@@ -23,10 +24,24 @@ class DraftContext:
     generator: torch.Generator | None = None
     features: list[torch.Tensor] = field(default_factory=list)
     state: Any = None
+    seed: int | None = None
+    """A sampled session's seed. Its target draws token i as the Gumbel-max keyed by (seed,
+    i) (``starhub.coupling``); ranking drafts with the same noise makes the first guesses
+    the target's draws wherever drafter and target agree."""
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+    def coupled(self, vocab: int, to_target: torch.Tensor | None = None) -> Score | None:
+        """The scores a tree for this session ranks by (None: plain log-probabilities, for
+        greedy sessions). ``vocab`` is the target's vocabulary size; ``to_target`` maps
+        the drafter's ids to the target's where they differ."""
+        if self.greedy or self.seed is None:
+            return None
+        seed, temperature, first = self.seed, self.temperature, len(self.tokens)
+        return lambda logits, layer: coupled_scores(logits, temperature, seed,
+                                                    first + layer - 1, vocab, to_target)
 
 
 class Drafter(ABC):

@@ -90,6 +90,7 @@ class EagleDrafter(Drafter):
         self.dtype = weight.dtype
         self.device = weight.device
         self._index: torch.Tensor | None = None
+        self._targets: torch.Tensor | None = None
         if onednn_packs(weight.dtype, weight.device.type):
             prepack_linears(head)
 
@@ -155,9 +156,10 @@ class EagleDrafter(Drafter):
             ctx, shape = jobs[i]
             state: _HeadState = ctx.state
             growths.append(_Growth(state.cache, state.pairs, {-1: state.root_hidden}))
-            if ctx.greedy:
+            score = ctx.coupled(self.head.vocab_size, self._target_index())
+            if ctx.greedy or score is not None:
                 growers.append(grow_greedy(state.root_logits, shape.depth, shape.topk,
-                                           shape.max_nodes))
+                                           shape.max_nodes, score))
             else:
                 growers.append(grow_sampled(state.root_logits, shape.depth, shape.topk,
                                             shape.max_nodes, ctx.temperature, shape.support,
@@ -289,6 +291,15 @@ class EagleDrafter(Drafter):
                 key = tuple(sent[i] for i in path_to(parents, v)) + (b,)
                 found[key] = self._to_target_ids(grown)
         return found
+
+    def _target_index(self) -> torch.Tensor | None:
+        """Target id of every draft id (None when the vocabularies are the same)."""
+        if self.head.d2t is None:
+            return None
+        if self._targets is None:
+            draft = torch.arange(self.head.draft_vocab_size, device=self.head.d2t.device)
+            self._targets = self.head.to_target_ids(draft).cpu()
+        return self._targets
 
     def _draft_index(self) -> torch.Tensor:
         if self._index is None:

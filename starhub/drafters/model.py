@@ -54,8 +54,10 @@ class ModelDrafter(Drafter):
         root_logits = self.model(pending, past_key_values=state.kv, use_cache=True).logits[0, -1]
         state.cached = base
         expand = _TreeExpansion(self.model, state.kv, base)
-        if ctx.greedy:
-            tree = build_greedy_tree(root_logits, expand, shape.depth, shape.topk, shape.max_nodes)
+        score = ctx.coupled(self.vocab_size)
+        if ctx.greedy or score is not None:
+            tree = build_greedy_tree(root_logits, expand, shape.depth, shape.topk,
+                                     shape.max_nodes, score)
         else:
             tree = build_sampled_tree(root_logits, expand, shape.depth, shape.topk,
                                       shape.max_nodes, ctx.temperature, shape.support,
