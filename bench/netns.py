@@ -7,24 +7,29 @@ communication time per round (``t_c``) follows the injected delay.
 
 No root is needed: the run re-executes itself in a new user and network namespace
 (``unshare -rn``), makes a second network namespace for the target, and links the two.
-Where the system cannot make namespaces, or has no netem, it says why and what it could
-still measure.
+Where the kernel has no netem, ``--delay-by relay`` (what ``auto`` falls back to) delays
+the link in user space instead: the target connects across the veth pair to a relay in
+the hub's namespace that holds every chunk for the delay, in each direction, before
+passing it on. Where the system cannot make namespaces, it says why.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 HUB_IP, TARGET_IP = "10.77.0.1", "10.77.0.2"
 INSIDE = "--inside-namespaces"
+DELAY_BY = ("auto", "netem", "relay")
 
 
 def _quiet(cmd: list[str], timeout: float = 10.0) -> subprocess.CompletedProcess:
@@ -61,6 +66,8 @@ def netem_unavailable() -> str | None:
 class LinkRow:
     delay_ms: float
     """One-way delay injected on each end, so a round trip gains twice this."""
+    delay_by: str
+    """netem (the kernel's qdisc on both veth ends) or relay (user space, both ways)."""
     rounds: int
     t_c_ms: float
     """Measured communication per hub round: round trip minus the hub's queue and draft."""
@@ -106,23 +113,78 @@ class Link:
         self.holder.wait()
 
 
+class Relay:
+    """A TCP delay line: listens on the hub's veth address, connects each client to
+    ``upstream`` and passes every chunk on ``delay_ms`` after it arrived, in both
+    directions and in order. It runs its own event loop on a thread."""
+
+    def __init__(self, upstream: tuple[str, int], delay_ms: float):
+        self.upstream, self.delay = upstream, delay_ms / 1e3
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self.port = 0
+
+        async def start() -> None:
+            server = await asyncio.start_server(self._client, HUB_IP, 0)
+            self.port = server.sockets[0].getsockname()[1]
+            started.set()
+
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(start(), self.loop)
+        started.wait(10)
+
+    async def _client(self, reader, writer) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer),
+                             return_exceptions=True)
+
+    async def _pump(self, reader, writer) -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def send() -> None:
+            while (item := await queue.get()) is not None:
+                due, data = item
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        sender = asyncio.create_task(send())
+        while data := await reader.read(1 << 16):
+            queue.put_nowait((time.monotonic() + self.delay, data))
+        queue.put_nowait(None)
+        await sender
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
 def _run_delay(link: Link, args: argparse.Namespace, delay: float, tmp: Path) -> LinkRow:
     from starhub.launch import child_env, spawn_hub, target_command
 
-    if delay or args.delay_applied:
-        link.delay(delay)
-        args.delay_applied = True
+    by = args.delay_by if delay else "none"
+    if by == "netem" or args.netem_set:
+        link.delay(delay if by == "netem" else 0.0)
+        args.netem_set = by == "netem"
     hub_args = ["--bind", f"tcp://{HUB_IP}:0", "--insecure", "--drafter", args.drafter,
                 "--depth", str(args.depth), "--model", args.model]
     out = tmp / f"delay{delay}.jsonl"
+    relay = None
     with spawn_hub(hub_args, pre_args=["--log-level", "warning"]) as hub:
+        address = hub.address
+        if by == "relay":
+            host, port = address.rsplit("/", 1)[1].rsplit(":", 1)
+            relay = Relay((host, int(port)), delay)
+            address = f"tcp://{HUB_IP}:{relay.port}"
         cmd = link.enter() + target_command(
-            hub.address, args.prompts, str(out), pre_args=["--log-level", "warning"],
+            address, args.prompts, str(out), pre_args=["--log-level", "warning"],
             extra=["--model", args.model, "--max-new-tokens", str(args.max_new_tokens),
                    "--hub-timeout", "10", *(["--no-chat-template"] if args.no_chat_template
                                              else [])])
         done = subprocess.run(cmd, env=child_env(1), capture_output=True, text=True,
                               timeout=1800)
+        if relay is not None:
+            relay.close()
         if done.returncode:
             raise RuntimeError(f"the target failed across the link: {done.stderr[-2000:]}")
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
@@ -130,7 +192,7 @@ def _run_delay(link: Link, args: argparse.Namespace, delay: float, tmp: Path) ->
     rounds = sum(s["rounds"] for s in stats)
     wall = sum(s["wall_s"] for s in stats)
     tokens = sum(len(r["output_ids"]) for r in rows)
-    return LinkRow(delay, rounds, 1e3 * sum(s["comm_s"] for s in stats) / max(rounds, 1),
+    return LinkRow(delay, by, rounds, 1e3 * sum(s["comm_s"] for s in stats) / max(rounds, 1),
                    tokens / wall if wall else 0.0,
                    sum(s["mean_accept_len"] for s in stats) / max(len(stats), 1),
                    [r["output_ids"] for r in rows])
@@ -139,14 +201,14 @@ def _run_delay(link: Link, args: argparse.Namespace, delay: float, tmp: Path) ->
 def inside(args: argparse.Namespace) -> int:
     """Runs as root of a fresh user namespace, in the hub's network namespace."""
     link = Link()
-    args.delay_applied = False
+    args.netem_set = False
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for delay in args.delay_ms:
                 rows.append(_run_delay(link, args, delay, Path(tmp)))
-                print(f"  delay {delay:g} ms each way: t_c {rows[-1].t_c_ms:.2f} ms per round",
-                      file=sys.stderr)
+                print(f"  delay {delay:g} ms each way ({rows[-1].delay_by}): t_c "
+                      f"{rows[-1].t_c_ms:.2f} ms per round", file=sys.stderr)
     finally:
         link.close()
     print(json.dumps([asdict(r) for r in rows]))
@@ -154,10 +216,14 @@ def inside(args: argparse.Namespace) -> int:
 
 
 def measure(delays: list[float], prompts: str, model: str = "default", drafter: str = "eagle",
-            depth: int = 3, max_new_tokens: int = 32, chat_template: bool = True
-            ) -> list[LinkRow]:
-    """Run the star across the link once per delay (one-way, both ends; 0 = none)."""
+            depth: int = 3, max_new_tokens: int = 32, chat_template: bool = True,
+            delay_by: str = "auto") -> list[LinkRow]:
+    """Run the star across the link once per delay (one-way, both ends; 0 = none);
+    ``auto`` delays with netem where the kernel has it, else with the relay."""
+    if delay_by == "auto":
+        delay_by = "relay" if netem_unavailable() else "netem"
     cmd = ["unshare", "-rn", sys.executable, "-m", "bench.netns", INSIDE,
+           "--delay-by", delay_by,
            "--delay-ms", ",".join(f"{d:g}" for d in delays), "--prompts", prompts,
            "--model", model, "--drafter", drafter, "--depth", str(depth),
            "--max-new-tokens", str(max_new_tokens)]
@@ -182,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delay-ms", type=_delays, default=[0.0, 1.0, 20.0],
                    help="one-way delays to inject on both ends, comma list (default 0,1,20: "
                         "none, a LAN, a WAN link). Needs the kernel's netem")
+    p.add_argument("--delay-by", choices=DELAY_BY, default="auto",
+                   help="netem: the kernel's qdisc on both veth ends; relay: a user-space "
+                        "delay line in the hub's namespace; auto (default): netem where the "
+                        "kernel has it, else relay")
     p.add_argument("--prompts", default="scripts/prompts/demo.jsonl")
     p.add_argument("--model", default="default")
     p.add_argument("--drafter", default="eagle", choices=["eagle", "ngram"])
@@ -201,19 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"cannot run across namespaces here: {why}", file=sys.stderr)
         return 2
-    delays = args.delay_ms
-    no_netem = netem_unavailable() if any(delays) else None
-    if no_netem:
-        print(f"no delay can be injected ({no_netem}); measuring the plain veth link only",
-              file=sys.stderr)
-        delays = [0.0]
-    rows = measure(delays, args.prompts, args.model, args.drafter, args.depth,
-                   args.max_new_tokens, not args.no_chat_template)
-    print(f"{'delay each way':>15} {'round trip +':>13} {'rounds':>7} {'t_c ms':>8} "
+    if args.delay_by == "netem" and netem_unavailable():
+        print(f"no netem here ({netem_unavailable()}); use --delay-by relay", file=sys.stderr)
+        return 2
+    rows = measure(args.delay_ms, args.prompts, args.model, args.drafter, args.depth,
+                   args.max_new_tokens, not args.no_chat_template, args.delay_by)
+    print(f"{'delay each way':>15} {'by':>6} {'round trip +':>13} {'rounds':>7} {'t_c ms':>8} "
           f"{'tok/s':>7} {'tau':>5}")
     for r in rows:
-        print(f"{r.delay_ms:>12g} ms {2 * r.delay_ms:>10g} ms {r.rounds:>7} {r.t_c_ms:>8.2f} "
-              f"{r.tokens_per_s:>7.1f} {r.mean_accept_len:>5.2f}")
+        print(f"{r.delay_ms:>12g} ms {r.delay_by:>6} {2 * r.delay_ms:>10g} ms {r.rounds:>7} "
+              f"{r.t_c_ms:>8.2f} {r.tokens_per_s:>7.1f} {r.mean_accept_len:>5.2f}")
     return 0
 
 
