@@ -230,7 +230,7 @@ def verifier(tiny_model):
 def verifier_attacks(draw, greedy: int, sampled: int, vocab: int):
     how = draw(st.sampled_from(["malformed", "open", "unknown_tag", "not_owner", "stale",
                                 "plain", "too_many", "too_deep", "empty", "bad_id",
-                                "bad_dist_id", "no_dist", "not_for_verifiers", "welcome"]))
+                                "bad_dist_id", "not_for_verifiers", "welcome"]))
     n = draw(st.integers(1, 8))
     star = Propose(tag=sampled, seq=1, tokens=np.ones(n, np.int32),
                    parents=np.full(n, -1, np.int32), dist_ids=np.ones((n + 1, 2), np.int32),
@@ -267,10 +267,8 @@ def verifier_attacks(draw, greedy: int, sampled: int, vocab: int):
                               parents=np.arange(-1, m - 1, dtype=np.int32)), ErrorCode.TOO_LARGE
     if how == "bad_id":
         star.tokens = draw(spoiled(star.tokens, vocab))
-    elif how == "bad_dist_id":
+    else:  # distributions are optional, but ids in them must still be in the vocabulary
         star.dist_ids = draw(spoiled(star.dist_ids.reshape(-1), vocab)).reshape(n + 1, 2)
-    else:
-        star.dist_ids = star.dist_probs = None
     return OWNER, star, ErrorCode.BAD_FIELD
 
 
