@@ -291,7 +291,8 @@ def emulated_doc(spec: EmulateSpec, ns: list[int], opts: EmulateOptions,
                  progress: bool = True, depths: list[int | str] | None = None,
                  max_targets: list[int | str] | None = None) -> dict:
     """The benchmark JSON for an emulated run: rows with the model's prediction beside."""
-    from bench.run import METRIC_NOTES, machine_info
+    from bench.notes import METRIC_NOTES
+    from bench.run import machine_info
 
     model = spec.model()
     rows = run_emulated(spec, ns, opts, progress, depths, max_targets)
