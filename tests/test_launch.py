@@ -208,7 +208,14 @@ def launch(tmp_path: Path, prompts: list[str], *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "starhub", "launch", "configs/local-cpu.toml", "--prompts",
          str(prompts_file(tmp_path, prompts)), "--out-dir", str(tmp_path / "out"), *extra],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    """A suite started in the background (``make test &``) ignores SIGINT, and so would
+    the launch it starts; a user's Ctrl-C reaches a launch that does not."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def started_pids(log: str) -> dict[str, int]:
