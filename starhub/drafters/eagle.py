@@ -128,12 +128,13 @@ class EagleDrafter(Drafter):
     def _to_target_ids(self, tree: DraftTree) -> DraftTree:
         """Trees grow over the draft vocabulary (cheaper top-k and softmax when it is
         reduced) and travel in target ids."""
-        if self.head.d2t is None:
+        targets = self._target_index()
+        if targets is None:
             return tree
-        d2t = self.head.d2t.cpu().numpy()
-        tree.tokens = (tree.tokens + d2t[tree.tokens]).astype(np.int32)
+        table = targets.numpy().astype(np.int32)
+        tree.tokens = table[tree.tokens]
         if tree.dist_ids is not None:
-            tree.dist_ids = (tree.dist_ids + d2t[tree.dist_ids]).astype(np.int32)
+            tree.dist_ids = table[tree.dist_ids]
         return tree
 
     @torch.inference_mode()
