@@ -88,6 +88,7 @@ class Link:
 
     def __init__(self) -> None:
         self.holder = subprocess.Popen(["unshare", "-n", "sleep", "infinity"])
+        self.netem = False
         time.sleep(0.2)
         pid = self.holder.pid
         _sh(f"ip link set lo up && ip link add v0 type veth peer name v1 netns {pid} && "
@@ -103,10 +104,13 @@ class Link:
         _sh(" ".join(self.enter()) + f" sh -c '{cmd}'")
 
     def delay(self, ms: float) -> None:
-        verb = "replace"
+        """netem delay on both ends; 0 takes an earlier delay off again."""
+        if ms <= 0 and not self.netem:
+            return
         rule = f"netem delay {ms}ms" if ms > 0 else "pfifo"
-        _sh(f"tc qdisc {verb} dev v0 root {rule}")
-        self.run_there(f"tc qdisc {verb} dev v1 root {rule}")
+        _sh(f"tc qdisc replace dev v0 root {rule}")
+        self.run_there(f"tc qdisc replace dev v1 root {rule}")
+        self.netem = ms > 0
 
     def close(self) -> None:
         self.holder.kill()
@@ -163,9 +167,7 @@ def _run_delay(link: Link, args: argparse.Namespace, delay: float, tmp: Path) ->
     from starhub.launch import child_env, spawn_hub, target_command
 
     by = args.delay_by if delay else "none"
-    if by == "netem" or args.netem_set:
-        link.delay(delay if by == "netem" else 0.0)
-        args.netem_set = by == "netem"
+    link.delay(delay if by == "netem" else 0.0)
     hub_args = ["--bind", f"tcp://{HUB_IP}:0", "--insecure", "--drafter", args.drafter,
                 "--depth", str(args.depth), "--model", args.model]
     out = tmp / f"delay{delay}.jsonl"
@@ -201,7 +203,6 @@ def _run_delay(link: Link, args: argparse.Namespace, delay: float, tmp: Path) ->
 def inside(args: argparse.Namespace) -> int:
     """Runs as root of a fresh user namespace, in the hub's network namespace."""
     link = Link()
-    args.netem_set = False
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:

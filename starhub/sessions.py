@@ -6,8 +6,6 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from starhub.control import Choice
 from starhub.drafters.base import DraftContext
 from starhub.protocol import ErrorCode, Open, ProtocolError
@@ -68,9 +66,8 @@ class SessionTable:
         tag = secrets.randbits(62) or 1
         while tag in self.sessions:
             tag = secrets.randbits(62) or 1
-        generator = torch.Generator().manual_seed(msg.seed)
         ctx = DraftContext(tokens=msg.tokens.tolist(), temperature=msg.temperature,
-                           generator=generator, features=features, seed=msg.seed)
+                           features=features, seed=msg.seed)
         session = Session(tag=tag, owner=owner, ctx=ctx, prompt_len=msg.prompt_len)
         self.sessions[tag] = session
         if owner in self.peers:

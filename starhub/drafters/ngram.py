@@ -10,7 +10,8 @@ from starhub.tree import DraftTree
 
 class NgramDrafter(Drafter):
     """Needs no model. Greedy sessions get a trie of the most recent distinct continuations;
-    sampled sessions get one chain whose q is a point mass, which rejection handles exactly."""
+    sampled sessions get one chain, with a point-mass q that targets no longer need (they
+    verify with their own seeded draw, ``starhub.coupling``)."""
 
     name = "ngram"
 
