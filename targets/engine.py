@@ -63,11 +63,20 @@ def measure_budget(model: PreTrainedModel, slack: float = 1.5, limit: int = 256)
     return best
 
 
-class VerifyEngine:
-    """Sessions over one loaded model, verified alone or many per forward pass."""
+LAYOUTS = ("auto", "padded", "packed")
 
-    def __init__(self, model: PreTrainedModel):
+
+class VerifyEngine:
+    """Sessions over one loaded model, verified alone or many per forward pass.
+
+    ``layout`` says how a pass lays its sessions out: ``padded`` (a batch row each),
+    ``packed`` (one sequence), or ``auto``, whichever wastes less work for that pass."""
+
+    def __init__(self, model: PreTrainedModel, layout: str = "auto"):
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout '{layout}' ({', '.join(LAYOUTS)})")
         self.model = model
+        self.layout = layout
         self.sessions: dict[int, TargetModel] = {}
 
     def __len__(self) -> int:
@@ -106,45 +115,35 @@ class VerifyEngine:
             raise ValueError("a session can have one tree per batch")
         if len(work) == 1:
             return [targets[0].verify(work[0][1])]
-        return _verify_batch(self.model, targets, [tree for _, tree in work])
+        return _verify_batch(self.model, targets, [tree for _, tree in work], self.layout)
 
 
 def _verify_batch(model: PreTrainedModel, targets: list[TargetModel],
-                  trees: list[DraftTree]) -> list[Verdict]:
+                  trees: list[DraftTree], how: str = "auto") -> list[Verdict]:
     for target in targets:
         target.compact()
-    rows = len(targets)
     cached = [t.cache.get_seq_length() for t in targets]
     feeds = [[t.last, *tree.tokens.tolist()] for t, tree in zip(targets, trees, strict=True)]
-    base, width = max(cached), max(map(len, feeds))
+    pack = how == "packed" or (how == "auto" and _packing_pays(model.config, cached,
+                                                               list(map(len, feeds))))
+    layout = _packed if pack else _padded
+    ids, positions, mask, cache, spans = layout(model, targets, trees, feeds, cached)
+    past = cache.get_seq_length()
     device = targets[0].device
-    ids = torch.zeros(rows, width, dtype=torch.long)
-    positions = torch.zeros(rows, width, dtype=torch.long)
-    mask = torch.zeros(rows, 1, width, base + width, dtype=torch.bool)
-    for b, (tree, feed, length) in enumerate(zip(trees, feeds, cached, strict=True)):
-        n = len(feed)
-        ids[b, :n] = torch.tensor(feed)
-        positions[b, :n] = length + torch.cat([torch.zeros(1, dtype=torch.long),
-                                               torch.from_numpy(depths(tree.parents))])
-        positions[b, n:] = length
-        mask[b, 0, :n, :length] = True
-        mask[b, 0, :n, base:base + n] = ancestor_mask(tree.parents)
-        mask[b, 0, n:, base + n - 1] = True  # padding rows: one visible entry, finite softmax
-    cache = _padded_cache(model, targets, base)
     out = model(ids.to(device), past_key_values=cache, use_cache=True,
                 position_ids=positions.to(device), attention_mask=mask.to(device),
                 output_hidden_states=any(t.feature_layers for t in targets))
     logits = out.logits.float().cpu()
     verdicts = []
-    for b, (target, tree, length) in enumerate(zip(targets, trees, cached, strict=True)):
+    for (row, start), target, tree, length in zip(spans, targets, trees, cached, strict=True):
         n = len(tree) + 1
-        path, bonus = target.accept(tree, logits[b, :n], length)
+        path, bonus = target.accept(tree, logits[row, start:start + n], length)
         keep = [0] + [i + 1 for i in path]
-        _write_back(cache, b, target, length, base, keep)
+        _append_kept(cache, row, [past + start + k for k in keep], target)
         feats = None
         if target.feature_layers:
             first = out.hidden_states[target.feature_layers[0]].device
-            feats = torch.cat([out.hidden_states[i][b, :n].to(first)
+            feats = torch.cat([out.hidden_states[i][row, start:start + n].to(first)
                                for i in target.feature_layers], -1)[keep]
         target.last = bonus
         verdicts.append(Verdict(path=path, tokens=[int(tree.tokens[i]) for i in path] + [bonus],
@@ -152,30 +151,99 @@ def _verify_batch(model: PreTrainedModel, targets: list[TargetModel],
     return verdicts
 
 
-def _padded_cache(model: PreTrainedModel, targets: list[TargetModel], base: int
-                  ) -> DynamicCache:
-    """One cache holding every row's entries at the front, zeros (masked) after them."""
+Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache, list[tuple[int, int]]]
+"""The model's inputs for one batched pass (ids, position ids, attention mask, cache), and
+where each session's feed lies among the new tokens (batch row, offset)."""
+
+
+def _tree_positions(tree: DraftTree, length: int) -> torch.Tensor:
+    return length + torch.cat([torch.zeros(1, dtype=torch.long),
+                               torch.from_numpy(depths(tree.parents))])
+
+
+def _padded(model: PreTrainedModel, targets: list[TargetModel], trees: list[DraftTree],
+            feeds: list[list[int]], cached: list[int]) -> Layout:
+    """One batch row per session: caches right-padded to the longest, feeds to the widest."""
+    rows = len(targets)
+    base, width = max(cached), max(map(len, feeds))
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    positions = torch.zeros(rows, width, dtype=torch.long)
+    mask = torch.zeros(rows, 1, width, base + width, dtype=torch.bool)
+    for b, (tree, feed, length) in enumerate(zip(trees, feeds, cached, strict=True)):
+        n = len(feed)
+        ids[b, :n] = torch.tensor(feed)
+        positions[b, :n] = _tree_positions(tree, length)
+        positions[b, n:] = length
+        mask[b, 0, :n, :length] = True
+        mask[b, 0, :n, base:base + n] = ancestor_mask(tree.parents)
+        mask[b, 0, n:, base + n - 1] = True  # padding rows: one visible entry, finite softmax
     cache = DynamicCache(config=model.config)
     for layer, per_row in enumerate(zip(*(t.cache.layers for t in targets), strict=True)):
-        first = per_row[0].keys
-        shape = (len(targets), first.shape[1], base, first.shape[3])
-        keys = first.new_zeros(shape)
-        values = per_row[0].values.new_zeros(shape[:3] + per_row[0].values.shape[3:])
-        for b, row in enumerate(per_row):
-            length = row.keys.shape[2]
-            keys[b, :, :length] = row.keys[0]
-            values[b, :, :length] = row.values[0]
+        keys = _stack_padded([row.keys for row in per_row], base)
+        values = _stack_padded([row.values for row in per_row], base)
         cache.update(keys, values, layer)
-    return cache
+    return ids, positions, mask, cache, [(b, 0) for b in range(rows)]
 
 
-def _write_back(cache: DynamicCache, b: int, target: TargetModel, length: int, base: int,
-                keep: list[int]) -> None:
-    """The session's cache becomes its old entries plus the kept tree entries, in order."""
-    index = torch.tensor([base + k for k in keep])
+def _stack_padded(parts: list[torch.Tensor], base: int) -> torch.Tensor:
+    first = parts[0]
+    out = first.new_zeros((len(parts), first.shape[1], base, first.shape[3]))
+    for b, part in enumerate(parts):
+        out[b, :, :part.shape[2]] = part[0]
+    return out
+
+
+def _packed(model: PreTrainedModel, targets: list[TargetModel], trees: list[DraftTree],
+            feeds: list[list[int]], cached: list[int]) -> Layout:
+    """All sessions in one sequence: their caches end to end, then their feeds end to end,
+    each feed seeing only its own cache and its own tree. No token is computed for padding;
+    instead every token's attention scans every session's cache."""
+    total, fed = sum(cached), sum(map(len, feeds))
+    ids = torch.tensor([[t for feed in feeds for t in feed]])
+    positions = torch.cat([_tree_positions(tree, length)
+                           for tree, length in zip(trees, cached, strict=True)])[None]
+    mask = torch.zeros(1, 1, fed, total + fed, dtype=torch.bool)
+    spans: list[tuple[int, int]] = []
+    cache_at = feed_at = 0
+    for tree, feed, length in zip(trees, feeds, cached, strict=True):
+        n = len(feed)
+        rows = slice(feed_at, feed_at + n)
+        mask[0, 0, rows, cache_at:cache_at + length] = True
+        mask[0, 0, rows, total + feed_at:total + feed_at + n] = ancestor_mask(tree.parents)
+        spans.append((0, feed_at))
+        cache_at += length
+        feed_at += n
+    cache = DynamicCache(config=model.config)
+    for layer, per_row in enumerate(zip(*(t.cache.layers for t in targets), strict=True)):
+        cache.update(torch.cat([row.keys for row in per_row], 2),
+                     torch.cat([row.values for row in per_row], 2), layer)
+    return ids, positions, mask, cache, spans
+
+
+def _packing_pays(config, cached: list[int], fed: list[int]) -> bool:
+    """Whether packing wastes less work than padding. Padding computes every linear layer
+    for its pad tokens; packing lets each token score every session's cache (masked), not
+    only its own. Both are counted in multiply-adds."""
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    per_layer = 2 * hidden * heads * head_dim + 2 * hidden * kv * head_dim \
+        + 3 * hidden * config.intermediate_size
+    per_token = config.num_hidden_layers * per_layer + hidden * config.vocab_size
+    per_pair = config.num_hidden_layers * heads * 2 * head_dim
+    pad_tokens = len(fed) * max(fed) - sum(fed)
+    scanned = sum(fed) * (sum(cached) + sum(fed))
+    needed = sum(n * (c + n) for c, n in zip(cached, fed, strict=True))
+    return (scanned - needed) * per_pair < pad_tokens * per_token
+
+
+def _append_kept(cache: DynamicCache, row: int, columns: list[int],
+                 target: TargetModel) -> None:
+    """The session's own cache, untouched by the pass, gains the kept tree entries in
+    order: its root and accepted path."""
+    index = torch.tensor(columns)
     for mine, batched in zip(target.cache.layers, cache.layers, strict=True):
         index = index.to(batched.keys.device)  # a device map puts layers on several GPUs
-        mine.keys = torch.cat([batched.keys[b:b + 1, :, :length],
-                               batched.keys[b:b + 1, :, index]], 2)
-        mine.values = torch.cat([batched.values[b:b + 1, :, :length],
-                                 batched.values[b:b + 1, :, index]], 2)
+        mine.keys = torch.cat([mine.keys, batched.keys[row:row + 1, :, index]], 2)
+        mine.values = torch.cat([mine.values, batched.values[row:row + 1, :, index]], 2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from starhub.drafters.base import DraftContext, TreeShape
@@ -23,9 +24,9 @@ def _drafter(model) -> ModelDrafter:
     return ModelDrafter(model, label="self")
 
 
-def _run(model, sampling: Sampling, batched: bool, rounds: int = 6):
+def _run(model, sampling: Sampling, batched: bool, rounds: int = 6, layout: str = "auto"):
     drafter = _drafter(model)
-    engine = VerifyEngine(model)
+    engine = VerifyEngine(model, layout)
     singles = {}
     ctxs, outs = [], []
     for sid, prompt in enumerate(PROMPTS):
@@ -52,9 +53,10 @@ def _run(model, sampling: Sampling, batched: bool, rounds: int = 6):
     return outs, accepted
 
 
-def test_batched_greedy_verification_equals_generate(tiny_model):
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_batched_greedy_verification_equals_generate(tiny_model, layout):
     model, _ = tiny_model
-    outs, accepted = _run(model, Sampling(), batched=True)
+    outs, accepted = _run(model, Sampling(), batched=True, layout=layout)
     assert max(accepted) >= 2, "the self drafter's trees must get tokens accepted"
     for prompt, out in zip(PROMPTS, outs, strict=True):
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=len(out), do_sample=False,
@@ -62,20 +64,22 @@ def test_batched_greedy_verification_equals_generate(tiny_model):
         assert out == ref
 
 
-def test_batched_sampled_verification_equals_one_session_at_a_time(tiny_model):
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_batched_sampled_verification_equals_one_session_at_a_time(tiny_model, layout):
     model, _ = tiny_model
     # The tiny random model is nearly flat over its vocabulary: a low temperature gives it
     # distributions peaked enough for draws to be accepted, and some to be refused.
     sampling = Sampling(temperature=0.05)
-    batched, accepted = _run(model, sampling, batched=True)
+    batched, accepted = _run(model, sampling, batched=True, layout=layout)
     alone, _ = _run(model, sampling, batched=False)
     assert batched == alone
     assert sum(accepted) > len(accepted) and min(accepted) < max(SHAPES[0].depth, 1)
 
 
-def test_batched_features_match_single_session_features(tiny_model):
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_batched_features_match_single_session_features(tiny_model, layout):
     model, _ = tiny_model
-    engine = VerifyEngine(model)
+    engine = VerifyEngine(model, layout)
     drafter = _drafter(model)
     single = TargetModel(model, feature_layers=[-1])
     first, feats = single.prefill(PROMPTS[1])
@@ -91,3 +95,12 @@ def test_batched_features_match_single_session_features(tiny_model):
     assert together.tokens == alone.tokens
     assert torch.allclose(together.features, alone.features, atol=1e-5)
     assert engine.cached(1) == len(PROMPTS[1]) + len(alone.tokens)
+
+
+def test_auto_layout_packs_ragged_short_rows_and_pads_long_caches(tiny_model):
+    from targets.engine import _packing_pays
+
+    config = tiny_model[0].config
+    assert _packing_pays(config, cached=[40, 50, 60, 45], fed=[3, 4, 5, 6])
+    assert not _packing_pays(config, cached=[4000, 5000, 6000, 4500], fed=[5, 5, 5, 6])
+    assert not _packing_pays(config, cached=[40, 50], fed=[4, 4]), "equal rows: no padding"
