@@ -201,7 +201,7 @@ class EdgeDrafter:
         ctx = DraftContext(tokens=opened.tokens.tolist(), temperature=temperature, seed=seed,
                            features=[] if opened.features is None else [to_torch(opened.features)])
         out.append(first)
-        nodes = self.shape.max_nodes
+        nodes = opened.budget or self.shape.max_nodes
         seq = 0
         try:
             while not self._done(out, max_new_tokens):

@@ -1,4 +1,4 @@
-"""Protocol v4 messages: small typed dataclasses with strict, declarative validation.
+"""Protocol v5 messages: small typed dataclasses with strict, declarative validation.
 
 Every message travels as one multipart ZeroMQ message (see ``transport``). The header
 fields of each dataclass are checked against their annotations; array fields are checked
@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-VERSION = 4
+VERSION = 5
 MAX_TREE_NODES = 1024
 MAX_TOKENS = 1 << 20
 
@@ -137,12 +137,16 @@ class Open(Message):
     step_ms: float = 0.0
     target_tok_s: float = 0.0
     """Edge: the speed this session asks the verifier for (0: none); deadlines follow."""
+    budget: int = 0
+    """Edge, the verifier's reply: the nodes of the first tree (0: the drafter's own)."""
     tokens: np.ndarray = array("int32", 1)
     features: np.ndarray | None = array(FEATURE_DTYPES, 2, optional=True)
 
     def check(self) -> None:
         n = len(self.tokens)
         _check_ms(self, "step_ms", self.step_ms)
+        if not 0 <= self.budget <= MAX_TREE_NODES:
+            self.fail(f"budget must lie in [0, {MAX_TREE_NODES}], got {self.budget}")
         if not 0 <= self.target_tok_s < 1e6:
             self.fail(f"target_tok_s must lie in [0, 1e6), got {self.target_tok_s}")
         if n < 1 or n > MAX_TOKENS:
