@@ -51,6 +51,9 @@ class EdgeConfig:
     depth: int = 5
     topk: int = 4
     log_dir: str | None = None
+    drafter_nice: int = 10
+    """Drafters stand in for edge devices, each with a processor of its own: on one host
+    they run at a lower priority, so that they never take the verifier's core from it."""
     baselines: list[str] = field(default_factory=lambda: ["hf-generate"])
 
     def variants(self) -> list[tuple[int, str, int | str]]:
@@ -102,7 +105,8 @@ def edge_row(n: int, schedule: str, max_batch: int | str, per_drafter: list[list
         "failed": sum(1 for results in per_drafter for g in results if "error" in g),
         "time_model_mape": (verifier.get("scheduler") or {}).get("time_model_mape"),
         "verifier": {k: verifier.get(k) for k in ("steps", "mean_batch", "fed_per_step",
-                                                  "batch_hist", "threads", "step_ms")},
+                                                  "batch_hist", "threads", "step_ms",
+                                                  "verify_s", "gather_s", "prefill_s")},
     }
     if reference is not None:
         from bench.baselines import PromptRun
@@ -177,7 +181,8 @@ def _run_variant(cfg: EdgeConfig, n: int, schedule: str, max_batch: int | str, l
                  "--max-nodes", str(cfg.nodes), "--prompts", cfg.prompts, "--out", out,
                  "--max-new-tokens", str(cfg.max_new_tokens), "--threads", str(cfg.threads),
                  "--shard", f"{i}/{n}", "--name", f"drafter{i}"],
-                env=child_env(cfg.threads), stderr=log, stdout=subprocess.DEVNULL)
+                env=child_env(cfg.threads), stderr=log, stdout=subprocess.DEVNULL,
+                preexec_fn=(lambda: os.nice(cfg.drafter_nice)) if cfg.drafter_nice else None)
                 for i, out in enumerate(outs)]
             wait_for_outputs(procs, outs, tick, f"a drafter failed; see {log.name}")
         client = observer_client(address, timeout_s=30, name="bench")

@@ -229,6 +229,11 @@ class Scheduler:
                 w.steps_waited += 1
         return batch
 
+    def full(self, waiting: list[Waiting]) -> bool:
+        """Whether the waiting proposals already fill a pass (rows or budget)."""
+        rows = len(waiting) >= self.max_batch if self.max_batch else False
+        return rows or sum(w.fed for w in waiting) >= self.budget
+
     def _slo_order(self, waiting: list[Waiting], now: float) -> list[Waiting]:
         """Starved proposals first; then those that make their deadline only if served in
         this pass, earliest deadline first; then the rest by expected tokens per unit of

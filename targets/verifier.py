@@ -82,6 +82,7 @@ class Verifier:
         self.budget = SessionBudget(config.limits)
         self.stats = VerifierStats()
         self.outbox: list[tuple[bytes, Message]] = []
+        self.pass_started = 0.0
         self.bound = ""
 
     @classmethod
@@ -117,7 +118,9 @@ class Verifier:
                     self.receive(sock)
                     timeout = 0
                 if self.pending:
+                    waited = time.perf_counter()
                     self.gather(sock)
+                    self.stats.gather_s += time.perf_counter() - waited
                     self.step()
                 self.flush(sock)
                 if time.monotonic() - last_sweep > 1.0:
@@ -130,17 +133,20 @@ class Verifier:
     def gather(self, sock: zmq.Socket) -> None:
         """Wait briefly for proposals about to arrive, so that they share this pass.
 
-        A pass over a few rows costs about what one row costs while the weights' reads
-        dominate; without this, drafters fall into cohorts that alternate half-empty passes.
-        Only drafters expected within ``gather_fraction`` of a pass are waited for: never a
-        slow one."""
+        A pass over a few rows costs far less than a pass per row; without this, drafters
+        fall into cohorts that alternate half-empty passes. Only drafters expected within
+        ``gather_fraction`` of a pass are waited for, never a slow one, and nobody is
+        waited for once the waiting rows fill a pass."""
+        start = time.monotonic()
         cap = self.config.gather_fraction * self.scheduler.pass_s
-        while cap > 0:
+        while not self.scheduler.full([p.waiting for p in self.pending.values()]):
             now = time.monotonic()
             soon = [s.committed_at + s.turnaround for t, s in self.sessions.items()
                     if t not in self.pending and s.committed_at and s.turnaround
-                    and s.committed_at + s.turnaround <= now + cap]
-            if not soon or max(soon) <= now or not sock.poll(1e3 * (max(soon) - now)):
+                    and s.committed_at + s.turnaround <= start + cap]
+            # an estimate already past still means "any moment": wait on, within the cap
+            until = min(max(soon, default=0.0) + 0.2 * self.scheduler.pass_s, start + cap)
+            if not soon or until <= now or not sock.poll(1e3 * (until - now)):
                 return
             self.receive(sock)
             while sock.poll(0):
@@ -216,9 +222,11 @@ class Verifier:
         tag = secrets.randbits(62) or 1
         while tag in self.sessions:
             tag = secrets.randbits(62) or 1
-        now = time.monotonic()
+        started = time.perf_counter()
         first, feats = self.engine.open(tag, prompt, Sampling(msg.temperature, msg.top_p),
                                         msg.seed, list(peer.feature_layers))
+        self.stats.prefill_s += time.perf_counter() - started
+        now = time.monotonic()
         self.sessions[tag] = EdgeSession(tag, identity, msg.temperature <= 0, now, now)
         self.budget.opened(tag, identity, len(prompt) + 1)
         self.scheduler.open(tag, now, msg.target_tok_s)
@@ -226,7 +234,7 @@ class Verifier:
         self.outbox.append((identity, Open(
             tag=tag, ref=msg.ref, prompt_len=msg.prompt_len, temperature=msg.temperature,
             top_p=msg.top_p, seed=msg.seed, step_ms=1e3 * self.step_s,
-            target_tok_s=msg.target_tok_s,
+            target_tok_s=msg.target_tok_s, budget=self.scheduler.nodes_for(tag),
             tokens=torch.tensor([*prompt, first], dtype=torch.int32),
             features=self._half(feats))))
 
@@ -246,7 +254,11 @@ class Verifier:
         now = time.monotonic()
         session.last_seen = now
         if session.committed_at:
-            gap = now - session.committed_at
+            # Arrived during a pass, it sat queued until now: it came no earlier than the
+            # pass's start, which is the (low) estimate kept, so that its cohort is waited
+            # for and cohorts merge rather than alternate.
+            arrived = now if self.pass_started <= session.committed_at else self.pass_started
+            gap = arrived - session.committed_at
             session.turnaround = gap if not session.turnaround else \
                 session.turnaround + 0.2 * (gap - session.turnaround)
         tree = DraftTree(msg.tokens, msg.parents, msg.dist_ids, msg.dist_probs)
@@ -294,6 +306,7 @@ class Verifier:
         batch = [self.pending.pop(w.sid) for w in picked]
         work = [(p.waiting.sid, p.tree) for p in batch]
         cost = self.engine.cost(work)
+        self.pass_started = time.monotonic()
         start = time.perf_counter()
         try:
             verdicts = self.engine.verify(work)
@@ -307,6 +320,9 @@ class Verifier:
             return
         took = time.perf_counter() - start
         done = time.monotonic()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("pass of %d rows feeding %s took %.1f ms; %d left waiting", len(batch),
+                      [p.waiting.fed for p in batch], 1e3 * took, len(self.pending))
         self.scheduler.observe_pass(cost.new_tokens, cost.cached_x_new, cost.cached_tokens,
                                     took)
         st = self.stats
@@ -331,8 +347,12 @@ class Verifier:
             if math.isfinite(p.waiting.deadline):
                 st.deadlined += 1
                 st.late += done > p.waiting.deadline
-            self.outbox.append((session.owner, Commit(
-                tag=sid, seq=p.seq, accepted=accepted, verify_ms=1e3 * took,
+        # budgets only once the whole pass is observed: the S_i these rows draft next come
+        # from one split, so their next trees fit one pass together
+        for p, verdict in zip(batch, verdicts, strict=True):
+            sid = p.waiting.sid
+            self.outbox.append((self.sessions[sid].owner, Commit(
+                tag=sid, seq=p.seq, accepted=len(verdict.path), verify_ms=1e3 * took,
                 step_ms=1e3 * self.step_s, budget=self.scheduler.nodes_for(sid),
                 tokens=torch.tensor(verdict.tokens, dtype=torch.int32),
                 features=self._half(verdict.features))))
@@ -351,6 +371,7 @@ class Verifier:
             "steps": st.steps, "rounds": st.rounds, "committed": st.committed,
             "accepted": st.accepted, "opened": st.opened, "closed": st.closed,
             "expired": st.expired, "wall_s": wall, "verify_s": st.verify_s,
+            "gather_s": st.gather_s, "prefill_s": st.prefill_s,
             "mean_batch": st.rows / st.steps if st.steps else 0.0,
             "verify_ms_per_step": 1e3 * st.verify_s / st.steps if st.steps else 0.0,
             "fed_per_step": st.fed / st.steps if st.steps else 0.0,

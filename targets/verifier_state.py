@@ -31,7 +31,7 @@ class VerifierConfig:
     limits: SessionLimits = VERIFIER_LIMITS
     max_message_bytes: int = 64 << 20
     seed: int = 0
-    gather_fraction: float = 0.3
+    gather_fraction: float = 0.5
     """How long, as a fraction of a pass, to wait for proposals about to arrive."""
     security: ServerSecurity = field(default_factory=ServerSecurity)
 
@@ -64,6 +64,10 @@ class VerifierStats:
     rows: int = 0
     fed: int = 0
     verify_s: float = 0.0
+    gather_s: float = 0.0
+    """Time spent waiting for proposals about to arrive, so that they share a pass."""
+    prefill_s: float = 0.0
+    """Time spent prefilling the prompts of new sessions."""
     rounds: int = 0
     committed: int = 0
     accepted: int = 0
