@@ -152,7 +152,8 @@ def run_edge_real(cfg: EdgeConfig, progress: bool = True) -> dict:
                   metric_notes=EDGE_NOTES,
                   threads_note=f"the verifier runs {cfg.verifier_threads} torch thread(s), each "
                                f"drafter and the baseline {cfg.threads} (--threads; child "
-                               f"processes also get OMP_NUM_THREADS)")
+                               f"processes also get OMP_NUM_THREADS); drafters run at nice "
+                               f"{cfg.drafter_nice}, standing in for devices of their own")
     return {"machine": machine_info(), "config": config, "rows": rows}
 
 

@@ -73,8 +73,11 @@ class Verifier:
         self.feature_dtype = feature_dtype
         self.config = config
         self.limits = Limits(config.max_message_bytes)
+        # no grant larger than a chain the tree checks would pass: a chain drafter's tree
+        # of S nodes is S deep
         self.scheduler = Scheduler(config.schedule, config.budget, config.max_batch,
-                                   config.nodes, cap=config.max_nodes, seed=config.seed)
+                                   config.nodes, cap=min(config.max_nodes, config.max_depth),
+                                   seed=config.seed)
         self.peers: dict[bytes, Welcome] = {}
         self.observers = Observers()
         self.sessions: dict[int, EdgeSession] = {}
