@@ -107,7 +107,8 @@ def add_parsers(sub) -> None:
     dr.add_argument("--depth", type=int, default=DEFAULT_SHAPE.depth)
     dr.add_argument("--topk", type=int, default=DEFAULT_SHAPE.topk)
     dr.add_argument("--max-nodes", type=int, default=DEFAULT_SHAPE.max_nodes,
-                    help="nodes of the first tree; later trees follow the verifier's budget")
+                    help="nodes of a session's first tree where the verifier names none; "
+                         "trees follow the verifier's budget")
     dr.add_argument("--prompts", required=True,
                     help='JSONL: {"id", "prompt"} or MT-Bench {"question_id", "turns"}')
     dr.add_argument("--out", required=True, help="JSONL output, as `starhub target` writes")

@@ -77,6 +77,23 @@ def test_drafters_get_generate_tokens_from_a_batched_verifier(tiny_model, verifi
     assert body["rounds"] > 0 and body["sessions"] == 0 and body["closed"] == len(PROMPTS)
 
 
+def test_budgets_never_exceed_what_the_verifier_accepts_from_a_chain_drafter(tiny_model):
+    """Budgets (in OPEN and every COMMIT) are capped at --max-depth: a chain drafter's tree
+    of S nodes is S deep, and the verifier must not ask for trees it then refuses."""
+    model, _ = tiny_model
+    v = VerifierThread(*tiny_model, schedule="random", budget=64, max_depth=3, nodes=2)
+    try:
+        edge = EdgeDrafter(ModelDrafter(model, label="self"), v.address,
+                           TreeShape(64, 1, 2), eos=set(), retries=0)
+        out, stats = edge.generate(PROMPTS[1], max_new_tokens=24)
+        edge.close()
+    finally:
+        v.stop()
+    assert out == _reference(model, PROMPTS[1], 24)
+    assert stats.tree_nodes > stats.rounds * 2, "the random budgets must have grown trees"
+    assert v.verifier.snapshot()["errors"] == {}
+
+
 def test_drafter_resumes_after_the_verifier_restarts(tiny_model):
     model, tokenizer = tiny_model
     first = VerifierThread(model, tokenizer)
