@@ -121,8 +121,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                            "`starhub verifier`; emulated: where a pass costs 1.5x one token)")
     edge.add_argument("--nodes", type=int, default=None,
                       help="tree nodes per draft (fifo's fixed S_i; default: --max-nodes)")
-    edge.add_argument("--verifier-threads", type=int, default=1,
-                      help="torch threads of the verifier process")
+    edge.add_argument("--verifier-threads", type=threads_arg, default=DEFAULT_THREADS,
+                      help="torch threads of the verifier process. auto (default): every "
+                           "core, as `starhub verifier`; the drafters, standing in for devices "
+                           "of their own, run at a lower priority")
     p.add_argument("--log-dir", default=None, help="hub and target logs (default: a temp dir)")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -179,7 +181,7 @@ def edge_doc(args: argparse.Namespace) -> dict:
                      model=args.model, prompts=args.prompts or str(DEFAULT_PROMPTS),
                      max_new_tokens=args.max_new_tokens or 64,
                      threads=resolve_threads(args.threads, sharing=max(ns_edge) + 1),
-                     verifier_threads=args.verifier_threads,
+                     verifier_threads=resolve_threads(args.verifier_threads),
                      budget=parse_list(args.budget, budget_arg, "--budget")[0],
                      nodes=args.nodes or args.max_nodes or tree["max_nodes"],
                      depth=int(args.depth) if args.depth else 5,

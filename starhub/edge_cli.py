@@ -12,12 +12,15 @@ from starhub.launch import READY
 from starhub.limits import VERIFIER_LIMITS, add_limit_args, limits_from_args
 from starhub.options import (
     AUTO,
+    DEFAULT_THREADS,
     DRAFTERS,
     DTYPES,
     LINEARS,
     TreeShape,
     add_device_args,
     auto_or_count,
+    resolve_threads,
+    threads_arg,
 )
 
 SCHEDULES = ("fifo", "goodspeed", "slo", "random")
@@ -84,8 +87,9 @@ def add_parsers(sub) -> None:
     ver.add_argument("--dtype", choices=DTYPES, default="auto")
     ver.add_argument("--linear", choices=LINEARS, default="auto")
     add_device_args(ver, "the target model", device_map=True)
-    ver.add_argument("--threads", type=int, default=None,
-                     help="torch threads for verification (default: torch's own choice)")
+    ver.add_argument("--threads", type=threads_arg, default=DEFAULT_THREADS,
+                     help="torch threads for verification. auto (default): every core this "
+                          "process may use; the verifier is the one shared server")
     security.add_server_args(ver)
 
     dr = sub.add_parser(
@@ -122,7 +126,10 @@ def add_parsers(sub) -> None:
                     help="seconds to wait for a reply before reconnecting")
     dr.add_argument("--retries", type=int, default=3,
                     help="reconnections (with doubling backoff) before a request fails")
-    dr.add_argument("--threads", type=int, default=None, help="torch threads for drafting")
+    dr.add_argument("--threads", type=threads_arg, default=DEFAULT_THREADS,
+                    help="torch threads for drafting. auto (default): every core this process "
+                         "may use, as on a device of its own; give 1 to drafters that share "
+                         "a host")
     dr.add_argument("--name", default=None)
     dr.add_argument("--shard", default="0/1",
                     help="I/N: take every N-th prompt starting at I")
@@ -136,7 +143,7 @@ def cmd_verifier(args: argparse.Namespace) -> int:
 
     secure = security.ServerSecurity.from_args(args)
     security.check_bind(args.bind, secure)  # before the model loads: fail at once
-    threads = set_threads(args.threads)
+    threads = set_threads(resolve_threads(args.threads))
     model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear,
                                   device=args.device, device_map=args.device_map)
     config = VerifierConfig(bind=args.bind, budget=args.budget, max_batch=args.max_batch,
@@ -163,7 +170,7 @@ def cmd_drafter(args: argparse.Namespace) -> int:
     from starhub.prompts import encode_prompt, read_prompts
 
     curve = security.client_curve_from_args(args)
-    threads = set_threads(args.threads)
+    threads = set_threads(resolve_threads(args.threads))
     index, _, count = args.shard.partition("/")
     items = read_prompts(args.prompts)[int(index)::int(count or 1)]
     name = args.name or f"drafter{index}"
