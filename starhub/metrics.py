@@ -72,7 +72,7 @@ class HubMetrics:
     plain_tokens: int = 0
     batches: int = 0
     """Drafting passes, each over one or more sessions (``--batch``)."""
-    batched: int = 0
+    batched: float = 0.0
     batch_s: float = 0.0
     predraft_hits: int = 0
     """Rounds answered at once by a tree pre-drafted while the target verified."""
@@ -148,7 +148,7 @@ class HubMetrics:
 
     def draft_finished(self, started: float, now: float, layers: int, nodes: int,
                        arrival: float | None = None, key: int = 0,
-                       identity: bytes = b"", share: int = 1) -> None:
+                       identity: bytes = b"", share: float = 1.0) -> None:
         """One session's draft is done; drafted in a batch of ``share`` sessions, it counts
         that fraction of the batch's time toward the hub's busy time."""
         self.rounds += 1
@@ -167,7 +167,7 @@ class HubMetrics:
             totals.draft_s += (now - started) / share
             totals.queue_s += started - (started if arrival is None else arrival)
 
-    def batch(self, size: int, seconds: float) -> None:
+    def batch(self, size: float, seconds: float) -> None:
         self.batches += 1
         self.batched += size
         self.batch_s += seconds

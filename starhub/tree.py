@@ -81,22 +81,43 @@ def drive(grower: Grower, expand: Expand) -> DraftTree:
 
 def grow_together(growers: list[Grower],
                   expand_many: Callable[[list[tuple[int, Frontier]]], list[torch.Tensor]],
-                  stop: Callable[[], bool] | None = None) -> list[DraftTree]:
+                  stop: Callable[[], bool] | None = None,
+                  admit: Callable[[], list[Grower]] | None = None,
+                  finished: Callable[[int, DraftTree], None] | None = None
+                  ) -> list[DraftTree]:
     """Grow several trees layer by layer in lockstep, so that a drafter expands every
     tree's frontier in one batched pass (``expand_many`` gets (index, frontier) pairs and
     returns their logits in order). ``stop()`` true between layers ends every tree with
-    the nodes it has."""
+    the nodes it has.
+
+    Continuous batching: ``admit()``, asked between layers, returns more growers to join
+    (their indices follow the ones before), and ``finished(i, tree)`` hears of each tree
+    the moment it is done, while the others grow on."""
+    growers = list(growers)
     trees: list[DraftTree | None] = [None] * len(growers)
     waiting: dict[int, Frontier] = {}
-    for i, grower in enumerate(growers):
-        _advance(grower, None, i, waiting, trees, first=True)
-    while waiting:
+
+    def advance(i: int, logits: torch.Tensor | None, first: bool = False) -> None:
+        _advance(growers[i], logits, i, waiting, trees, first)
+        if finished is not None and i not in waiting:
+            finished(i, trees[i])
+
+    for i in range(len(growers)):
+        advance(i, None, first=True)
+    while True:
+        if admit is not None and not (stop is not None and stop()):
+            for grower in admit():
+                growers.append(grower)
+                trees.append(None)
+                advance(len(growers) - 1, None, first=True)
+        if not waiting:
+            break
         halt = stop is not None and stop()
         asks = list(waiting.items())
         answers = [None] * len(asks) if halt else expand_many(asks)
         waiting = {}
         for (i, _), logits in zip(asks, answers, strict=True):
-            _advance(growers[i], logits, i, waiting, trees)
+            advance(i, logits)
     return trees  # type: ignore[return-value]
 
 

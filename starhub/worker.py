@@ -62,11 +62,12 @@ class DraftWorker:
             await self.draft(batch, started)
             backlog_since = time.monotonic() if hub.buffer else None
 
-    def take(self) -> list[Request]:
-        """Pop up to a batch of live requests; answer those a pre-drafted tree fits."""
+    def take(self, limit: int | None = None) -> list[Request]:
+        """Pop up to a batch (or ``limit``) of live requests; answer those a pre-drafted
+        tree fits."""
         hub = self.hub
         batch: list[Request] = []
-        while hub.buffer and len(batch) < self.max_batch:
+        while hub.buffer and len(batch) < (self.max_batch if limit is None else limit):
             req = hub.buffer.popleft()
             session = req.session
             if hub.table.sessions.get(session.tag) is not session:
@@ -93,35 +94,79 @@ class DraftWorker:
         return tree
 
     async def draft(self, batch: list[Request], started: float) -> None:
+        """Draft ``batch``. Continuous batching: requests that arrive meanwhile join it
+        between tree layers, up to ``--batch`` trees at a time, and each PROPOSE leaves as
+        soon as its own tree is done; nothing waits for the batch to fill or to end."""
         hub = self.hub
-        for i, req in enumerate(batch):
-            hub.metrics.draft_started(req.arrival, started, len(hub.table), first=i == 0)
-        jobs = [(req.session.ctx, self.shape(req.session)) for req in batch]
         loop = asyncio.get_running_loop()
+        requests = list(batch)
+        begun = [started] * len(requests)
+        for i, req in enumerate(requests):
+            hub.metrics.draft_started(req.arrival, started, len(hub.table), first=i == 0)
+        delivered: set[int] = set()
+        in_flight = [len(requests)]  # the drafting thread's own count
+
+        def join(room: int) -> list[tuple]:  # on the event loop
+            now = time.monotonic()
+            more = self.take(room)
+            for req in more:
+                hub.metrics.draft_started(req.arrival, now, len(hub.table), first=False)
+            requests.extend(more)
+            begun.extend([now] * len(more))
+            return [(req.session.ctx, self.shape(req.session)) for req in more]
+
+        def admit() -> list[tuple]:  # on the drafting thread, between tree layers
+            room = self.max_batch - in_flight[0]
+            if room <= 0 or not hub.buffer:
+                return []
+            try:
+                jobs = asyncio.run_coroutine_threadsafe(_call(join, room), loop).result(5.0)
+            except Exception:  # noqa: BLE001 - the loop is closing: draft what we have
+                return []
+            in_flight[0] += len(jobs)
+            return jobs
+
+        def finished(k: int, result: DraftTree | Exception, seconds: float,
+                     shared: float) -> None:
+            in_flight[0] -= 1
+            loop.call_soon_threadsafe(deliver, k, result, seconds, shared)
+
+        def deliver(k: int, result: DraftTree | Exception, seconds: float,
+                    shared: float) -> None:
+            delivered.add(k)
+            self.deliver(requests[k], result, begun[k], seconds, shared)
+
+        jobs = [(req.session.ctx, self.shape(req.session)) for req in batch]
         try:
-            results = await loop.run_in_executor(hub._executor, hub.drafter.propose_batch, jobs)
+            await loop.run_in_executor(hub._executor, lambda: hub.drafter.propose_batch(
+                jobs, admit=admit if self.max_batch > 1 else None, finished=finished))
         except Exception as exc:  # a failing drafter fails this batch's rounds, not the hub
-            log.exception("drafting a batch of %d failed", len(batch))
-            results = [exc] * len(batch)
-        finished = time.monotonic()
-        hub.metrics.batch(len(batch), finished - started)
-        share = (finished - started) / len(batch)
-        for req, result in zip(batch, results, strict=True):
-            session = req.session
-            session.busy = False
-            if isinstance(result, Exception):
-                log.error("drafting failed for tag %d: %s", session.tag, result)
-                hub.close(session.tag)
-                hub.reply(req.identity, Error(tag=session.tag, ref=req.ref,
-                                              code=int(ErrorCode.INTERNAL),
-                                              message=f"drafting failed: {result}"))
-                continue
-            hub.metrics.draft_finished(started, finished, result.depth, len(result),
-                                       req.arrival, session.tag, req.identity,
-                                       share=len(batch))
-            hub.control.observe_draft(session.choice.depth, session.choice.nodes, share)
-            if hub.table.sessions.get(session.tag) is session:
-                self.send(req, result, finished)
+            log.exception("drafting a batch of %d failed", len(requests))
+            for k in range(len(requests)):
+                if k not in delivered:
+                    self.deliver(requests[k], exc, begun[k], 0.0, 1.0)
+
+    def deliver(self, req: Request, result: DraftTree | Exception, begun: float,
+                seconds: float, shared: float) -> None:
+        """Send a drafted tree (or the error that replaced it) to its target."""
+        hub = self.hub
+        session = req.session
+        session.busy = False
+        if isinstance(result, Exception):
+            log.error("drafting failed for tag %d: %s", session.tag, result)
+            hub.close(session.tag)
+            hub.reply(req.identity, Error(tag=session.tag, ref=req.ref,
+                                          code=int(ErrorCode.INTERNAL),
+                                          message=f"drafting failed: {result}"))
+            return
+        now = time.monotonic()
+        hub.metrics.batch(shared, now - begun)
+        hub.metrics.draft_finished(begun, now, result.depth, len(result), req.arrival,
+                                   session.tag, req.identity,
+                                   share=max((now - begun) / max(seconds, 1e-9), 1.0))
+        hub.control.observe_draft(session.choice.depth, session.choice.nodes, seconds)
+        if hub.table.sessions.get(session.tag) is session:
+            self.send(req, result, now)
 
     def shape(self, session: Session) -> TreeShape:
         config = self.hub.config.shape
@@ -160,3 +205,9 @@ class DraftWorker:
         hub.metrics.predraft(None, time.monotonic() - started)
         session.predrafts = found
         return True
+
+
+async def _call(fn, *args):
+    """Run ``fn`` on the event loop, for a thread that hands it over with
+    ``run_coroutine_threadsafe``."""
+    return fn(*args)

@@ -78,6 +78,34 @@ def test_a_packed_batch_drafts_the_trees_one_by_one_drafting_would(tiny_dir, kin
                                                 .manual_seed(round_)))
 
 
+def test_requests_admitted_mid_batch_get_their_own_trees_and_each_leaves_when_done(tiny_dir):
+    """Continuous batching: jobs admitted between layers draft exactly what they would
+    alone, share passes with the running ones, and every tree is handed over the moment
+    it is done, before the batch ends."""
+    drafter = EagleDrafter(random_head(tiny_dir, EAGLE, None).eval())
+    alone = contexts(4, seed=3)
+    together = copy.deepcopy(alone)
+    expected = [drafter.propose(ctx, SHAPE) for ctx in alone]
+    shallow = TreeShape(depth=2, topk=3, max_nodes=4)
+    late = [(ctx, SHAPE) for ctx in together[2:]]
+    heard: list[tuple[int, DraftTree, float]] = []
+    asked = []
+
+    def admit():
+        asked.append(len(heard))
+        return [late.pop(0)] if late else []
+
+    results = drafter.propose_batch([(together[0], shallow), (together[1], SHAPE)],
+                                    admit=admit, finished=lambda k, tree, seconds, batch:
+                                    heard.append((k, tree, batch)))
+    assert [k for k, _, _ in heard][0] == 0, "the shallow tree leaves first"
+    assert sorted(k for k, _, _ in heard) == [0, 1, 2, 3] and len(results) == 4
+    assert asked[0] == 0 and len(asked) >= 3, "jobs join between layers, while others grow"
+    for k in (1, 2, 3):
+        assert same(results[k], expected[k])
+    assert all(batch > 1 for _, _, batch in heard)
+
+
 def test_one_bad_session_does_not_cost_the_batch_its_round(tiny_dir):
     drafter = EagleDrafter(random_head(tiny_dir, EAGLE, None).eval())
     good = contexts(2)
@@ -225,10 +253,10 @@ def test_a_drafter_that_raises_fails_its_rounds_and_the_hub_serves_on():
         batches = True
         armed = True
 
-        def propose_batch(self, jobs):
+        def propose_batch(self, jobs, **kwargs):
             if self.armed:
                 raise RuntimeError("boom")
-            return super().propose_batch(jobs)
+            return super().propose_batch(jobs, **kwargs)
 
     drafter = Exploding()
     hub = HubHarness(drafter, shape=TreeShape(3, 2, 4))

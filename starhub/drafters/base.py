@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,17 +59,30 @@ class Drafter(ABC):
     def propose(self, ctx: DraftContext, shape: TreeShape) -> DraftTree:
         """Draft a tree after ``ctx.tokens``; may read and update ``ctx.state``."""
 
-    def propose_batch(self, jobs: list[tuple[DraftContext, TreeShape]]
-                      ) -> list[DraftTree | Exception]:
+    def propose_batch(self, jobs: list[tuple[DraftContext, TreeShape]],
+                      admit: Callable[[], list[tuple[DraftContext, TreeShape]]] | None = None,
+                      finished: Callable[[int, DraftTree | Exception, float, float], None]
+                      | None = None) -> list[DraftTree | Exception]:
         """Draft several sessions' trees; a failure is returned in that session's place so
-        that one bad session never costs the others their round. Drafters that can share
-        their matrix products across sessions override this."""
+        that one bad session never costs the others their round. ``admit()`` may add jobs
+        while drafting, and ``finished(k, result, seconds, batch)`` hears of each job as
+        soon as it is done (``batch``: the sessions drafted with it, on average).
+        Drafters that can share their matrix products across sessions override this; this
+        one drafts the jobs one after another."""
         out: list[DraftTree | Exception] = []
-        for ctx, shape in jobs:
+        jobs = list(jobs)
+        while len(out) < len(jobs):
+            ctx, shape = jobs[len(out)]
+            started = time.perf_counter()
             try:
-                out.append(self.propose(ctx, shape))
+                result: DraftTree | Exception = self.propose(ctx, shape)
             except Exception as exc:  # noqa: BLE001 - handed back to the caller per session
-                out.append(exc)
+                result = exc
+            out.append(result)
+            if finished is not None:
+                finished(len(out) - 1, result, time.perf_counter() - started, 1.0)
+            if admit is not None:
+                jobs.extend(admit())
         return out
 
     def predraft(self, ctx: DraftContext, tree: DraftTree, shape: TreeShape,

@@ -7,6 +7,7 @@ after the round, so each round costs one pass over the new pairs plus one per tr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from starhub.transport import to_torch
 from starhub.tree import (
     DraftTree,
     Frontier,
+    Grower,
     TreeFeed,
     depths,
     grow_greedy,
@@ -145,32 +147,81 @@ class EagleDrafter(Drafter):
         return result
 
     @torch.inference_mode()
-    def propose_batch(self, jobs: list[tuple[DraftContext, TreeShape]]
-                      ) -> list[DraftTree | Exception]:
+    def propose_batch(self, jobs: list[tuple[DraftContext, TreeShape]],
+                      admit: Callable[[], list[tuple[DraftContext, TreeShape]]] | None = None,
+                      finished: Callable[[int, DraftTree | Exception, float, float], None]
+                      | None = None) -> list[DraftTree | Exception]:
         """All sessions' new committed pairs go through the head in one pass, then every
         tree layer of every session in one more: each weight is read once per layer for
-        the whole batch, while attention stays within each session's own cache."""
-        out: list[DraftTree | Exception] = list(self._catch_up([ctx for ctx, _ in jobs]))
-        live = [i for i, err in enumerate(out) if err is None]
-        growths, growers = [], []
-        for i in live:
-            ctx, shape = jobs[i]
-            state: _HeadState = ctx.state
-            growths.append(_Growth(state.cache, state.pairs, {-1: state.root_hidden}))
-            score = ctx.coupled(self.head.vocab_size, self._target_index())
-            if ctx.greedy or score is not None:
-                growers.append(grow_greedy(state.root_logits, shape.depth, shape.topk,
-                                           shape.max_nodes, score))
-            else:
-                growers.append(grow_sampled(state.root_logits, shape.depth, shape.topk,
-                                            shape.max_nodes, ctx.temperature, shape.support,
-                                            ctx.generator))
-        trees = grow_together(growers, lambda asks: self._pass(
-            [(growths[j], frontier) for j, frontier in asks]))
-        for i, tree in zip(live, trees, strict=True):
-            jobs[i][0].state.cache.crop(jobs[i][0].state.pairs)
-            out[i] = self._to_target_ids(tree)
-        return out
+        the whole batch, while attention stays within each session's own cache.
+
+        Continuous batching: ``admit()``, asked between layers, returns more jobs, which
+        join the running batch (numbered after the ones before), and ``finished(k, tree,
+        seconds, batch)`` hears of job k as soon as its tree (or error) is ready, with its
+        share of the time spent on the passes it took part in and the mean number of
+        sessions in those passes."""
+        results: list[DraftTree | Exception | None] = []
+        owners: list[int] = []  # grower -> job
+        growths: list[_Growth] = []
+        contexts: list[DraftContext] = []
+        cost: list[float] = []
+        shared: list[list[int]] = []  # per job: passes, and sessions in them
+        mark = [time.perf_counter()]
+
+        def charge(jobs_: list[int]) -> None:
+            """Split the time since the last charge among the jobs it was spent on."""
+            now = time.perf_counter()
+            for k in jobs_:
+                cost[k] += (now - mark[0]) / len(jobs_)
+                shared[k][0] += 1
+                shared[k][1] += len(jobs_)
+            mark[0] = now
+
+        def report(k: int, result: DraftTree | Exception) -> None:
+            results[k] = result
+            if finished is not None:
+                passes, rows = shared[k]
+                finished(k, result, cost[k], rows / passes if passes else 1.0)
+
+        def begin(new: list[tuple[DraftContext, TreeShape]]) -> list[Grower]:
+            first = len(results)
+            results.extend([None] * len(new))
+            contexts.extend(ctx for ctx, _ in new)
+            cost.extend([0.0] * len(new))
+            shared.extend([0, 0] for _ in new)
+            errors = self._catch_up([ctx for ctx, _ in new])
+            charge(list(range(first, len(results))))
+            growers = []
+            for k, ((ctx, shape), err) in enumerate(zip(new, errors, strict=True), first):
+                if err is not None:
+                    report(k, err)
+                    continue
+                state: _HeadState = ctx.state
+                growths.append(_Growth(state.cache, state.pairs, {-1: state.root_hidden}))
+                owners.append(k)
+                score = ctx.coupled(self.head.vocab_size, self._target_index())
+                if ctx.greedy or score is not None:
+                    growers.append(grow_greedy(state.root_logits, shape.depth, shape.topk,
+                                               shape.max_nodes, score))
+                else:
+                    growers.append(grow_sampled(state.root_logits, shape.depth, shape.topk,
+                                                shape.max_nodes, ctx.temperature,
+                                                shape.support, ctx.generator))
+            return growers
+
+        def expand(asks: list[tuple[int, Frontier]]) -> list[torch.Tensor]:
+            out = self._pass([(growths[j], frontier) for j, frontier in asks])
+            charge([owners[j] for j, _ in asks])
+            return out
+
+        def done(j: int, tree: DraftTree) -> None:
+            state: _HeadState = contexts[owners[j]].state
+            state.cache.crop(state.pairs)
+            report(owners[j], self._to_target_ids(tree))
+
+        grow_together(begin(jobs), expand, admit=(lambda: begin(admit())) if admit else None,
+                      finished=done)
+        return results  # type: ignore[return-value]
 
     def _catch_up(self, ctxs: list[DraftContext], strict: bool = True) -> list[Exception | None]:
         """Feed each session's newly committed (token, feature) pairs, all sessions in one
