@@ -42,6 +42,28 @@ PREDRAFT_OUTCOMES = 8
 
 
 @dataclass
+class _CatchUp:
+    """Committed (token, feature) pairs of sessions to feed: the rows, and per session its
+    state and the pair count it reaches."""
+
+    feats: list[torch.Tensor] = field(default_factory=list)
+    ids: list[torch.Tensor] = field(default_factory=list)
+    positions: list[torch.Tensor] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    rows: list[tuple[_HeadState, int]] = field(default_factory=list)
+    jobs: list[int] = field(default_factory=list)
+    """The batch's job numbers of the sessions it feeds."""
+
+    @staticmethod
+    def merge(parts: list[_CatchUp]) -> _CatchUp:
+        out = _CatchUp()
+        for part in parts:
+            for name in ("feats", "ids", "positions", "segments", "rows", "jobs"):
+                getattr(out, name).extend(getattr(part, name))
+        return out
+
+
+@dataclass
 class _HeadState:
     cache: KVCache = field(default_factory=KVCache)
     pairs: int = 0
@@ -164,9 +186,13 @@ class EagleDrafter(Drafter):
         owners: list[int] = []  # grower -> job
         growths: list[_Growth] = []
         contexts: list[DraftContext] = []
+        shapes: list[TreeShape] = []
         cost: list[float] = []
         shared: list[list[int]] = []  # per job: passes, and sessions in them
         mark = [time.perf_counter()]
+        growing = [0]
+        queued: list[_CatchUp] = []  # admitted; their pairs ride the next layer's pass
+        ready: list[Grower] = []  # admitted and caught up, to join at the next layer
 
         def charge(jobs_: list[int]) -> None:
             """Split the time since the last charge among the jobs it was spent on."""
@@ -183,19 +209,25 @@ class EagleDrafter(Drafter):
                 passes, rows = shared[k]
                 finished(k, result, cost[k], rows / passes if passes else 1.0)
 
-        def begin(new: list[tuple[DraftContext, TreeShape]]) -> list[Grower]:
+        def enqueue(new: list[tuple[DraftContext, TreeShape]]) -> _CatchUp:
+            """Number the new jobs; their catch-up inputs (errors reported at once)."""
             first = len(results)
             results.extend([None] * len(new))
             contexts.extend(ctx for ctx, _ in new)
+            shapes.extend(shape for _, shape in new)
             cost.extend([0.0] * len(new))
             shared.extend([0, 0] for _ in new)
-            errors = self._catch_up([ctx for ctx, _ in new])
-            charge(list(range(first, len(results))))
-            growers = []
-            for k, ((ctx, shape), err) in enumerate(zip(new, errors, strict=True), first):
+            errors, catch = self._catch_up_inputs([ctx for ctx, _ in new])
+            catch.jobs = [k for k, err in enumerate(errors, first) if err is None]
+            for k, err in enumerate(errors, first):
                 if err is not None:
                     report(k, err)
-                    continue
+            return catch
+
+        def start(jobs_: list[int]) -> list[Grower]:
+            growers = []
+            for k in jobs_:
+                ctx, shape = contexts[k], shapes[k]
                 state: _HeadState = ctx.state
                 growths.append(_Growth(state.cache, state.pairs, {-1: state.root_hidden}))
                 owners.append(k)
@@ -207,28 +239,60 @@ class EagleDrafter(Drafter):
                     growers.append(grow_sampled(state.root_logits, shape.depth, shape.topk,
                                                 shape.max_nodes, ctx.temperature,
                                                 shape.support, ctx.generator))
+            growing[0] += len(growers)
             return growers
 
+        def alone(catch: _CatchUp) -> list[Grower]:
+            if catch.segments:
+                self._pass([], catch)
+            charge(catch.jobs)
+            return start(catch.jobs)
+
+        def more() -> list[Grower]:
+            joining = ready[:]
+            ready.clear()
+            new = admit() if admit is not None else []
+            if new:
+                catch = enqueue(new)
+                if growing[0] or joining:
+                    queued.append(catch)
+                else:  # nothing growing to ride with
+                    joining += alone(catch)
+            return joining
+
         def expand(asks: list[tuple[int, Frontier]]) -> list[torch.Tensor]:
-            out = self._pass([(growths[j], frontier) for j, frontier in asks])
-            charge([owners[j] for j, _ in asks])
+            catch = _CatchUp.merge(queued)
+            queued.clear()
+            out = self._pass([(growths[j], frontier) for j, frontier in asks], catch)
+            charge([owners[j] for j, _ in asks] + catch.jobs)
+            ready.extend(start(catch.jobs))
             return out
 
         def done(j: int, tree: DraftTree) -> None:
+            growing[0] -= 1
             state: _HeadState = contexts[owners[j]].state
             state.cache.crop(state.pairs)
             report(owners[j], self._to_target_ids(tree))
 
-        grow_together(begin(jobs), expand, admit=(lambda: begin(admit())) if admit else None,
+        grow_together(alone(enqueue(jobs)), expand, admit=more if admit else None,
                       finished=done)
         return results  # type: ignore[return-value]
 
     def _catch_up(self, ctxs: list[DraftContext], strict: bool = True) -> list[Exception | None]:
         """Feed each session's newly committed (token, feature) pairs, all sessions in one
-        pass, leaving the head's output at the last pair as the session's tree root.
-        Received features are copied and cast here, on the drafting thread."""
+        pass, leaving the head's output at the last pair as the session's tree root."""
+        errors, catch = self._catch_up_inputs(ctxs, strict)
+        if catch.segments:
+            self._pass([], catch)
+        return errors
+
+    def _catch_up_inputs(self, ctxs: list[DraftContext], strict: bool = True
+                         ) -> tuple[list[Exception | None], _CatchUp]:
+        """What feeding each session's new committed pairs takes, and the sessions that
+        cannot be fed. Received features are copied and cast here, on the drafting
+        thread."""
         errors: list[Exception | None] = []
-        rows, feats, ids, positions, segments = [], [], [], [], []
+        catch = _CatchUp()
         for ctx in ctxs:
             if ctx.state is None:
                 ctx.state = _HeadState()
@@ -249,26 +313,18 @@ class EagleDrafter(Drafter):
                     errors[-1] = ValueError("no feature rows to draft from")
                 continue
             state.cache.crop(state.pairs)
-            feats.append(torch.cat(new).to(self.device, self.dtype))
-            ids.append(torch.tensor(ctx.tokens[state.pairs + 1: total + 1]))
-            positions.append(torch.arange(state.pairs, total))
-            segments.append(Segment(count, state.cache))
-            rows.append((state, total))
-        if segments:
-            hidden, _ = self.head(torch.cat(feats)[None], torch.cat(ids)[None].to(self.device),
-                                  position_ids=torch.cat(positions).to(self.device),
-                                  segments=segments, num_logits=0)
-            ends = torch.tensor([seg.rows for seg in segments], device=self.device).cumsum(0) - 1
-            last = hidden[0, ends]
-            logits = self.head.logits(last)
-            for j, (state, total) in enumerate(rows):
-                state.pairs = total
-                state.root_hidden, state.root_logits = last[j], logits[j]
-        return errors
+            catch.feats.append(torch.cat(new).to(self.device, self.dtype))
+            catch.ids.append(torch.tensor(ctx.tokens[state.pairs + 1: total + 1]))
+            catch.positions.append(torch.arange(state.pairs, total))
+            catch.segments.append(Segment(count, state.cache))
+            catch.rows.append((state, total))
+        return errors, catch
 
-    def _pass(self, asks: list[tuple[_Growth, Frontier]]) -> list[torch.Tensor]:
-        """One head pass over the frontiers of several growing trees: their rows are
-        packed, each tree attends over its own cache under its tree mask."""
+    def _pass(self, asks: list[tuple[_Growth, Frontier]], catch: _CatchUp | None = None
+              ) -> list[torch.Tensor]:
+        """One head pass over the frontiers of several growing trees, plus the committed
+        pairs of sessions catching up (``catch``): their rows are packed, each tree attends
+        over its own cache under its tree mask, each catching-up session over its cache."""
         feats, ids, positions, segments = [], [], [], []
         appended: dict[int, int] = {}
         for growth, (nodes, tokens, parents) in asks:
@@ -280,17 +336,33 @@ class EagleDrafter(Drafter):
             ids.append(torch.tensor(list(tokens)))
             positions.append(pos)
             segments.append(Segment(len(nodes), growth.cache, mask.to(self.device)))
-        hidden, _ = self.head(torch.cat(feats)[None],
-                              self.head.to_target_ids(torch.cat(ids).to(self.device))[None],
+        tree_rows = sum(len(nodes) for _, (nodes, _, _) in asks)
+        token_ids = [self.head.to_target_ids(torch.cat(ids).to(self.device))] if ids else []
+        if catch is not None and catch.segments:  # their tokens are target ids already
+            feats += catch.feats
+            token_ids += [t.to(self.device) for t in catch.ids]
+            positions += catch.positions
+            segments += catch.segments
+        hidden, _ = self.head(torch.cat(feats)[None], torch.cat(token_ids)[None],
                               position_ids=torch.cat(positions).to(self.device),
                               segments=segments, num_logits=0)
-        logits = self.head.logits(hidden[0])
+        rows = torch.arange(tree_rows, device=self.device)
+        if catch is not None and catch.segments:
+            lengths = torch.tensor([seg.rows for seg in catch.segments], device=self.device)
+            ends = tree_rows + lengths.cumsum(0) - 1
+            rows = torch.cat([rows, ends])
+        picked = hidden[0, rows]
+        logits = self.head.logits(picked)
         out, start = [], 0
         for growth, (nodes, _, _) in asks:
             for row, node in enumerate(nodes):
-                growth.hidden[node] = hidden[0, start + row]
+                growth.hidden[node] = picked[start + row]
             out.append(logits[start:start + len(nodes)])
             start += len(nodes)
+        if catch is not None:
+            for j, (state, total) in enumerate(catch.rows):
+                state.pairs = total
+                state.root_hidden, state.root_logits = picked[start + j], logits[start + j]
         return out
 
     @torch.inference_mode()
