@@ -119,9 +119,11 @@ class DraftWorker:
             room = self.max_batch - in_flight[0]
             if room <= 0 or not hub.buffer:
                 return []
+            future = asyncio.run_coroutine_threadsafe(_call(join, room), loop)
             try:
-                jobs = asyncio.run_coroutine_threadsafe(_call(join, room), loop).result(5.0)
-            except Exception:  # noqa: BLE001 - the loop is closing: draft what we have
+                jobs = future.result(5.0)
+            except Exception:  # noqa: BLE001 - the loop is stuck or closing: draft what we have
+                future.cancel()
                 return []
             in_flight[0] += len(jobs)
             return jobs
@@ -145,6 +147,10 @@ class DraftWorker:
             for k in range(len(requests)):
                 if k not in delivered:
                     self.deliver(requests[k], exc, begun[k], 0.0, 1.0)
+                    delivered.add(k)
+        # taken from the buffer for a join the drafting thread gave up waiting for
+        hub.buffer.extendleft(reversed([req for k, req in enumerate(requests)
+                                        if k not in delivered]))
 
     def deliver(self, req: Request, result: DraftTree | Exception, begun: float,
                 seconds: float, shared: float) -> None:

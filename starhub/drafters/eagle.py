@@ -254,7 +254,7 @@ class EagleDrafter(Drafter):
             new = admit() if admit is not None else []
             if new:
                 catch = enqueue(new)
-                if growing[0] or joining:
+                if growing[0] > len(joining):  # trees already waiting: a pass will come
                     queued.append(catch)
                 else:  # nothing growing to ride with
                     joining += alone(catch)
