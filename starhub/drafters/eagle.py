@@ -7,9 +7,7 @@ after the round, so each round costs one pass over the new pairs plus one per tr
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -18,20 +16,18 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from starhub.drafters.base import DraftContext, Drafter, TreeShape
+from starhub.drafters.eagle_batch import CatchUp, DraftBatch, Finished, Growth, HeadState, Job
 from starhub.drafters.outcomes import likely_outcomes, path_to
 from starhub.eagle_head import EagleHead, load_eagle_head
-from starhub.kvcache import KVCache, Segment
+from starhub.kvcache import Segment
 from starhub.models import onednn_packs, prepack_linears, resolve
 from starhub.protocol import Hello
 from starhub.transport import to_torch
 from starhub.tree import (
     DraftTree,
     Frontier,
-    Grower,
-    TreeFeed,
     depths,
     grow_greedy,
-    grow_sampled,
     grow_together,
 )
 
@@ -39,48 +35,6 @@ SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "heads"
 DEFAULT_HEAD = SHIPPED_HEADS / "smollm2-135m"
 PREDRAFT_OUTCOMES = 8
 """Outcomes pre-drafted per round: grown together, they cost about two plain drafts."""
-
-
-@dataclass
-class _CatchUp:
-    """Committed (token, feature) pairs of sessions to feed: the rows, and per session its
-    state and the pair count it reaches."""
-
-    feats: list[torch.Tensor] = field(default_factory=list)
-    ids: list[torch.Tensor] = field(default_factory=list)
-    positions: list[torch.Tensor] = field(default_factory=list)
-    segments: list[Segment] = field(default_factory=list)
-    rows: list[tuple[_HeadState, int]] = field(default_factory=list)
-    jobs: list[int] = field(default_factory=list)
-    """The batch's job numbers of the sessions it feeds."""
-
-    @staticmethod
-    def merge(parts: list[_CatchUp]) -> _CatchUp:
-        out = _CatchUp()
-        for part in parts:
-            for name in ("feats", "ids", "positions", "segments", "rows", "jobs"):
-                getattr(out, name).extend(getattr(part, name))
-        return out
-
-
-@dataclass
-class _HeadState:
-    cache: KVCache = field(default_factory=KVCache)
-    pairs: int = 0
-    """Committed pairs already in ``cache``."""
-    root_hidden: torch.Tensor | None = None
-    """The head's output at the last committed pair: the feature the next tree grows from."""
-    root_logits: torch.Tensor | None = None
-
-
-class _Growth:
-    """One tree growing in a packed pass: which cache its nodes go into, where, and the head
-    outputs that feed each node's children."""
-
-    def __init__(self, cache: KVCache, base: int, hidden: dict[int, torch.Tensor]):
-        self.cache = cache
-        self.feed = TreeFeed(base)
-        self.hidden = hidden
 
 
 def target_embeddings(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,10 +123,8 @@ class EagleDrafter(Drafter):
         return result
 
     @torch.inference_mode()
-    def propose_batch(self, jobs: list[tuple[DraftContext, TreeShape]],
-                      admit: Callable[[], list[tuple[DraftContext, TreeShape]]] | None = None,
-                      finished: Callable[[int, DraftTree | Exception, float, float], None]
-                      | None = None) -> list[DraftTree | Exception]:
+    def propose_batch(self, jobs: list[Job], admit: Callable[[], list[Job]] | None = None,
+                      finished: Finished | None = None) -> list[DraftTree | Exception]:
         """All sessions' new committed pairs go through the head in one pass, then every
         tree layer of every session in one more: each weight is read once per layer for
         the whole batch, while attention stays within each session's own cache.
@@ -182,101 +134,7 @@ class EagleDrafter(Drafter):
         seconds, batch)`` hears of job k as soon as its tree (or error) is ready, with its
         share of the time spent on the passes it took part in and the mean number of
         sessions in those passes."""
-        results: list[DraftTree | Exception | None] = []
-        owners: list[int] = []  # grower -> job
-        growths: list[_Growth] = []
-        contexts: list[DraftContext] = []
-        shapes: list[TreeShape] = []
-        cost: list[float] = []
-        shared: list[list[int]] = []  # per job: passes, and sessions in them
-        mark = [time.perf_counter()]
-        growing = [0]
-        queued: list[_CatchUp] = []  # admitted; their pairs ride the next layer's pass
-        ready: list[Grower] = []  # admitted and caught up, to join at the next layer
-
-        def charge(jobs_: list[int]) -> None:
-            """Split the time since the last charge among the jobs it was spent on."""
-            now = time.perf_counter()
-            for k in jobs_:
-                cost[k] += (now - mark[0]) / len(jobs_)
-                shared[k][0] += 1
-                shared[k][1] += len(jobs_)
-            mark[0] = now
-
-        def report(k: int, result: DraftTree | Exception) -> None:
-            results[k] = result
-            if finished is not None:
-                passes, rows = shared[k]
-                finished(k, result, cost[k], rows / passes if passes else 1.0)
-
-        def enqueue(new: list[tuple[DraftContext, TreeShape]]) -> _CatchUp:
-            """Number the new jobs; their catch-up inputs (errors reported at once)."""
-            first = len(results)
-            results.extend([None] * len(new))
-            contexts.extend(ctx for ctx, _ in new)
-            shapes.extend(shape for _, shape in new)
-            cost.extend([0.0] * len(new))
-            shared.extend([0, 0] for _ in new)
-            errors, catch = self._catch_up_inputs([ctx for ctx, _ in new])
-            catch.jobs = [k for k, err in enumerate(errors, first) if err is None]
-            for k, err in enumerate(errors, first):
-                if err is not None:
-                    report(k, err)
-            return catch
-
-        def start(jobs_: list[int]) -> list[Grower]:
-            growers = []
-            for k in jobs_:
-                ctx, shape = contexts[k], shapes[k]
-                state: _HeadState = ctx.state
-                growths.append(_Growth(state.cache, state.pairs, {-1: state.root_hidden}))
-                owners.append(k)
-                score = ctx.coupled(self.head.vocab_size, self._target_index())
-                if ctx.greedy or score is not None:
-                    growers.append(grow_greedy(state.root_logits, shape.depth, shape.topk,
-                                               shape.max_nodes, score))
-                else:
-                    growers.append(grow_sampled(state.root_logits, shape.depth, shape.topk,
-                                                shape.max_nodes, ctx.temperature,
-                                                shape.support, ctx.generator))
-            growing[0] += len(growers)
-            return growers
-
-        def alone(catch: _CatchUp) -> list[Grower]:
-            if catch.segments:
-                self._pass([], catch)
-            charge(catch.jobs)
-            return start(catch.jobs)
-
-        def more() -> list[Grower]:
-            joining = ready[:]
-            ready.clear()
-            new = admit() if admit is not None else []
-            if new:
-                catch = enqueue(new)
-                if growing[0] > len(joining):  # trees already waiting: a pass will come
-                    queued.append(catch)
-                else:  # nothing growing to ride with
-                    joining += alone(catch)
-            return joining
-
-        def expand(asks: list[tuple[int, Frontier]]) -> list[torch.Tensor]:
-            catch = _CatchUp.merge(queued)
-            queued.clear()
-            out = self._pass([(growths[j], frontier) for j, frontier in asks], catch)
-            charge([owners[j] for j, _ in asks] + catch.jobs)
-            ready.extend(start(catch.jobs))
-            return out
-
-        def done(j: int, tree: DraftTree) -> None:
-            growing[0] -= 1
-            state: _HeadState = contexts[owners[j]].state
-            state.cache.crop(state.pairs)
-            report(owners[j], self._to_target_ids(tree))
-
-        grow_together(alone(enqueue(jobs)), expand, admit=more if admit else None,
-                      finished=done)
-        return results  # type: ignore[return-value]
+        return DraftBatch(self, admit, finished).run(jobs)
 
     def _catch_up(self, ctxs: list[DraftContext], strict: bool = True) -> list[Exception | None]:
         """Feed each session's newly committed (token, feature) pairs, all sessions in one
@@ -287,16 +145,16 @@ class EagleDrafter(Drafter):
         return errors
 
     def _catch_up_inputs(self, ctxs: list[DraftContext], strict: bool = True
-                         ) -> tuple[list[Exception | None], _CatchUp]:
+                         ) -> tuple[list[Exception | None], CatchUp]:
         """What feeding each session's new committed pairs takes, and the sessions that
         cannot be fed. Received features are copied and cast here, on the drafting
         thread."""
         errors: list[Exception | None] = []
-        catch = _CatchUp()
+        catch = CatchUp()
         for ctx in ctxs:
             if ctx.state is None:
-                ctx.state = _HeadState()
-            state: _HeadState = ctx.state
+                ctx.state = HeadState()
+            state: HeadState = ctx.state
             take = len(ctx.features)
             new = [f if isinstance(f, torch.Tensor) else to_torch(f) for f in ctx.features[:take]]
             del ctx.features[:take]
@@ -320,7 +178,7 @@ class EagleDrafter(Drafter):
             catch.rows.append((state, total))
         return errors, catch
 
-    def _pass(self, asks: list[tuple[_Growth, Frontier]], catch: _CatchUp | None = None
+    def _pass(self, asks: list[tuple[Growth, Frontier]], catch: CatchUp | None = None
               ) -> list[torch.Tensor]:
         """One head pass over the frontiers of several growing trees, plus the committed
         pairs of sessions catching up (``catch``): their rows are packed, each tree attends
@@ -377,21 +235,21 @@ class EagleDrafter(Drafter):
             return {}
         if self._catch_up([ctx], strict=False)[0] is not None:
             return {}
-        state: _HeadState = ctx.state
+        state: HeadState = ctx.state
         base = state.pairs
         try:
             return self._predraft(state, tree, shape, stop, limit)
         finally:
             state.cache.crop(base)
 
-    def _predraft(self, state: _HeadState, tree: DraftTree, shape: TreeShape,
+    def _predraft(self, state: HeadState, tree: DraftTree, shape: TreeShape,
                   stop: Callable[[], bool], limit: int) -> dict[tuple[int, ...], DraftTree]:
         index = self._draft_index()
         tokens = index[torch.from_numpy(tree.tokens.astype(np.int64))].tolist()
         parents = tree.parents.tolist()
         if min(tokens) < 0:
             return {}
-        refeed = _Growth(state.cache, state.pairs, {-1: state.root_hidden})
+        refeed = Growth(state.cache, state.pairs, {-1: state.root_hidden})
         logp = grow_together([_replay(tokens, parents)], lambda asks: self._pass(
             [(refeed, frontier) for _, frontier in asks]), stop)[0]
         if logp is None:
@@ -400,7 +258,7 @@ class EagleDrafter(Drafter):
         outcomes = likely_outcomes(parents, tokens, logp, limit)
         growths, growers = [], []
         for _, v, b in outcomes:
-            growth = _Growth(state.cache, state.pairs, {-2: refeed.hidden[v]})
+            growth = Growth(state.cache, state.pairs, {-2: refeed.hidden[v]})
             growth.feed.ancestors[-2] = refeed.feed.ancestors[v]
             growths.append(growth)
             growers.append(_after_outcome(b, shape))
