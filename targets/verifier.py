@@ -141,14 +141,16 @@ class Verifier:
         ``gather_fraction`` of a pass are waited for, never a slow one, and nobody is
         waited for once the waiting rows fill a pass."""
         start = time.monotonic()
-        cap = self.config.gather_fraction * self.scheduler.pass_s
+        pass_s = self.scheduler.pass_s
+        cap = self.config.gather_fraction * pass_s
         while not self.scheduler.full([p.waiting for p in self.pending.values()]):
             now = time.monotonic()
+            # expected by the cap, and not overdue by a whole pass (that one is stalled)
             soon = [s.committed_at + s.turnaround for t, s in self.sessions.items()
                     if t not in self.pending and s.committed_at and s.turnaround
-                    and s.committed_at + s.turnaround <= start + cap]
+                    and start - pass_s < s.committed_at + s.turnaround <= start + cap]
             # an estimate already past still means "any moment": wait on, within the cap
-            until = min(max(soon, default=0.0) + 0.2 * self.scheduler.pass_s, start + cap)
+            until = min(max(soon, default=0.0) + 0.2 * pass_s, start + cap)
             if not soon or until <= now or not sock.poll(1e3 * (until - now)):
                 return
             self.receive(sock)
