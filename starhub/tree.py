@@ -168,9 +168,10 @@ def grow_greedy(root_logits: torch.Tensor, depth: int, topk: int, max_nodes: int
     """EAGLE-2 dynamic tree: expand the top-k paths per layer, keep the best nodes overall.
 
     A node's score is its path's cumulative log-probability, which never grows along a
-    path, so the best ``max_nodes`` always include each chosen node's ancestors, and
-    expansion stops as soon as no deeper node could enter them. With ``score``, the
-    log-probabilities are those of the softmax of ``score(logits, layer depth)``.
+    path, so the best ``max_nodes`` always include each chosen node's ancestors, and only
+    nodes that could still have a child among them are expanded (``_useful``). With
+    ``score``, the log-probabilities are those of the softmax of ``score(logits, layer
+    depth)``.
     """
     tokens: list[int] = []
     parents: list[int] = []
@@ -192,14 +193,15 @@ def grow_greedy(root_logits: torch.Tensor, depth: int, topk: int, max_nodes: int
                 scores.append(base + v)
         return new
 
-    frontier = _best(add([-1], root_logits[None], 1), scores, topk)
+    frontier = _useful(_best(add([-1], root_logits[None], 1), scores, topk), scores, max_nodes)
     for layer in range(2, depth + 1):
-        if _settled(frontier, scores, max_nodes):
+        if not frontier:
             break
         logits = yield frontier, [tokens[i] for i in frontier], [parents[i] for i in frontier]
         if logits is None:
             break
-        frontier = _best(add(frontier, logits, layer), scores, topk)
+        frontier = _useful(_best(add(frontier, logits, layer), scores, topk), scores,
+                           max_nodes)
     keep = sorted(_best(range(len(tokens)), scores, max_nodes))
     return _subtree(keep, tokens, parents)
 
@@ -285,13 +287,15 @@ def chain_tree(tokens: Sequence[int]) -> DraftTree:
     return DraftTree(np.asarray(tokens, np.int32), np.arange(-1, n - 1, dtype=np.int32))
 
 
-def _settled(frontier: list[int], scores: list[float], max_nodes: int) -> bool:
-    """Whether the best ``max_nodes`` are final: a child never scores above its parent, and
-    ``_best`` breaks ties in favour of older nodes."""
+def _useful(frontier: list[int], scores: list[float], max_nodes: int) -> list[int]:
+    """The frontier nodes whose children could still enter the best ``max_nodes``. A child
+    never scores above its parent, ``_best`` breaks ties in favour of older nodes, and the
+    cutoff only rises as nodes are added: so expanding any other node is wasted work, and
+    leaving it out changes nothing in the tree."""
     if len(scores) < max_nodes:
-        return False
+        return frontier
     cutoff = heapq.nlargest(max_nodes, scores)[-1]
-    return max(scores[i] for i in frontier) <= cutoff
+    return [i for i in frontier if scores[i] > cutoff]
 
 
 def _best(ids: Sequence[int] | range, scores: list[float], k: int) -> list[int]:

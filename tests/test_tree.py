@@ -29,24 +29,40 @@ def test_greedy_tree_respects_budget_and_orders_parents_first():
     assert tree.depth <= 5
 
 
-def test_greedy_tree_stops_expanding_once_no_deeper_node_can_be_chosen(monkeypatch):
+def path_expand(vocab: int, seed: int, scale: float, fed: list[int]):
+    """Logits that depend only on the node's own path, so that a tree does not change with
+    which other nodes were expanded; ``fed`` collects the rows of each call."""
+    paths = {-1: ()}
+
+    def expand(ids, tokens, parents):
+        fed.append(len(ids))
+        rows = []
+        for node, token, parent in zip(ids, tokens, parents, strict=True):
+            paths[node] = paths[parent] + (token,)
+            gen = torch.Generator().manual_seed(hash((seed, *paths[node])) % 2**31)
+            rows.append(torch.randn(vocab, generator=gen) * scale)
+        return torch.stack(rows)
+
+    return expand
+
+
+def test_greedy_tree_expands_only_nodes_whose_children_could_still_be_chosen(monkeypatch):
     import starhub.tree
 
-    def build(seed: int, scale: float) -> tuple[list, list, int]:
-        calls = []
-        expand = random_expand(200, seed)
-        tree = build_greedy_tree(torch.randn(200, generator=torch.Generator().manual_seed(seed))
-                                 * scale, lambda *a: calls.append(1) or expand(*a) * scale,
-                                 depth=6, topk=3, max_nodes=10)
-        return tree.tokens.tolist(), tree.parents.tolist(), len(calls)
+    def build(seed: int, scale: float) -> tuple[list, list, list]:
+        fed: list[int] = []
+        root = torch.randn(200, generator=torch.Generator().manual_seed(seed)) * scale
+        tree = build_greedy_tree(root, path_expand(200, seed, scale, fed), depth=6, topk=3,
+                                 max_nodes=10)
+        return tree.tokens.tolist(), tree.parents.tolist(), fed
 
     runs = [(seed, scale) for seed in range(12) for scale in (0.3, 1.0, 3.0)]
-    early = [build(*run) for run in runs]
-    monkeypatch.setattr(starhub.tree, "_settled", lambda *a: False)
+    pruned = [build(*run) for run in runs]
+    monkeypatch.setattr(starhub.tree, "_useful", lambda frontier, scores, max_nodes: frontier)
     full = [build(*run) for run in runs]
-    assert [e[:2] for e in early] == [f[:2] for f in full]
-    assert all(f[2] == 5 for f in full)
-    assert sum(e[2] for e in early) < sum(f[2] for f in full)
+    assert [p[:2] for p in pruned] == [f[:2] for f in full]
+    assert all(f[2] == [3] * 5 for f in full)
+    assert sum(map(sum, (p[2] for p in pruned))) < sum(map(sum, (f[2] for f in full))) / 2
 
 
 def test_greedy_chain_follows_argmax():
