@@ -231,8 +231,8 @@ class Scheduler:
 
     def full(self, waiting: list[Waiting]) -> bool:
         """Whether the waiting proposals already fill a pass (rows or budget)."""
-        rows = len(waiting) >= self.max_batch if self.max_batch else False
-        return rows or sum(w.fed for w in waiting) >= self.budget
+        return (bool(self.max_batch) and len(waiting) >= self.max_batch) \
+            or sum(w.fed for w in waiting) >= self.budget
 
     def _slo_order(self, waiting: list[Waiting], now: float) -> list[Waiting]:
         """Starved proposals first; then those that make their deadline only if served in

@@ -196,7 +196,8 @@ class EagleDrafter(Drafter):
             segments.append(Segment(len(nodes), growth.cache, mask.to(self.device)))
         tree_rows = sum(len(nodes) for _, (nodes, _, _) in asks)
         token_ids = [self.head.to_target_ids(torch.cat(ids).to(self.device))] if ids else []
-        if catch is not None and catch.segments:  # their tokens are target ids already
+        catch = catch if catch is not None else CatchUp()
+        if catch.segments:  # their tokens are target ids already
             feats += catch.feats
             token_ids += [t.to(self.device) for t in catch.ids]
             positions += catch.positions
@@ -205,7 +206,7 @@ class EagleDrafter(Drafter):
                               position_ids=torch.cat(positions).to(self.device),
                               segments=segments, num_logits=0)
         rows = torch.arange(tree_rows, device=self.device)
-        if catch is not None and catch.segments:
+        if catch.segments:
             lengths = torch.tensor([seg.rows for seg in catch.segments], device=self.device)
             ends = tree_rows + lengths.cumsum(0) - 1
             rows = torch.cat([rows, ends])
@@ -217,10 +218,9 @@ class EagleDrafter(Drafter):
                 growth.hidden[node] = picked[start + row]
             out.append(logits[start:start + len(nodes)])
             start += len(nodes)
-        if catch is not None:
-            for j, (state, total) in enumerate(catch.rows):
-                state.pairs = total
-                state.root_hidden, state.root_logits = picked[start + j], logits[start + j]
+        for j, (state, total) in enumerate(catch.rows):
+            state.pairs = total
+            state.root_hidden, state.root_logits = picked[start + j], logits[start + j]
         return out
 
     @torch.inference_mode()
