@@ -253,21 +253,43 @@ def generate(model, tokenizer, rows: list[tuple[object, str]], path: Path, max_n
     return [Seq(sid, len(p), done[tuple(p)].ids) for sid, p in prompts]
 
 
-def user_turn_prefix(tokenizer) -> list[int]:
-    """The chat template's ids up to where a user's message begins."""
+def user_turn_prefix(tokenizer, history: list[dict] | None = None) -> list[int]:
+    """The chat template's ids up to where the next user message begins, after ``history``
+    (earlier messages of the conversation, if any)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise SystemExit("--synth-prompts needs a target with a chat template")
+        raise SystemExit("self-written prompts need a target with a chat template")
     marker = "\x00PROMPT\x00"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}],
+    text = tokenizer.apply_chat_template([*(history or []), {"role": "user", "content": marker}],
                                          add_generation_prompt=True, tokenize=False)
     return tokenizer(text[:text.index(marker)], add_special_tokens=False)["input_ids"]
 
 
+def _write_user_turns(model, tokenizer, starts: list[tuple[list[int], str]], max_tokens: int,
+                      temperature: float, generator: torch.Generator) -> list[str | None]:
+    """The target's own user messages, one per (template ids, opening words) in ``starts``;
+    None where a message did not end (no EOS within ``max_tokens``) or has under 3 words."""
+    eos, pad = eos_and_pad(tokenizer)
+    prompts = [ids + (tokenizer(o, add_special_tokens=False)["input_ids"] if o else [])
+               for ids, o in starts]
+    out: list[str | None] = []
+    for (_, opener), answer in zip(starts, answer_batch(model, prompts, max_tokens, eos, pad,
+                                                         temperature, generator), strict=True):
+        g = answer.ids
+        text = (opener + tokenizer.decode(g, skip_special_tokens=True)).strip()
+        out.append(text if g[-1] == eos and len(text.split()) >= 3 else None)
+    return out
+
+
 def synthesize_prompts(model, tokenizer, count: int, path: Path, batch_size: int,
                        temperature: float = 0.8, max_tokens: int = 96, seed: int = 0,
-                       exclude: set[str] = frozenset()) -> list[tuple[object, str]]:
+                       exclude: set[str] = frozenset(), openers: list[str] = ()
+                       ) -> list[tuple[object, str]]:
     """User messages the target writes itself, sampled from its own chat template's user
     turn (as in Magpie): prompt diversity at generation cost, with no data download.
+
+    With ``openers``, message i starts with ``openers[i % len(openers)]`` and the target
+    writes the rest: that steers the prompts across styles (passages, code to fix, personas,
+    word problems...) the free-running target rarely writes by itself.
 
     Only complete messages (ended by EOS) of 3+ words are kept, without duplicates or
     any prompt in ``exclude`` (the held-out set). Appended to ``path``, so reruns resume.
@@ -278,16 +300,17 @@ def synthesize_prompts(model, tokenizer, count: int, path: Path, batch_size: int
         rows = [(r["id"], r["prompt"]) for r in map(json.loads, path.read_text().splitlines())]
     seen |= {p.lower() for _, p in rows}
     prefix = user_turn_prefix(tokenizer)
-    eos, pad = eos_and_pad(tokenizer)
     generator = torch.Generator().manual_seed(seed + len(rows))
+    tried = len(rows)
     with path.open("a") as out, tqdm(total=count, initial=min(len(rows), count),
                                      desc="synthesize prompts", unit="prompt") as bar:
         while len(rows) < count:
-            for answer in answer_batch(model, [prefix] * batch_size, max_tokens, eos, pad,
-                                       temperature, generator):
-                g = answer.ids
-                text = tokenizer.decode(g, skip_special_tokens=True).strip()
-                if g[-1] != eos or len(text.split()) < 3 or text.lower() in seen:
+            starts = [(prefix, openers[(tried + i) % len(openers)] if openers else "")
+                      for i in range(batch_size)]
+            tried += batch_size
+            for text in _write_user_turns(model, tokenizer, starts, max_tokens, temperature,
+                                          generator):
+                if text is None or text.lower() in seen:
                     continue
                 seen.add(text.lower())
                 rows.append((f"s{len(rows):05d}", text))
@@ -297,6 +320,36 @@ def synthesize_prompts(model, tokenizer, count: int, path: Path, batch_size: int
                     break
             out.flush()
     return rows[:count]
+
+
+def follow_ups(model, tokenizer, firsts: list[tuple[object, str, str]], path: Path,
+               batch_size: int, temperature: float = 0.8, max_tokens: int = 96, seed: int = 0
+               ) -> list[tuple[object, list[dict]]]:
+    """Second turns: for each (id, user message, the target's own answer) in ``firsts``, the
+    target writes the user's follow-up to its answer, sampled from its chat template, and
+    the conversation so far becomes a training prompt. Conversations whose follow-up did
+    not end or is too short are dropped. Appended to ``path``, so reruns resume."""
+    done: dict[str, list[dict]] = {}
+    if path.exists():
+        done = {str(r["id"]): r["messages"]
+                for r in map(json.loads, path.read_text().splitlines())}
+    todo = [f for f in firsts if f"{f[0]}-2" not in done]
+    generator = torch.Generator().manual_seed(seed + len(done))
+    with path.open("a") as out:
+        for b in tqdm(range(0, len(todo), batch_size), desc="follow-ups", unit="batch",
+                      disable=not todo):
+            batch = todo[b:b + batch_size]
+            history = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+                       for _, q, a in batch]
+            texts = _write_user_turns(model, tokenizer,
+                                      [(user_turn_prefix(tokenizer, h), "") for h in history],
+                                      max_tokens, temperature, generator)
+            for (sid, _, _), h, text in zip(batch, history, texts, strict=True):
+                messages = [*h, {"role": "user", "content": text}] if text else []
+                done[f"{sid}-2"] = messages
+                out.write(json.dumps({"id": f"{sid}-2", "messages": messages}) + "\n")
+            out.flush()
+    return [(f"{sid}-2", done[f"{sid}-2"]) for sid, _, _ in firsts if done[f"{sid}-2"]]
 
 
 @torch.no_grad()

@@ -38,6 +38,7 @@ from scripts.eagle_data import (
     Record,
     choose_draft_vocab,
     dump_features,
+    follow_ups,
     generate,
     synthesize_prompts,
 )
@@ -267,7 +268,7 @@ def train(head: EagleHead, data: Dump, eval_data: Dump, args, work: Path) -> dic
         "target", "kind", "draft_vocab", "init", "init_from", "init_layer", "fc_init", "epochs",
         "batch_tokens", "lr", "noise", "v_weight", "p_weight", "max_steps", "max_new_tokens",
         "max_prompts", "train_lm_head", "seed", "weight_decay", "clip", "unroll", "unroll_decay",
-        "gen_temperatures", "data_dtype", "synth_prompts")}
+        "gen_temperatures", "data_dtype", "synth_prompts", "synth_openers", "follow_ups")}
     state_path = work / "train_state.pt"
     step = 0
     if state_path.exists():
@@ -337,6 +338,20 @@ def parse_temperatures(text: str) -> list[float]:
     return temps
 
 
+def read_openers(path: Path | None) -> list[str]:
+    if path is None:
+        return []
+    try:
+        openers = [json.loads(line)["opener"] for line in path.read_text().splitlines()
+                   if line.strip()]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--synth-openers {path}: need JSON lines with an 'opener' ({e})"
+                         ) from None
+    if not openers:
+        raise SystemExit(f"--synth-openers {path} holds no openers")
+    return openers
+
+
 def slug(spec: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(spec).name or spec)[:64] or "target"
 
@@ -354,6 +369,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--synth-prompts", type=int, default=0,
                     help="add N user messages the target writes itself from its chat "
                          "template (self-instruct, as in Magpie) to the training prompts")
+    ap.add_argument("--synth-openers", type=Path, default=None,
+                    help="a JSONL file of {\"opener\": ...}: each self-written message starts "
+                         "with one of them, steering the prompts across styles (e.g. "
+                         f"{(PROMPTS / 'openers.jsonl').relative_to(PROMPTS.parent.parent)})")
+    ap.add_argument("--follow-ups", type=int, default=0,
+                    help="add N two-turn conversations: for N training prompts, the target "
+                         "writes the user's follow-up to its own first answer, then answers it")
     ap.add_argument("--gen-batch", type=int, default=32)
     ap.add_argument("--gen-temperatures", default="0",
                     help="comma-separated; each value adds one answer per training prompt "
@@ -433,9 +455,12 @@ def main(argv: list[str] | None = None) -> dict:
         data_model = load_model(args.target, dtype=args.data_dtype, device=args.device)[0]
         data_tag = f"-{args.data_dtype}"
     if args.synth_prompts:
+        openers = read_openers(args.synth_openers)
+        name = f"synth-prompts{data_tag}" + (f"-{args.synth_openers.stem}" if openers else "")
+        # steered messages carry passages and code, so they get room to finish
         rows += synthesize_prompts(data_model, tokenizer, args.synth_prompts,
-                                   work / f"synth-prompts{data_tag}.jsonl", args.gen_batch,
-                                   seed=args.seed,
+                                   work / f"{name}.jsonl", args.gen_batch, seed=args.seed,
+                                   max_tokens=192 if openers else 96, openers=openers,
                                    exclude={p for _, p in eval_rows if isinstance(p, str)})
     record = Record(default_feature_layers(args.kind, model.config.num_hidden_layers),
                     args.teacher_topk)
@@ -446,6 +471,17 @@ def main(argv: list[str] | None = None) -> dict:
         name = data_tag + (f"-t{temp:g}" if temp > 0 else "")
         seqs += generate(data_model, tokenizer, rows, work / f"gen-train-{suffix}{name}.jsonl",
                          args.max_new_tokens, args.gen_batch, temp, args.seed, store, record)
+    if args.follow_ups:
+        text = {sid: p for sid, p in rows if isinstance(p, str)}
+        firsts = [(s.id, text[s.id], tokenizer.decode(s.ids[s.prompt_len:],
+                                                       skip_special_tokens=True).strip())
+                  for s in seqs[:len(rows)] if s.id in text]
+        firsts = random.Random(args.seed).sample(firsts, min(args.follow_ups, len(firsts)))
+        turns = follow_ups(data_model, tokenizer, firsts, work / f"follow-ups{data_tag}.jsonl",
+                           args.gen_batch, seed=args.seed)
+        seqs += generate(data_model, tokenizer, turns,
+                         work / f"gen-train-{suffix}{data_tag}-turn2.jsonl",
+                         args.max_new_tokens, args.gen_batch, 0.0, args.seed, store, record)
     eval_seqs = generate(data_model, tokenizer, eval_rows,
                          work / f"gen-eval-{suffix}{data_tag}.jsonl", args.max_new_tokens,
                          args.gen_batch, store=store, record=record)

@@ -101,9 +101,12 @@ def test_training_writes_a_head_the_hub_can_load_and_resumes(tiny_dir, tmp_path,
     args = ["--target", str(tiny_dir), "--work-dir", str(tmp_path / "work"),
             "--out", str(tmp_path / "head"), "--prompts", str(prompts), "--eval-prompts",
             str(prompts), "--max-new-tokens", "8", "--max-steps", "3", "--batch-tokens", "64",
-            "--unroll", "2", "--draft-vocab", "512", "--depth", "2", "--gen-temperatures", "0,0.9"]
+            "--unroll", "2", "--draft-vocab", "512", "--depth", "2", "--gen-temperatures", "0,0.9",
+            "--follow-ups", "2"]
     summary = train(args)
-    assert summary["train_sequences"] == 8 and summary["draft_vocab"] == 512
+    assert summary["train_sequences"] >= 8 and summary["draft_vocab"] == 512
+    # a random target rarely ends a follow-up message; every attempt is still recorded
+    assert len((tmp_path / "work" / "follow-ups.jsonl").read_text().splitlines()) == 2
     greedy, sampled = (tmp_path / "work" / f"gen-train-n8{t}.jsonl" for t in ("", "-t0.9"))
     assert greedy.exists() and sampled.exists()
     assert greedy.read_text() != sampled.read_text()
@@ -132,6 +135,31 @@ def test_synthesized_prompts_are_complete_unique_held_out_and_resume(tmp_path):
     assert held_out not in [text for _, text in other]
 
 
+def test_steered_prompts_start_with_their_openers_and_follow_ups_extend_the_conversation(
+        tmp_path):
+    from scripts.eagle_data import follow_ups, synthesize_prompts
+    from starhub.models import load_model
+
+    model, tokenizer = load_model("default")
+    openers = ["Fix the bug in this Python function:\n\n```python\n", "A train leaves"]
+    rows = synthesize_prompts(model, tokenizer, 4, tmp_path / "s.jsonl", 8, max_tokens=96,
+                              openers=openers)
+    assert len(rows) == 4
+    assert all(text.startswith(tuple(o.strip() for o in openers)) for _, text in rows)
+    assert {text.startswith("A train") for _, text in rows} == {True, False}
+    firsts = [(sid, text, f"Answer number {i}.") for i, (sid, text) in enumerate(rows)]
+    turns = follow_ups(model, tokenizer, firsts, tmp_path / "f.jsonl", 4)
+    assert turns and all(sid.endswith("-2") for sid, _ in turns)
+    for sid, messages in turns:
+        first = next(f for f in firsts if f"{f[0]}-2" == sid)
+        assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+        assert messages[0]["content"] == first[1] and messages[1]["content"] == first[2]
+        assert len(messages[2]["content"].split()) >= 3
+    lines = (tmp_path / "f.jsonl").read_text()
+    assert follow_ups(model, tokenizer, firsts, tmp_path / "f.jsonl", 4) == turns
+    assert (tmp_path / "f.jsonl").read_text() == lines
+
+
 def test_recorded_features_and_labels_match_a_full_forward(tiny_model, tmp_path):
     from scripts.eagle_data import FeatureStore, Record, Seq, answer_batch, dump_features
 
@@ -157,3 +185,19 @@ def test_recorded_features_and_labels_match_a_full_forward(tiny_model, tmp_path)
         torch.testing.assert_close(got.top_p[span][labelled].float(),
                                    ref.top_p[span][labelled].float(), atol=2e-3, rtol=1e-2)
         assert not got.top_p[span][:p - 1].any() and not got.feats[span][n - 1].any()
+
+
+def test_synth_openers_file_errors_are_clear(tmp_path):
+    from scripts.train_eagle import read_openers
+
+    assert read_openers(None) == []
+    good = tmp_path / "o.jsonl"
+    good.write_text('{"opener": "A train leaves"}\n\n{"opener": "You are a"}\n')
+    assert read_openers(good) == ["A train leaves", "You are a"]
+    for text in ('{"prompt": "x"}\n', "not json\n", ""):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(text)
+        with pytest.raises(SystemExit, match="--synth-openers"):
+            read_openers(bad)
+    with pytest.raises(SystemExit, match="--synth-openers"):
+        read_openers(tmp_path / "missing.jsonl")
