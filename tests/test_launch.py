@@ -132,6 +132,28 @@ def test_ray_config_asks_ray_for_resources_and_binds_every_interface():
     assert all(t.ray_options["num_gpus"] == 1.0 for t in plan.workers)
 
 
+def test_auto_threads_share_the_machine_locally_and_follow_num_cpus_on_ray(monkeypatch):
+    import starhub.options
+
+    monkeypatch.setattr(starhub.options, "usable_cores", lambda: 8)
+
+    def threads(plan):
+        return [(p.threads, p.args[p.args.index("--threads") + 1]) for p in plan.processes]
+
+    local = build_plan(load_config(CONFIGS / "local-cpu.toml", ["targets.count=3"]), "p.jsonl")
+    assert threads(local) == [(2, "2")] * 4  # 8 cores over a hub and 3 targets
+    edge = build_plan(load_config(CONFIGS / "edge.toml"), "p.jsonl")
+    assert {t for t, _ in threads(edge)} == {1}  # 8 cores over 5 processes
+    assert "--budget auto" in " ".join(edge.server.args)
+    pinned = load_config(CONFIGS / "local-cpu.toml", ["targets.threads=3"])
+    assert [t for t, _ in threads(build_plan(pinned, "p.jsonl"))] == [2, 3, 3]
+    ray = load_config(CONFIGS / "local-cpu.toml", ["backend=ray", "targets.num_cpus=6",
+                                                    "hub.bind=tcp://127.0.0.1:0"])
+    plan = build_plan(ray, "p.jsonl")
+    assert threads(plan) == [(1, "1"), (6, "6"), (6, "6")]
+    assert plan.workers[0].ray_options["num_cpus"] == 6
+
+
 def test_edge_configs_need_the_edge_commands(tmp_path):
     import argparse
 

@@ -27,6 +27,10 @@ SCHEDULES = ("fifo", "goodspeed", "slo", "random")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+AUTO_THREADS = ("torch threads; auto: on the local backend, the usable cores shared evenly by "
+                "every process of the deployment; on Ray, num_cpus (or 1)")
+
+
 class ConfigError(ValueError):
     """A deployment file that cannot run as written."""
 
@@ -87,7 +91,7 @@ class HubSection(ServerKeys, Placement):
                                       "interface on Ray, port 0 = free)")
     port: int | None = _opt(None, minimum=0, doc="shorthand for bind on the default host")
     metrics_port: int = _opt(0, minimum=0)
-    threads: int = _opt(1, minimum=1)
+    threads: int | str = _opt(1, minimum=1, auto=True, doc=AUTO_THREADS)
     ttl: float = _opt(120.0, minimum=0)
     max_message_mb: float = _opt(64.0, minimum=0)
     gpu: int | None = _opt(None, minimum=0, doc="local backend: CUDA_VISIBLE_DEVICES")
@@ -98,7 +102,7 @@ class WorkerSection(Placement):
     """What targets and drafters share: how many, their prompts and sampling."""
 
     count: int = _opt(1, minimum=0)
-    threads: int = _opt(1, minimum=1)
+    threads: int | str = _opt(AUTO, minimum=1, auto=True, doc=AUTO_THREADS)
     prompts: str | None = _opt(None, doc="JSONL prompts (--prompts overrides)")
     max_new_tokens: int = _opt(128, minimum=1)
     temperature: float = _opt(0.0, minimum=0)
@@ -124,7 +128,8 @@ class VerifierSection(ServerKeys, Placement):
     model: str = _opt(doc="the target model the verifier holds")
     bind: str | None = None
     port: int | None = _opt(None, minimum=0)
-    budget: int = _opt(128, minimum=1)
+    budget: int | str = _opt(AUTO, minimum=1, auto=True,
+                             doc="tokens one pass may feed; auto: measured at start")
     max_batch: int | str = _opt(AUTO, minimum=1, auto=True)
     schedule: str = _opt("fifo", choices=SCHEDULES)
     nodes: int = _opt(DEFAULT_SHAPE.max_nodes, minimum=1)
@@ -135,7 +140,7 @@ class VerifierSection(ServerKeys, Placement):
     device_map: str | None = _opt(None, doc="--device-map: 'auto' spreads the model over every "
                                             "GPU the process sees (on Ray, the num_gpus it "
                                             "reserved), or GPU indices such as '0,1'")
-    threads: int = _opt(1, minimum=1)
+    threads: int | str = _opt(AUTO, minimum=1, auto=True, doc=AUTO_THREADS)
     gpu: int | None = _opt(None, minimum=0)
 
 

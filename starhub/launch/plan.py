@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from starhub.launch.config import ConfigError, Deployment, Placement
+from starhub.options import AUTO, resolve_threads
 from starhub.security import is_loopback
 
 HUB = "{hub}"
@@ -112,6 +113,17 @@ def _client_keys(w) -> list[tuple[str, object]]:
     return [("--curve-secret", w.curve_secret), ("--curve-server", w.curve_server)]
 
 
+def _threads(dep: Deployment, section) -> int:
+    """A process's torch threads. ``auto``: on the local backend, this machine's usable cores
+    shared evenly by every process of the deployment (they all compute at once); on Ray,
+    the CPUs the process reserves (``num_cpus``), or 1."""
+    if str(section.threads).lower() != AUTO:
+        return int(section.threads)
+    if dep.backend == "ray":
+        return max(1, int(section.num_cpus or 1))
+    return resolve_threads(AUTO, sharing=1 + dep.workers.count)
+
+
 def _ray_options(p: Placement, threads: int) -> dict:
     opts: dict = {"num_cpus": threads if p.num_cpus is None else p.num_cpus,
                   "num_gpus": p.num_gpus}
@@ -132,22 +144,22 @@ def _flags(pairs: list[tuple[str, object]]) -> list[str]:
 
 
 def _hub(dep: Deployment, pre: list[str]) -> ProcessSpec:
-    h = dep.hub
+    h, threads = dep.hub, _threads(dep, dep.hub)
     args = [*pre, "hub", *_flags([
         ("--bind", _bind(dep, h)), ("--model", h.model), ("--drafter", h.drafter),
         ("--draft", h.draft), ("--depth", h.depth), ("--topk", h.topk),
         ("--max-nodes", h.max_nodes), ("--draft-dtype", h.draft_dtype),
-        ("--max-targets", h.max_targets), ("--threads", h.threads), ("--ttl", h.ttl),
+        ("--max-targets", h.max_targets), ("--threads", threads), ("--ttl", h.ttl),
         ("--max-message-mb", h.max_message_mb), ("--metrics-port", h.metrics_port),
         ("--device", h.device), *_server_keys(h)])] + (["--insecure"] if h.insecure else [])
-    return ProcessSpec("hub", "hub", args, h.threads, True, "hub", h.gpu,
-                       _ray_options(h, h.threads))
+    return ProcessSpec("hub", "hub", args, threads, True, "hub", h.gpu,
+                       _ray_options(h, threads))
 
 
-def _sampling(w, index: int, name: str) -> list[tuple[str, object]]:
+def _sampling(w, index: int, name: str, threads: int) -> list[tuple[str, object]]:
     return [("--prompts", PROMPTS), ("--out", OUT), ("--max-new-tokens", w.max_new_tokens),
             ("--temperature", w.temperature), ("--top-p", w.top_p), ("--seed", w.seed),
-            ("--threads", w.threads), ("--name", name), ("--shard", f"{index}/{w.count}"),
+            ("--threads", threads), ("--name", name), ("--shard", f"{index}/{w.count}"),
             ("--device", w.device)]
 
 
@@ -156,44 +168,44 @@ def _gpu(w, index: int) -> int | None:
 
 
 def _target(dep: Deployment, pre: list[str], i: int) -> ProcessSpec:
-    t = dep.targets
+    t, threads = dep.targets, _threads(dep, dep.targets)
     name = f"{t.name}{i}"
     args = [*pre, "target", *_flags([("--hub", HUB), ("--model", t.model),
                                      ("--dtype", t.dtype), ("--linear", t.linear),
                                      ("--device-map", t.device_map),
-                                     *_sampling(t, i, name), *_client_keys(t)])]
+                                     *_sampling(t, i, name, threads), *_client_keys(t)])]
     if not t.chat_template:
         args.append("--no-chat-template")
-    return ProcessSpec(name, "target", args, t.threads, False, "targets", _gpu(t, i),
-                       _ray_options(t, t.threads))
+    return ProcessSpec(name, "target", args, threads, False, "targets", _gpu(t, i),
+                       _ray_options(t, threads))
 
 
 def _verifier(dep: Deployment, pre: list[str]) -> ProcessSpec:
-    v = dep.verifier
+    v, threads = dep.verifier, _threads(dep, dep.verifier)
     args = [*pre, "verifier", *_flags([
         ("--bind", _bind(dep, v)), ("--model", v.model), ("--budget", v.budget),
         ("--max-batch", v.max_batch), ("--schedule", v.schedule), ("--nodes", v.nodes),
         ("--max-nodes", v.max_nodes), ("--ttl", v.ttl), ("--dtype", v.dtype),
-        ("--linear", v.linear), ("--threads", v.threads), ("--device", v.device),
+        ("--linear", v.linear), ("--threads", threads), ("--device", v.device),
         ("--device-map", v.device_map),
         *_server_keys(v)])] + (["--insecure"] if v.insecure else [])
-    return ProcessSpec("verifier", "verifier", args, v.threads, True, "verifier", v.gpu,
-                       _ray_options(v, v.threads))
+    return ProcessSpec("verifier", "verifier", args, threads, True, "verifier", v.gpu,
+                       _ray_options(v, threads))
 
 
 def _drafter(dep: Deployment, pre: list[str], i: int) -> ProcessSpec:
-    d = dep.drafters
+    d, threads = dep.drafters, _threads(dep, dep.drafters)
     name = f"{d.name}{i}"
     args = [*pre, "drafter", *_flags([
         ("--verifier", HUB), ("--model", d.model), ("--drafter", d.drafter),
         ("--draft", d.draft), ("--draft-dtype", d.draft_dtype), ("--depth", d.depth),
         ("--topk", d.topk), ("--max-nodes", d.max_nodes), ("--target-tok-s", d.target_tok_s),
-        ("--timeout", d.timeout), ("--retries", d.retries), *_sampling(d, i, name),
+        ("--timeout", d.timeout), ("--retries", d.retries), *_sampling(d, i, name, threads),
         *_client_keys(d)])]
     if not d.chat_template:
         args.append("--no-chat-template")
-    return ProcessSpec(name, "drafter", args, d.threads, False, "drafters", _gpu(d, i),
-                       _ray_options(d, d.threads))
+    return ProcessSpec(name, "drafter", args, threads, False, "drafters", _gpu(d, i),
+                       _ray_options(d, threads))
 
 
 def check_commands(plan: Plan, parser: argparse.ArgumentParser) -> None:
