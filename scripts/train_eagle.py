@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
@@ -42,11 +41,12 @@ from scripts.eagle_data import (
     generate,
     synthesize_prompts,
 )
+from scripts.eagle_eval import evaluate
+from scripts.eagle_losses import losses, make_batch
 from starhub.eagle_head import (
     EAGLE,
     EAGLE3,
     EagleHead,
-    KVCache,
     default_feature_layers,
     head_config,
     save_eagle_head,
@@ -86,35 +86,6 @@ def build_head(model, kind: str, draft_ids: Tensor | None, init: str, init_layer
     return head
 
 
-def make_batch(dump: Dump, seq_ids: list[int], t2d_index: Tensor | None, device: str
-               ) -> dict[str, Tensor]:
-    """Pairs (x_{t+1}, f_t) -> targets f_{t+1} and p(x_{t+2}); loss on answer positions."""
-    width = max(dump.length(i) for i in seq_ids) - 1
-    b, f, k = len(seq_ids), dump.feats.shape[1], dump.top_ids.shape[1]
-    ids = torch.zeros(b, width, dtype=torch.long)
-    feats = torch.zeros(b, width, f, dtype=dump.feats.dtype)
-    target = torch.zeros(b, width, f, dtype=dump.feats.dtype)
-    top_ids = torch.zeros(b, width, k, dtype=torch.long)
-    top_p = torch.zeros(b, width, k)
-    mask = torch.zeros(b, width, dtype=torch.bool)
-    for row, i in enumerate(seq_ids):
-        s, n, p = dump.span(i), dump.length(i), int(dump.prompt_lens[i])
-        ids[row, :n - 1] = dump.ids[s][1:]
-        feats[row, :n - 1] = dump.feats[s][:-1]
-        target[row, :n - 1] = dump.feats[s][1:]
-        top_ids[row, :n - 1] = dump.top_ids[s][1:].long()
-        top_p[row, :n - 1] = dump.top_p[s][1:].float()
-        mask[row, max(p - 2, 0):n - 2] = True
-    if t2d_index is not None:
-        top_ids = t2d_index[top_ids]
-        top_p = top_p * (top_ids >= 0)
-        top_ids = top_ids.clamp(min=0)
-    top_p = top_p / top_p.sum(-1, keepdim=True).clamp(min=1e-6)
-    batch = dict(ids=ids, feats=feats.float(), target=target.float(), top_ids=top_ids,
-                 top_p=top_p, mask=mask)
-    return {name: t.to(device) for name, t in batch.items()}
-
-
 def batch_plan(dump: Dump, batch_tokens: int) -> list[list[int]]:
     """Length-sorted batches of about ``batch_tokens`` padded tokens each."""
     order = sorted(range(len(dump)), key=dump.length)
@@ -128,119 +99,6 @@ def batch_plan(dump: Dump, batch_tokens: int) -> list[list[int]]:
     if cur:
         batches.append(cur)
     return batches
-
-
-def _shift(t: Tensor, k: int) -> Tensor:
-    """``t[:, i + k]`` at column ``i``, zero past the end."""
-    return torch.cat([t[:, k:], torch.zeros_like(t[:, :k])], dim=1) if k else t
-
-
-def losses(head: EagleHead, batch: dict[str, Tensor], noise: float, unroll: int = 1,
-           decay: float = 0.8) -> tuple[Tensor, Tensor, Tensor]:
-    """EAGLE-1 losses; with ``unroll > 1`` the head also runs on its own outputs.
-
-    Unrolled step k for pair t feeds (x_{t+k}, h) where h is the step-(k-1) output, at
-    position t+k-1, attending to the step-1 entries j <= t and its own earlier steps, exactly
-    as in drafting. Step k's losses are weighted by ``decay ** (k - 1)``.
-    """
-    feats = batch["feats"]
-    if noise > 0:
-        feats = feats + (torch.rand_like(feats) - 0.5) * noise
-    cache = KVCache() if unroll > 1 else None
-    hidden, _ = head(feats, batch["ids"], num_logits=0, cache=cache)
-    width = hidden.shape[1]
-    vtotal = ptotal = hidden.new_zeros(())
-    acc = hidden.new_zeros(())
-    weights = 0.0
-    for k in range(1, unroll + 1):
-        if k > 1:
-            past = torch.ones(width, width, dtype=torch.bool, device=hidden.device).tril()
-            own = torch.eye(width, dtype=torch.bool, device=hidden.device).repeat(1, k - 1)
-            pos = torch.arange(width, device=hidden.device) + k - 1
-            hidden, _ = head(hidden, _shift(batch["ids"], k - 1), position_ids=pos,
-                             attention_mask=torch.cat([past, own], 1)[None, None], cache=cache,
-                             num_logits=0)
-        m = _shift(batch["mask"], k - 1)
-        if not m.any():
-            break
-        h = hidden[m]
-        top_ids, top_p = _shift(batch["top_ids"], k - 1)[m], _shift(batch["top_p"], k - 1)[m]
-        logp = head.logits(h).float().log_softmax(-1)
-        w = decay ** (k - 1)
-        if head.kind == EAGLE:
-            vloss = F.smooth_l1_loss(h.float(), _shift(batch["target"], k - 1)[m],
-                                     reduction="none")
-            vtotal = vtotal + w * vloss.mean(-1).mean()
-        ptotal = ptotal + w * -(top_p * logp.gather(-1, top_ids)).sum(-1).mean()
-        weights += w
-        if k == 1:
-            acc = (logp.argmax(-1) == top_ids[:, 0]).float().mean()
-    return vtotal / weights, ptotal / weights, acc
-
-
-@torch.no_grad()
-def evaluate(head: EagleHead, dump: Dump, depth: int = 5, widths: tuple[int, ...] = (1, 2, 4)
-             ) -> dict[str, float]:
-    """Held-out agreement and simulated drafting.
-
-    top1: teacher-forced agreement of the head's argmax with the target's greedy next token.
-    tau_w1: mean accepted length of a depth-``depth`` chain, counting the bonus token, with the
-    head running on its own outputs after the committed prefix, as the hub drafts.
-    tau_wK (K > 1): the same when each depth keeps the head's top-K tokens (a full K-ary tree;
-    an upper bound for a pruned tree of that width).
-    """
-    head.eval()
-    device = head.embed_weight.device
-    dtype = head.embed_weight.dtype
-    agree = total = covered = 0
-    accepted = {w: [] for w in widths}
-    per_depth = torch.zeros(depth)
-    for i in range(len(dump)):
-        s, n, p = dump.span(i), dump.length(i), int(dump.prompt_lens[i])
-        ids = dump.ids[s].to(device)
-        feats = dump.feats[s].to(device, dtype)
-        cache = KVCache()
-        hidden, logits = head(feats[None, :-1], ids[None, 1:], cache=cache)
-        pred = head.to_target_ids(logits[0].argmax(-1))
-        t = torch.arange(max(p - 2, 0), n - 2, device=device)
-        agree += int((pred[t] == ids[t + 2]).sum())
-        total += len(t)
-        if head.t2d is not None:
-            covered += int(head.t2d[ids[t + 2]].sum())
-        starts = torch.arange(max(p - 1, 0), n - 1 - depth, device=device)
-        if len(starts) == 0:
-            continue
-        base = cache.clone()
-        for w in widths:
-            alive = torch.ones(len(starts), dtype=torch.bool, device=device)
-            length = torch.zeros(len(starts), dtype=torch.long, device=device)
-            h, lg, chain = hidden[0, starts], logits[0, starts], base.clone()
-            for k in range(1, depth + 1):
-                truth = ids[starts + 1 + k]
-                top = head.to_target_ids(lg.topk(w, dim=-1).indices)
-                alive &= (top == truth[:, None]).any(-1)
-                length += alive.long()
-                if w == 1:
-                    per_depth[k - 1] += float(alive.sum())
-                if k == depth or not alive.any():
-                    break
-                m = len(starts)
-                past = torch.arange(n - 1, device=device)[None, :] <= starts[:, None]
-                own = torch.eye(m, dtype=torch.bool, device=device).repeat(1, k)
-                mask = torch.cat([past, own], dim=1)[None, None]
-                hn, lg = head(h[None], truth[None], position_ids=starts + k,
-                              attention_mask=mask, cache=chain)
-                h, lg = hn[0], lg[0]
-            accepted[w].append(length.float().cpu())
-    out = {"top1": agree / max(total, 1), "positions": float(total)}
-    n_starts = sum(len(a) for a in accepted[widths[0]])
-    for w in widths:
-        out[f"tau_w{w}"] = 1.0 + float(torch.cat(accepted[w]).mean()) if n_starts else 1.0
-    for k in range(depth):
-        out[f"accept_d{k + 1}"] = float(per_depth[k]) / max(n_starts, 1)
-    if head.t2d is not None:
-        out["vocab_coverage"] = covered / max(total, 1)
-    return out
 
 
 def lr_at(step: int, total: int, warmup: int, min_ratio: float) -> float:
