@@ -53,7 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "star or hub-load row for every N (default: auto)")
     p.add_argument("--predraft", default=None,
                    help="comma list of the hub's --predraft (on, off); each value gets its "
-                        "own star or hub-load row for every N (default: on)")
+                        f"own star or hub-load row for every N (default: {PREDRAFT_DEFAULT}, "
+                        "as `starhub hub`)")
     p.add_argument("--topk", type=int, default=None)
     p.add_argument("--max-nodes", type=int, default=None)
     p.add_argument("--draft-dtype", default=None, choices=DTYPES,
