@@ -40,7 +40,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--targets", default="1,2,3,4,6,8", help="comma-separated values of N")
     p.add_argument("--model", default="default", help="the targets' model")
     p.add_argument("--drafter", default=None, help="the hub's drafter (default: the hub's)")
-    p.add_argument("--draft", default=None, help="drafter weights, as for `starhub hub`")
+    p.add_argument("--draft", default=None,
+                   help="comma list of drafter weights, as for `starhub hub` (e.g. two EAGLE "
+                        "heads); each value gets its own star rows, the colocated baseline "
+                        "uses the first")
     p.add_argument("--depth", default=None,
                    help="comma list of tree depths or 'auto' (e.g. 2,4,6,auto); each value "
                         "gets its own star row for every N, measured in the same run "
@@ -235,6 +238,8 @@ def main(args: argparse.Namespace) -> int:
         if key != "depth" and getattr(args, key) is not None:
             tree[key] = getattr(args, key)
     tree["depth"] = depths or [tree["depth"]]
+    if args.draft and (args.hub_load or not args.emulate):
+        tree["draft"] = parse_list(args.draft, str, "--draft")
     if args.hub_load:
         return write(args, hub_load_doc(args, ns, tree, admission))
     if args.emulate:

@@ -109,6 +109,9 @@ def columns(doc: dict) -> list[tuple[str, object, str]]:
     if any("batch" in row or "predraft" in row for row in doc["rows"]):
         at = [c[1] for c in cols].index("max_targets") + 1
         cols = cols[:at] + CONTROL_COLUMNS + cols[at:]
+    if len({row.get("draft") for row in doc["rows"] if row["mode"] == "star"}) > 1:
+        at = [c[1] for c in cols].index("drafter") + 1
+        cols = cols[:at] + [("draft", "draft", "{}")] + cols[at:]
     if any(row.get("critical_draft_ms") is not None for row in doc["rows"]):
         cols = cols + DRAFT_COLUMNS
     return cols

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,7 +32,9 @@ class StarConfig:
 
     targets: list[int]
     drafter: str
-    draft: str | None
+    draft: str | None | list[str | None]
+    """The hub's drafter weights; a list gives every value its own star rows (the colocated
+    baseline uses the first)."""
     depth: list[int | str]
     """Star rows run once per value: a fixed depth or ``auto``."""
     topk: int
@@ -64,21 +67,26 @@ class BenchConfig(StarConfig):
             self.depth = [self.depth]
 
     @property
+    def first_draft(self) -> str | None:
+        return self.draft[0] if isinstance(self.draft, list) else self.draft
+
+    @property
     def fixed_depth(self) -> int:
         """The depth of the baselines that need one: the first fixed value given."""
         return next((d for d in self.depth if isinstance(d, int)), TreeShape().depth)
 
 
 def variants(cfg) -> list[StarVariant]:
-    """Every combination of a config's ``depth``, ``max_targets``, ``batch`` and
+    """Every combination of a config's ``draft``, ``depth``, ``max_targets``, ``batch`` and
     ``predraft`` lists, one row each."""
-    return [StarVariant(d, m, b, p) for d in cfg.depth for m in cfg.max_targets
-            for b in cfg.batch for p in cfg.predraft]
+    drafts = cfg.draft if isinstance(cfg.draft, list) else [cfg.draft]
+    return [StarVariant(d, m, b, p, w) for w in drafts for d in cfg.depth
+            for m in cfg.max_targets for b in cfg.batch for p in cfg.predraft]
 
 
 def hub_flags(cfg, variant: StarVariant) -> list[str]:
     """``starhub hub`` flags for a config's drafter and tree, with one row's settings."""
-    draft = ["--draft", cfg.draft] if cfg.draft else []
+    draft = ["--draft", variant.draft] if variant.draft else []
     return ["--model", cfg.model, "--drafter", cfg.drafter, *draft,
             "--depth", str(variant.depth), "--topk", str(cfg.topk),
             "--max-nodes", str(cfg.max_nodes), "--draft-dtype", cfg.draft_dtype,
@@ -94,15 +102,17 @@ class StarVariant:
     max_targets: int | str = 0
     batch: int | str = "auto"
     predraft: bool = DEFAULT_PREDRAFT
+    draft: str | None = None
 
     @property
     def name(self) -> str:
-        return f"d{self.depth}-m{self.max_targets}-b{self.batch}-p{on_off(self.predraft)}"
+        tag = f"d{self.depth}-m{self.max_targets}-b{self.batch}-p{on_off(self.predraft)}"
+        return tag + (f"-w{zlib.crc32(self.draft.encode()):08x}" if self.draft else "")
 
     def record(self) -> dict:
         """What a row records: the values as given to the hub."""
         return {"depth": self.depth, "max_targets": self.max_targets, "batch": self.batch,
-                "predraft": on_off(self.predraft)}
+                "predraft": on_off(self.predraft), "draft": self.draft}
 
 
 def on_off(value: bool) -> str:
@@ -200,7 +210,7 @@ def per_target_rows(results: list[list[dict]]) -> list[dict]:
 def star_row(cfg: BenchConfig, n: int, results: list[list[dict]], hub: dict,
              reference: dict | None, variant: StarVariant | None = None) -> dict:
     """One N from the targets' JSONL results and the hub's STATS reply."""
-    variant = variant or StarVariant(cfg.fixed_depth)
+    variant = variant or StarVariant(cfg.fixed_depth, draft=cfg.first_draft)
     row = empty_row("star", n, cfg.drafter, variant.depth)
     gens = [g for target in results for g in target]
     tokens = sum(len(g["output_ids"]) for g in gens)
@@ -269,7 +279,7 @@ def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
     from starhub.protocol import Stats
     from targets.runner import iter_results
 
-    variant = variant or StarVariant(cfg.fixed_depth)
+    variant = variant or StarVariant(cfg.fixed_depth, draft=cfg.first_draft)
     name = f"n{n}-{variant.name}"
     threads = resolve_threads(cfg.threads, sharing=n)
     with open(f"{log_dir}/hub-{name}.log", "w") as hub_log, \
@@ -366,7 +376,7 @@ def _run_real(cfg: BenchConfig, threads: int, progress: bool) -> dict:
                                      cfg.fixed_depth, threads, reference))
         if "colocated" in cfg.baselines:
             bar.set_description("colocated")
-            drafter = make_drafter(cfg.drafter, cfg.draft, cfg.model, cfg.draft_dtype)
+            drafter = make_drafter(cfg.drafter, cfg.first_draft, cfg.model, cfg.draft_dtype)
             shape = TreeShape(cfg.fixed_depth, cfg.topk, cfg.max_nodes)
             runs = colocated(model, drafter, shape, prompts, cfg.max_new_tokens, tick=tick)
             rows.append(baseline_row("colocated", runs, cfg.drafter, cfg.fixed_depth, threads,

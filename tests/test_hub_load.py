@@ -51,7 +51,22 @@ def test_star_rows_for_every_batch_and_predraft_value():
     assert flags[flags.index("--batch") + 1] == "1"
     assert flags[flags.index("--predraft") + 1] == "off"
     assert StarVariant("auto", 0, "auto", True).record() == {
-        "depth": "auto", "max_targets": 0, "batch": "auto", "predraft": "on"}
+        "depth": "auto", "max_targets": 0, "batch": "auto", "predraft": "on", "draft": None}
+
+
+def test_star_rows_for_every_draft_given():
+    args = build_parser().parse_args(["bench", "--draft", "self:layers=2,self:layers=4",
+                                      "--depth", "3,auto", "--drafter", "model"])
+    cfg = BenchConfig(targets=[1], drafter="model", draft=args.draft.split(","),
+                      depth=[3, "auto"], topk=2, max_nodes=6)
+    rows = variants(cfg)
+    assert [(r.draft, r.depth) for r in rows] == [
+        ("self:layers=2", 3), ("self:layers=2", "auto"), ("self:layers=4", 3),
+        ("self:layers=4", "auto")]
+    assert len({r.name for r in rows}) == 4
+    flags = hub_flags(cfg, rows[2])
+    assert flags[flags.index("--draft") + 1] == "self:layers=4"
+    assert cfg.first_draft == "self:layers=2"
 
 
 def test_batch_and_predraft_refused_where_they_mean_nothing():
