@@ -122,7 +122,8 @@ def train(head: EagleHead, data: Dump, eval_data: Dump, args, work: Path) -> dic
     warmup = max(1, int(args.warmup * total))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_at(s, total, warmup, args.min_lr_ratio))
-    signature = {k: getattr(args, k) for k in (
+    # plain values only: the saved state is read back with weights_only=True
+    signature = {k: str(v) if isinstance(v := getattr(args, k), Path) else v for k in (
         "target", "kind", "draft_vocab", "init", "init_from", "init_layer", "fc_init", "epochs",
         "batch_tokens", "lr", "noise", "v_weight", "p_weight", "max_steps", "max_new_tokens",
         "max_prompts", "train_lm_head", "seed", "weight_decay", "clip", "unroll", "unroll_decay",

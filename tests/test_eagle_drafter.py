@@ -102,7 +102,7 @@ def test_training_writes_a_head_the_hub_can_load_and_resumes(tiny_dir, tmp_path,
             "--out", str(tmp_path / "head"), "--prompts", str(prompts), "--eval-prompts",
             str(prompts), "--max-new-tokens", "8", "--max-steps", "3", "--batch-tokens", "64",
             "--unroll", "2", "--draft-vocab", "512", "--depth", "2", "--gen-temperatures", "0,0.9",
-            "--follow-ups", "2"]
+            "--follow-ups", "2", "--synth-openers", "scripts/prompts/openers.jsonl"]
     summary = train(args)
     assert summary["train_sequences"] >= 8 and summary["draft_vocab"] == 512
     # a random target rarely ends a follow-up message; every attempt is still recorded
