@@ -323,16 +323,21 @@ def synthesize_prompts(model, tokenizer, count: int, path: Path, batch_size: int
 
 
 def follow_ups(model, tokenizer, firsts: list[tuple[object, str, str]], path: Path,
-               batch_size: int, temperature: float = 0.8, max_tokens: int = 96, seed: int = 0
-               ) -> list[tuple[object, list[dict]]]:
-    """Second turns: for each (id, user message, the target's own answer) in ``firsts``, the
-    target writes the user's follow-up to its answer, sampled from its chat template, and
-    the conversation so far becomes a training prompt. Conversations whose follow-up did
-    not end or is too short are dropped. Appended to ``path``, so reruns resume."""
+               batch_size: int, count: int | None = None, temperature: float = 0.8,
+               max_tokens: int = 96, seed: int = 0) -> list[tuple[object, list[dict]]]:
+    """Second turns: for ``count`` of the (id, user message, the target's own answer) in
+    ``firsts`` (all by default), the target writes the user's follow-up to its answer,
+    sampled from its chat template, and the conversation so far becomes a training prompt.
+    Conversations whose follow-up did not end or is too short are dropped. Appended to
+    ``path``, so reruns resume; conversations already written are chosen first, so a larger
+    ``count`` later extends the set instead of drawing a new one."""
     done: dict[str, list[dict]] = {}
     if path.exists():
         done = {str(r["id"]): r["messages"]
                 for r in map(json.loads, path.read_text().splitlines())}
+    count = len(firsts) if count is None else count
+    firsts = ([f for f in firsts if f"{f[0]}-2" in done][:count]
+              + [f for f in firsts if f"{f[0]}-2" not in done])[:count]
     todo = [f for f in firsts if f"{f[0]}-2" not in done]
     generator = torch.Generator().manual_seed(seed + len(done))
     with path.open("a") as out:

@@ -335,9 +335,9 @@ def main(argv: list[str] | None = None) -> dict:
         firsts = [(s.id, text[s.id], tokenizer.decode(s.ids[s.prompt_len:],
                                                        skip_special_tokens=True).strip())
                   for s in seqs[:len(rows)] if s.id in text]
-        firsts = random.Random(args.seed).sample(firsts, min(args.follow_ups, len(firsts)))
+        random.Random(args.seed).shuffle(firsts)
         turns = follow_ups(data_model, tokenizer, firsts, work / f"follow-ups{data_tag}.jsonl",
-                           args.gen_batch, seed=args.seed)
+                           args.gen_batch, count=args.follow_ups, seed=args.seed)
         seqs += generate(data_model, tokenizer, turns,
                          work / f"gen-train-{suffix}{data_tag}-turn2.jsonl",
                          args.max_new_tokens, args.gen_batch, 0.0, args.seed, store, record)
