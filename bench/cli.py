@@ -233,13 +233,7 @@ def main(args: argparse.Namespace) -> int:
     ns = parse_targets(args.targets)
     depths = parse_list(args.depth, depth_arg, "--depth") if args.depth else None
     admission = parse_list(args.max_targets, max_targets_arg, "--max-targets")
-    tree = hub_defaults()
-    for key in TREE_ARGS:
-        if key != "depth" and getattr(args, key) is not None:
-            tree[key] = getattr(args, key)
-    tree["depth"] = depths or [tree["depth"]]
-    if args.draft and (args.hub_load or not args.emulate):
-        tree["draft"] = parse_list(args.draft, str, "--draft")
+    tree = tree_options(args, depths)
     if args.hub_load:
         return write(args, hub_load_doc(args, ns, tree, admission))
     if args.emulate:
@@ -270,6 +264,19 @@ def main(args: argparse.Namespace) -> int:
                           linear=args.linear, **tree)
         doc = run_real(cfg, progress=not args.no_progress)
     return write(args, doc)
+
+
+def tree_options(args: argparse.Namespace, depths: list | None) -> dict:
+    """The hub's drafting options for the star rows: its defaults, overridden by the tree
+    flags given; ``depth`` and ``draft`` are lists, one star row per value."""
+    tree = hub_defaults()
+    for key in TREE_ARGS:
+        if key != "depth" and getattr(args, key) is not None:
+            tree[key] = getattr(args, key)
+    tree["depth"] = depths or [tree["depth"]]
+    if args.draft and (args.hub_load or not args.emulate):
+        tree["draft"] = parse_list(args.draft, str, "--draft")
+    return tree
 
 
 def write(args: argparse.Namespace, doc: dict) -> int:

@@ -10,6 +10,7 @@ import pytest
 
 from bench import replay
 from bench.cli import main as bench_main
+from bench.cli import tree_options
 from bench.hub_load import parse_t_v
 from bench.replay import accepted_path, ensure_recording
 from bench.report import markdown_table, text_table
@@ -56,9 +57,11 @@ def test_star_rows_for_every_batch_and_predraft_value():
 
 def test_star_rows_for_every_draft_given():
     args = build_parser().parse_args(["bench", "--draft", "self:layers=2,self:layers=4",
-                                      "--depth", "3,auto", "--drafter", "model"])
-    cfg = BenchConfig(targets=[1], drafter="model", draft=args.draft.split(","),
-                      depth=[3, "auto"], topk=2, max_nodes=6)
+                                      "--depth", "3,auto", "--drafter", "model", "--topk", "2",
+                                      "--max-nodes", "6"])
+    tree = tree_options(args, [3, "auto"])
+    assert tree["draft"] == ["self:layers=2", "self:layers=4"]
+    cfg = BenchConfig(targets=[1], **tree)
     rows = variants(cfg)
     assert [(r.draft, r.depth) for r in rows] == [
         ("self:layers=2", 3), ("self:layers=2", "auto"), ("self:layers=4", 3),
