@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pickle
 import random
 import re
 import time
@@ -131,7 +132,12 @@ def train(head: EagleHead, data: Dump, eval_data: Dump, args, work: Path) -> dic
     state_path = work / "train_state.pt"
     step = 0
     if state_path.exists():
-        state = torch.load(state_path, map_location=device, weights_only=True)
+        try:
+            state = torch.load(state_path, map_location=device, weights_only=True)
+        except (RuntimeError, pickle.UnpicklingError) as exc:
+            tqdm.write(f"cannot read the saved training state ({str(exc).splitlines()[0]}); "
+                       f"starting afresh")
+            state = {}
         if state.get("signature") == signature:
             head.load_state_dict(state["head"])
             opt.load_state_dict(state["opt"])
