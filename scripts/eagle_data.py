@@ -336,8 +336,7 @@ def follow_ups(model, tokenizer, firsts: list[tuple[object, str, str]], path: Pa
         done = {str(r["id"]): r["messages"]
                 for r in map(json.loads, path.read_text().splitlines())}
     count = len(firsts) if count is None else count
-    firsts = ([f for f in firsts if f"{f[0]}-2" in done][:count]
-              + [f for f in firsts if f"{f[0]}-2" not in done])[:count]
+    firsts = sorted(firsts, key=lambda f: f"{f[0]}-2" not in done)[:count]  # stable: written first
     todo = [f for f in firsts if f"{f[0]}-2" not in done]
     generator = torch.Generator().manual_seed(seed + len(done))
     with path.open("a") as out:
