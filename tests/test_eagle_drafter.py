@@ -161,8 +161,10 @@ def test_steered_prompts_start_with_their_openers_and_follow_ups_extend_the_conv
         assert len(messages[2]["content"].split()) >= 3
     lines = (tmp_path / "f.jsonl").read_text()
     assert follow_ups(model, tokenizer, firsts, tmp_path / "f.jsonl", 4) == turns
-    # a reordered, smaller request takes conversations already written, drawing none anew
-    again = follow_ups(model, tokenizer, firsts[::-1], tmp_path / "f.jsonl", 4, count=3)
+    # conversations already written come first, even behind a candidate not yet written
+    fresh = ("s-new", "Name three rivers in Europe.", "The Rhine, the Danube and the Seine.")
+    again = follow_ups(model, tokenizer, [fresh, *firsts[::-1]], tmp_path / "f.jsonl", 4,
+                       count=3)
     assert again and {sid for sid, _ in again} <= {sid for sid, _ in turns}
     assert (tmp_path / "f.jsonl").read_text() == lines
 
