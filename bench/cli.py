@@ -58,8 +58,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="comma list of the hub's --predraft (on, off); each value gets its "
                         f"own star or hub-load row for every N (default: {PREDRAFT_DEFAULT}, "
                         "as `starhub hub`)")
-    p.add_argument("--topk", type=int, default=None)
-    p.add_argument("--max-nodes", type=int, default=None)
+    p.add_argument("--topk", default=None,
+                   help="comma list of the hub's --topk; each value gets its own star or "
+                        "hub-load row for every N (default: the hub's)")
+    p.add_argument("--max-nodes", default=None,
+                   help="comma list of the hub's --max-nodes, the tree's node budget (e.g. "
+                        "10,16,24); each value gets its own star or hub-load row for every N "
+                        "(default: the hub's)")
     p.add_argument("--draft-dtype", default=None, choices=DTYPES,
                    help="the hub's drafter weights, as for `starhub hub` (the colocated "
                         "baseline uses the same)")
@@ -155,6 +160,31 @@ def parse_list(text: str, parse, flag: str) -> list:
     return out
 
 
+def single(text: str | None, flag: str) -> int | None:
+    """A tree option where the bench compares no values (the edge topology): one count."""
+    if text is None:
+        return None
+    values = parse_list(text, positive(flag), flag)
+    if len(values) > 1:
+        raise ValueError(f"{flag} takes one value with --topology edge (got {text})")
+    return values[0]
+
+
+def positive(flag: str):
+    """An argparse-style type: a whole number >= 1."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be at least 1 (got {value})")
+        return value
+
+    return parse
+
+
 def parse_targets(text: str) -> list[int]:
     try:
         ns = [int(x) for x in text.split(",") if x.strip()]
@@ -187,9 +217,10 @@ def edge_doc(args: argparse.Namespace) -> dict:
                      threads=resolve_threads(args.threads, sharing=max(ns_edge) + 1),
                      verifier_threads=resolve_threads(args.verifier_threads),
                      budget=parse_list(args.budget, budget_arg, "--budget")[0],
-                     nodes=args.nodes or args.max_nodes or tree["max_nodes"],
+                     nodes=args.nodes or single(args.max_nodes, "--max-nodes")
+                     or tree["max_nodes"],
                      depth=int(args.depth) if args.depth else 5,
-                     topk=args.topk or tree["topk"], log_dir=args.log_dir,
+                     topk=single(args.topk, "--topk") or tree["topk"], log_dir=args.log_dir,
                      baselines=[b for b in args.baselines.split(",") if b == "hf-generate"])
     if args.emulate:
         from bench.emulate_edge import EdgeSpec, run_edge_emulated
@@ -229,6 +260,9 @@ def main(args: argparse.Namespace) -> int:
                              f"--hub-load only")
     if args.topology == "edge":
         return write(args, edge_doc(args))
+    if args.emulate and not args.hub_load and (args.topk or args.max_nodes):
+        raise ValueError("--topk and --max-nodes apply to the real star bench and --hub-load; "
+                         "emulated trees are chains of the spec's depth")
 
     ns = parse_targets(args.targets)
     depths = parse_list(args.depth, depth_arg, "--depth") if args.depth else None
@@ -274,6 +308,10 @@ def tree_options(args: argparse.Namespace, depths: list | None) -> dict:
         if key != "depth" and getattr(args, key) is not None:
             tree[key] = getattr(args, key)
     tree["depth"] = depths or [tree["depth"]]
+    for key in ("topk", "max_nodes"):
+        flag = "--" + key.replace("_", "-")
+        tree[key] = (parse_list(getattr(args, key), positive(flag), flag)
+                     if getattr(args, key) is not None else [tree[key]])
     if args.draft and (args.hub_load or not args.emulate):
         tree["draft"] = parse_list(args.draft, str, "--draft")
     return tree

@@ -118,7 +118,8 @@ def run_point(cfg: HubLoadConfig, n: int, variant: StarVariant, log_dir: str,
                 threads=cfg.threads, dtype=cfg.dtype,
                 cache=Path(cfg.cache) if cfg.cache else None, progress=progress)
         if progress:
-            print(f"hub-load: N={n} depth={variant.depth} max-targets={variant.max_targets} "
+            print(f"hub-load: N={n} depth={variant.depth} topk={variant.topk} "
+                  f"max-nodes={variant.max_nodes} max-targets={variant.max_targets} "
                   f"batch={variant.batch} predraft={on_off(variant.predraft)}: "
                   f"{cfg.warmup_s:g}s warm-up, "
                   f"{cfg.duration_s:g}s measured", file=sys.stderr, flush=True)

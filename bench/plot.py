@@ -16,12 +16,17 @@ def _series(rows: list[dict], key: str, sub: str | None = None) -> tuple[list, l
     return xs, ys
 
 
+ROW_OPTIONS = ("draft", "depth", "topk", "max_nodes", "max_targets", "batch", "predraft")
+"""What a star row records of the hub's comparison options."""
+
+
 def _variants(star: list[dict]) -> dict[str, list[dict]]:
-    """Star rows by the comparison options they ran with (depth, admission)."""
+    """Star rows by the comparison options they ran with, labelled by those that vary."""
+    varied = [k for k in ROW_OPTIONS if len({str(row.get(k)) for row in star}) > 1]
     out: dict[str, list[dict]] = {}
     for row in star:
-        out.setdefault(f"depth {row.get('depth')}, max-targets {row.get('max_targets', 0)}",
-                       []).append(row)
+        label = ", ".join(f"{k.replace('_', '-')} {Path(str(row.get(k))).name}" for k in varied)
+        out.setdefault(label or f"depth {row.get('depth')}", []).append(row)
     return out
 
 

@@ -99,16 +99,27 @@ def _cell(row: dict, key, fmt: str) -> str:
         return str(value)
 
 
+def with_tree_columns(cols: list, rows: list[dict]) -> list:
+    """``cols`` with topk and node-budget columns after the depth where the rows compare
+    more than one value."""
+    hub_rows = [row for row in rows if row["mode"] in ("star", "hub-load")]
+    varied = [(name, key, "{}") for name, key in (("k", "topk"), ("nodes", "max_nodes"))
+              if len({row.get(key) for row in hub_rows}) > 1]
+    at = [c[1] for c in cols].index("depth") + 1
+    return cols[:at] + varied + cols[at:]
+
+
 def columns(doc: dict) -> list[tuple[str, object, str]]:
     emulated = doc["config"].get("mode") == "emulated"
     if doc["config"].get("topology") == "edge":
         return EDGE_COLUMNS + (EDGE_EMULATED_EXTRA if emulated else EDGE_REAL_EXTRA)
     if doc["config"].get("mode") == "hub-load":
-        return HUB_LOAD_COLUMNS
+        return with_tree_columns(HUB_LOAD_COLUMNS, doc["rows"])
     cols = COLUMNS + (EMULATED_EXTRA if emulated else REAL_EXTRA)
     if any("batch" in row or "predraft" in row for row in doc["rows"]):
         at = [c[1] for c in cols].index("max_targets") + 1
         cols = cols[:at] + CONTROL_COLUMNS + cols[at:]
+    cols = with_tree_columns(cols, doc["rows"])
     if len({row.get("draft") for row in doc["rows"] if row["mode"] == "star"}) > 1:
         at = [c[1] for c in cols].index("drafter") + 1
         cols = cols[:at] + [("draft", "draft", "{}")] + cols[at:]

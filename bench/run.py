@@ -37,8 +37,11 @@ class StarConfig:
     baseline uses the first)."""
     depth: list[int | str]
     """Star rows run once per value: a fixed depth or ``auto``."""
-    topk: int
-    max_nodes: int
+    topk: int | list[int]
+    """Star rows run once per value: the hub's ``--topk`` (the colocated baseline uses the
+    first)."""
+    max_nodes: int | list[int]
+    """Star rows run once per value: the hub's ``--max-nodes`` (colocated: the first)."""
     draft_dtype: str = "auto"
     dtype: str = "auto"
     model: str = "default"
@@ -54,6 +57,22 @@ class StarConfig:
     predraft: list[bool] = field(default_factory=lambda: [DEFAULT_PREDRAFT])
     """Star rows run once per value: the hub's ``--predraft``."""
 
+    def __post_init__(self) -> None:
+        for key in ("depth", "topk", "max_nodes"):
+            if not isinstance(getattr(self, key), list):
+                setattr(self, key, [getattr(self, key)])
+
+    @property
+    def first_draft(self) -> str | None:
+        return self.draft[0] if isinstance(self.draft, list) else self.draft
+
+    @property
+    def first_shape(self) -> TreeShape:
+        """The tree of the baselines that need one: the first fixed depth, topk and node
+        budget given."""
+        depth = next((d for d in self.depth if isinstance(d, int)), TreeShape().depth)
+        return TreeShape(depth, self.topk[0], self.max_nodes[0])
+
 
 @dataclass
 class BenchConfig(StarConfig):
@@ -62,25 +81,18 @@ class BenchConfig(StarConfig):
     max_new_tokens: int = 64
     baselines: list[str] = field(default_factory=lambda: list(BASELINES))
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.depth, list):
-            self.depth = [self.depth]
-
-    @property
-    def first_draft(self) -> str | None:
-        return self.draft[0] if isinstance(self.draft, list) else self.draft
-
     @property
     def fixed_depth(self) -> int:
         """The depth of the baselines that need one: the first fixed value given."""
-        return next((d for d in self.depth if isinstance(d, int)), TreeShape().depth)
+        return self.first_shape.depth
 
 
 def variants(cfg) -> list[StarVariant]:
-    """Every combination of a config's ``draft``, ``depth``, ``max_targets``, ``batch`` and
-    ``predraft`` lists, one row each."""
+    """Every combination of a config's ``draft``, ``depth``, ``topk``, ``max_nodes``,
+    ``max_targets``, ``batch`` and ``predraft`` lists, one row each."""
     drafts = cfg.draft if isinstance(cfg.draft, list) else [cfg.draft]
-    return [StarVariant(d, m, b, p, w) for w in drafts for d in cfg.depth
+    return [StarVariant(d, m, b, p, w, k, n) for w in drafts for d in cfg.depth
+            for k in cfg.topk for n in cfg.max_nodes
             for m in cfg.max_targets for b in cfg.batch for p in cfg.predraft]
 
 
@@ -88,8 +100,8 @@ def hub_flags(cfg, variant: StarVariant) -> list[str]:
     """``starhub hub`` flags for a config's drafter and tree, with one row's settings."""
     draft = ["--draft", variant.draft] if variant.draft else []
     return ["--model", cfg.model, "--drafter", cfg.drafter, *draft,
-            "--depth", str(variant.depth), "--topk", str(cfg.topk),
-            "--max-nodes", str(cfg.max_nodes), "--draft-dtype", cfg.draft_dtype,
+            "--depth", str(variant.depth), "--topk", str(variant.topk),
+            "--max-nodes", str(variant.max_nodes), "--draft-dtype", cfg.draft_dtype,
             "--max-targets", str(variant.max_targets), "--batch", str(variant.batch),
             "--predraft", on_off(variant.predraft)]
 
@@ -103,16 +115,27 @@ class StarVariant:
     batch: int | str = "auto"
     predraft: bool = DEFAULT_PREDRAFT
     draft: str | None = None
+    topk: int = TreeShape().topk
+    max_nodes: int = TreeShape().max_nodes
 
     @property
     def name(self) -> str:
-        tag = f"d{self.depth}-m{self.max_targets}-b{self.batch}-p{on_off(self.predraft)}"
+        tag = (f"d{self.depth}-k{self.topk}-n{self.max_nodes}-m{self.max_targets}"
+               f"-b{self.batch}-p{on_off(self.predraft)}")
         return tag + (f"-w{zlib.crc32(self.draft.encode()):08x}" if self.draft else "")
 
     def record(self) -> dict:
         """What a row records: the values as given to the hub."""
-        return {"depth": self.depth, "max_targets": self.max_targets, "batch": self.batch,
+        return {"depth": self.depth, "topk": self.topk, "max_nodes": self.max_nodes,
+                "max_targets": self.max_targets, "batch": self.batch,
                 "predraft": on_off(self.predraft), "draft": self.draft}
+
+
+def first_variant(cfg: StarConfig) -> StarVariant:
+    """The star row of a config's first values (the row a single-valued config runs)."""
+    shape = cfg.first_shape
+    return StarVariant(shape.depth, draft=cfg.first_draft, topk=shape.topk,
+                       max_nodes=shape.max_nodes)
 
 
 def on_off(value: bool) -> str:
@@ -210,7 +233,7 @@ def per_target_rows(results: list[list[dict]]) -> list[dict]:
 def star_row(cfg: BenchConfig, n: int, results: list[list[dict]], hub: dict,
              reference: dict | None, variant: StarVariant | None = None) -> dict:
     """One N from the targets' JSONL results and the hub's STATS reply."""
-    variant = variant or StarVariant(cfg.fixed_depth, draft=cfg.first_draft)
+    variant = variant or first_variant(cfg)
     row = empty_row("star", n, cfg.drafter, variant.depth)
     gens = [g for target in results for g in target]
     tokens = sum(len(g["output_ids"]) for g in gens)
@@ -279,7 +302,7 @@ def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
     from starhub.protocol import Stats
     from targets.runner import iter_results
 
-    variant = variant or StarVariant(cfg.fixed_depth, draft=cfg.first_draft)
+    variant = variant or first_variant(cfg)
     name = f"n{n}-{variant.name}"
     threads = resolve_threads(cfg.threads, sharing=n)
     with open(f"{log_dir}/hub-{name}.log", "w") as hub_log, \
@@ -344,7 +367,7 @@ def run_real(cfg: BenchConfig, progress: bool = True) -> dict:
 def _run_real(cfg: BenchConfig, threads: int, progress: bool) -> dict:
     from tqdm import tqdm
 
-    from starhub.drafters import TreeShape, make_drafter
+    from starhub.drafters import make_drafter
     from starhub.models import linear_kernel, load_model
     from targets.generate import encode_prompt
     from targets.runner import read_prompts
@@ -377,14 +400,15 @@ def _run_real(cfg: BenchConfig, threads: int, progress: bool) -> dict:
         if "colocated" in cfg.baselines:
             bar.set_description("colocated")
             drafter = make_drafter(cfg.drafter, cfg.first_draft, cfg.model, cfg.draft_dtype)
-            shape = TreeShape(cfg.fixed_depth, cfg.topk, cfg.max_nodes)
-            runs = colocated(model, drafter, shape, prompts, cfg.max_new_tokens, tick=tick)
+            runs = colocated(model, drafter, cfg.first_shape, prompts, cfg.max_new_tokens,
+                             tick=tick)
             rows.append(baseline_row("colocated", runs, cfg.drafter, cfg.fixed_depth, threads,
                                      reference))
             del drafter
         for n in cfg.targets:
             for variant in star_rows:
-                bar.set_description(f"star N={n} depth={variant.depth} max-targets="
+                bar.set_description(f"star N={n} depth={variant.depth} topk={variant.topk} "
+                                    f"max-nodes={variant.max_nodes} max-targets="
                                     f"{variant.max_targets} batch={variant.batch} "
                                     f"predraft={on_off(variant.predraft)}")
                 rows.append(run_star(cfg, n, log_dir, reference, tick=tick, variant=variant))

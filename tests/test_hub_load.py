@@ -52,7 +52,27 @@ def test_star_rows_for_every_batch_and_predraft_value():
     assert flags[flags.index("--batch") + 1] == "1"
     assert flags[flags.index("--predraft") + 1] == "off"
     assert StarVariant("auto", 0, "auto", True).record() == {
-        "depth": "auto", "max_targets": 0, "batch": "auto", "predraft": "on", "draft": None}
+        "depth": "auto", "topk": 4, "max_nodes": 10, "max_targets": 0, "batch": "auto",
+        "predraft": "on", "draft": None}
+
+
+def test_star_rows_for_every_topk_and_node_budget_given():
+    args = build_parser().parse_args(["bench", "--topk", "2,4", "--max-nodes", "10, 16"])
+    tree = tree_options(args, None)
+    assert (tree["topk"], tree["max_nodes"]) == ([2, 4], [10, 16])
+    cfg = BenchConfig(targets=[1], **tree)
+    rows = variants(cfg)
+    assert [(r.topk, r.max_nodes) for r in rows] == [(2, 10), (2, 16), (4, 10), (4, 16)]
+    assert len({r.name for r in rows}) == 4
+    flags = hub_flags(cfg, rows[1])
+    assert (flags[flags.index("--topk") + 1], flags[flags.index("--max-nodes") + 1]) == ("2", "16")
+    assert (cfg.first_shape.topk, cfg.first_shape.max_nodes) == (2, 10), "colocated's tree"
+    for bad in (["--max-nodes", "0"], ["--topk", "x"]):
+        with pytest.raises(ValueError, match=bad[0]):
+            tree_options(build_parser().parse_args(["bench", *bad]), None)
+    edge = build_parser().parse_args(["bench", "--topology", "edge", "--max-nodes", "8,16"])
+    with pytest.raises(ValueError, match="one value"):
+        bench_main(edge)
 
 
 def test_star_rows_for_every_draft_given():
@@ -103,6 +123,11 @@ def test_tables_show_hub_load_rows_and_star_controls():
                                                    "threads": 1},
                          "rows": [star]}).splitlines()[1]
     assert "batch" in header and "predraft" in header
+    assert "nodes" not in header, "one node budget needs no column"
+    varied = {**doc, "rows": [{**row, "max_nodes": 10}, {**row, "max_nodes": 16}]}
+    lines = text_table(varied).splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("mode"))
+    assert "nodes" in header and " 16 " in lines[-1]
 
 
 @pytest.mark.slow
