@@ -19,12 +19,17 @@ def evaluate(head: EagleHead, dump: Dump, depth: int = 5, widths: tuple[int, ...
     head running on its own outputs after the committed prefix, as the hub drafts.
     tau_wK (K > 1): the same when each depth keeps the head's top-K tokens (a full K-ary tree;
     an upper bound for a pruned tree of that width).
+    tau_wK_rounds: the same drafts met as a greedy run meets them, one round after another
+    from the first answer token, each starting after the previous round's bonus token. Rounds
+    start more often where the head fails, so this is lower than tau_wK and is the figure a
+    real run's tau compares with.
     """
     head.eval()
     device = head.embed_weight.device
     dtype = head.embed_weight.dtype
     agree = total = covered = 0
     accepted = {w: [] for w in widths}
+    rounds: dict[int, list[int]] = {w: [] for w in widths}
     per_depth = torch.zeros(depth)
     for i in range(len(dump)):
         s, n, p = dump.span(i), dump.length(i), int(dump.prompt_lens[i])
@@ -63,12 +68,24 @@ def evaluate(head: EagleHead, dump: Dump, depth: int = 5, widths: tuple[int, ...
                               attention_mask=mask, cache=chain)
                 h, lg = hn[0], lg[0]
             accepted[w].append(length.float().cpu())
+            rounds[w] += _walk(length.tolist())
     out = {"top1": agree / max(total, 1), "positions": float(total)}
     n_starts = sum(len(a) for a in accepted[widths[0]])
     for w in widths:
         out[f"tau_w{w}"] = 1.0 + float(torch.cat(accepted[w]).mean()) if n_starts else 1.0
+        out[f"tau_w{w}_rounds"] = sum(rounds[w]) / len(rounds[w]) if rounds[w] else 1.0
     for k in range(depth):
         out[f"accept_d{k + 1}"] = float(per_depth[k]) / max(n_starts, 1)
     if head.t2d is not None:
         out["vocab_coverage"] = covered / max(total, 1)
+    return out
+
+
+def _walk(accepted: list[int]) -> list[int]:
+    """Tokens per round of a greedy run whose round at start ``j`` accepts ``accepted[j]``
+    drafted tokens: the next round starts after that round's bonus token."""
+    out, j = [], 0
+    while j < len(accepted):
+        out.append(accepted[j] + 1)
+        j += accepted[j] + 1
     return out
