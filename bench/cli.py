@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from starhub.limits import positive_int
 from starhub.options import (
     DEFAULT_PREDRAFT,
     DEFAULT_THREADS,
@@ -164,25 +165,10 @@ def single(text: str | None, flag: str) -> int | None:
     """A tree option where the bench compares no values (the edge topology): one count."""
     if text is None:
         return None
-    values = parse_list(text, positive(flag), flag)
+    values = parse_list(text, positive_int, flag)
     if len(values) > 1:
         raise ValueError(f"{flag} takes one value with --topology edge (got {text})")
     return values[0]
-
-
-def positive(flag: str):
-    """An argparse-style type: a whole number >= 1."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{flag} must be at least 1 (got {value})")
-        return value
-
-    return parse
 
 
 def parse_targets(text: str) -> list[int]:
@@ -310,7 +296,7 @@ def tree_options(args: argparse.Namespace, depths: list | None) -> dict:
     tree["depth"] = depths or [tree["depth"]]
     for key in ("topk", "max_nodes"):
         flag = "--" + key.replace("_", "-")
-        tree[key] = (parse_list(getattr(args, key), positive(flag), flag)
+        tree[key] = (parse_list(getattr(args, key), positive_int, flag)
                      if getattr(args, key) is not None else [tree[key]])
     if args.draft and (args.hub_load or not args.emulate):
         tree["draft"] = parse_list(args.draft, str, "--draft")

@@ -55,7 +55,7 @@ def add_limit_args(p: argparse.ArgumentParser, defaults: SessionLimits = Session
     """One ``--max-…`` flag per field of ``SessionLimits``."""
     for f in fields(SessionLimits):
         value = getattr(defaults, f.name)
-        p.add_argument("--" + f.name.replace("_", "-"), type=_positive, default=value,
+        p.add_argument("--" + f.name.replace("_", "-"), type=positive_int, default=value,
                        help=f"{_HELP[f.name]} (default {value})")
 
 
@@ -63,7 +63,8 @@ def limits_from_args(args: argparse.Namespace) -> SessionLimits:
     return SessionLimits(**{f.name: getattr(args, f.name) for f in fields(SessionLimits)})
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
     try:
         value = int(text)
     except ValueError:
