@@ -157,6 +157,8 @@ class Hub:
         elif isinstance(msg, Commit):
             self.handle_commit(identity, msg)
         elif isinstance(msg, Close):
+            if not self.accepting and msg.tag not in self.table.sessions:
+                return  # the shutdown closed it first: this CLOSE crossed our ERROR
             self.table.get(msg.tag, identity)
             self.close(msg.tag)
         else:
