@@ -22,6 +22,7 @@ def _shut_down(harness: HubHarness) -> list:
 
     task = harness.loop.create_task(serve_stand_in())
     harness.loop.run_until_complete(drain(harness.hub, task, timeout_s=0.05))
+    harness.loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
     sent = []
     while not harness.hub.outbox.empty():
         sent.append(harness.hub.outbox.get_nowait()[1])
