@@ -385,10 +385,15 @@ def dump_features(model, seqs: list[Seq], store: FeatureStore, record: Record,
     return store.dump(seqs)
 
 
-def choose_draft_vocab(dump: Dump, size: int, vocab: int) -> Tensor:
-    """The ``size`` most frequent target tokens in the data (teacher mass breaks ties)."""
+def choose_draft_vocab(dump: Dump, size: int, vocab: int, prefer: Tensor | None = None
+                       ) -> Tensor:
+    """The ``size`` most frequent target tokens in the data (teacher mass breaks ties).
+    Ids in ``prefer`` (a trained head's vocabulary) come first, so resizing a head keeps
+    as many trained rows as the new size allows."""
     score = torch.bincount(dump.ids, minlength=vocab).double()
     score += torch.zeros(vocab, dtype=torch.float64).index_add_(
         0, dump.top_ids.flatten().long(), dump.top_p.flatten().double()) * 1e-3
     score -= torch.arange(vocab, dtype=torch.float64) * 1e-12
+    if prefer is not None:
+        score[prefer.long()] += score.max() + 1
     return torch.sort(score.topk(size).indices).values

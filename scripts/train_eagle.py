@@ -254,7 +254,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="eagle: EAGLE-1/2 on the final feature; eagle3: three layers' features")
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="keep the N most frequent target tokens (0: the full vocab); with "
-                         "--init-from, a smaller N shrinks the saved head's draft vocabulary")
+                         "--init-from, resize the head's draft vocabulary: its trained rows "
+                         "stay (as many as N allows), new tokens start from the target's "
+                         "lm_head rows")
     ap.add_argument("--train-lm-head", action=argparse.BooleanOptionalAction, default=True,
                     help="fine-tune the reduced-vocab lm_head (only exists with --draft-vocab)")
     ap.add_argument("--init", choices=("target", "random"), default="random",
@@ -368,9 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
         metrics = evaluate(head, eval_data, args.depth)
         print(json.dumps(metrics, indent=2))
         return metrics
-    draft_ids = None
-    if args.draft_vocab and args.draft_vocab < model.config.vocab_size:
-        draft_ids = choose_draft_vocab(data, args.draft_vocab, model.config.vocab_size)
+    draft_ids, head = None, None
     if args.init_from:
         from starhub.eagle_head import load_eagle_head
 
@@ -378,10 +378,16 @@ def main(argv: list[str] | None = None) -> dict:
                                model.get_output_embeddings().weight)
         if head.kind != args.kind:
             raise SystemExit(f"--init-from holds a {head.kind} head, not {args.kind}")
-        if draft_ids is not None and len(draft_ids) < head.draft_vocab_size:
-            head.shrink_draft_vocab(draft_ids)
-    else:
+    if args.draft_vocab and args.draft_vocab < model.config.vocab_size:
+        trained = None
+        if head is not None and head.d2t is not None:
+            trained = head.to_target_ids(torch.arange(head.draft_vocab_size))
+        draft_ids = choose_draft_vocab(data, args.draft_vocab, model.config.vocab_size,
+                                       prefer=trained)
+    if head is None:
         head = build_head(model, args.kind, draft_ids, args.init, args.init_layer, args.fc_init)
+    elif draft_ids is not None and len(draft_ids) != head.draft_vocab_size:
+        head.resize_draft_vocab(draft_ids, fill=model.get_output_embeddings().weight.detach())
     t2 = time.time()
     info = train(head, data, eval_data, args, work)
     times["train_s"] = time.time() - t2

@@ -227,16 +227,22 @@ class EagleHead(nn.Module):
         self.t2d.zero_()
         self.t2d[ids] = True
 
-    def shrink_draft_vocab(self, draft_ids: Tensor) -> None:
-        """Keep only ``draft_ids`` (target ids, all in the current draft vocabulary), with
-        their trained LM-head rows: a smaller head to ship, cheaper to run."""
+    def resize_draft_vocab(self, draft_ids: Tensor, fill: Tensor | None = None) -> None:
+        """Make ``draft_ids`` (target ids) the draft vocabulary. Ids already in it keep their
+        trained LM-head rows: a smaller head ships smaller and runs cheaper. New ids take
+        their row of ``fill`` (the target's LM head, [V, H]), where a head with the full
+        vocabulary would read it, so a larger vocabulary starts from what the target knows."""
         if self.d2t is None:
-            raise ValueError("only a head with a reduced draft vocabulary can be shrunk")
+            raise ValueError("only a head with a reduced draft vocabulary can be resized")
         ids = torch.sort(torch.as_tensor(draft_ids, dtype=torch.long)).values
         rows = self.draft_index()[ids]
-        if (rows < 0).any():
-            raise ValueError(f"{int((rows < 0).sum())} of the ids are not in the draft vocabulary")
-        weight = self.lm_head.weight.data[rows.to(self.lm_head.weight.device)]
+        new = rows < 0
+        if new.any() and fill is None:
+            raise ValueError(f"{int(new.sum())} of the ids are not in the draft vocabulary")
+        old = self.lm_head.weight.data
+        weight = old[rows.clamp(min=0).to(old.device)]
+        if new.any():
+            weight[new.to(old.device)] = fill[ids[new].to(fill.device)].to(old)
         self.draft_vocab_size = ids.numel()
         self.lm_head = nn.Linear(weight.shape[1], ids.numel(), bias=False,
                                  device=weight.device, dtype=weight.dtype)

@@ -119,6 +119,14 @@ def test_training_writes_a_head_the_hub_can_load_and_resumes(tiny_dir, tmp_path,
     capsys.readouterr()
     assert train(args)["steps"] == 3
     assert "resuming from step 3/3" in capsys.readouterr().out
+    # a larger --draft-vocab grows the trained head and keeps every token it had
+    grown = [*args, "--init-from", str(tmp_path / "head"), "--out", str(tmp_path / "grown"),
+             "--max-steps", "1"]
+    grown[grown.index("--draft-vocab") + 1] = "600"
+    assert train(grown)["draft_vocab"] == 600
+    bigger = EagleDrafter.load(tmp_path / "grown", str(tiny_dir)).head
+    had = drafter.head.to_target_ids(torch.arange(512))
+    assert bigger.t2d[had].all() and int(bigger.t2d.sum()) == 600
 
 
 def test_synthesized_prompts_are_complete_unique_held_out_and_resume(tmp_path):
