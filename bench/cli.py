@@ -9,6 +9,7 @@ from pathlib import Path
 
 from starhub.limits import positive_int
 from starhub.options import (
+    DEFAULT_LOOKUP,
     DEFAULT_PREDRAFT,
     DEFAULT_THREADS,
     DTYPES,
@@ -26,6 +27,7 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "scripts" / "prompts"
 DEFAULT_REPLAY_PROMPTS = DEFAULT_PROMPTS.with_name("eval.jsonl")
 TREE_ARGS = ("drafter", "draft", "depth", "topk", "max_nodes", "draft_dtype")
 PREDRAFT_DEFAULT = "on" if DEFAULT_PREDRAFT else "off"
+LOOKUP_DEFAULT = "on" if DEFAULT_LOOKUP else "off"
 BASELINES = ("hf-generate", "hf-prompt-lookup", "colocated")
 
 
@@ -59,6 +61,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="comma list of the hub's --predraft (on, off); each value gets its "
                         f"own star or hub-load row for every N (default: {PREDRAFT_DEFAULT}, "
                         "as `starhub hub`)")
+    p.add_argument("--lookup", default=None,
+                   help="comma list of the hub's --lookup (on, off); each value gets its own "
+                        f"star or hub-load row for every N (default: {LOOKUP_DEFAULT}, as "
+                        "`starhub hub`)")
     p.add_argument("--topk", default=None,
                    help="comma list of the hub's --topk; each value gets its own star or "
                         "hub-load row for every N (default: the hub's)")
@@ -110,7 +116,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "hub load", "--hub-load: a real hub and drafter, and N replay clients that compute "
         "nothing: they answer each PROPOSE from a recorded greedy run of --model (recorded "
         "once, then cached), at once or after --emulate t_v=TIME. One row per N and "
-        "combination of --depth, --max-targets, --batch and --predraft")
+        "combination of --depth, --max-targets, --batch, --predraft and --lookup")
     load.add_argument("--hub-load", action="store_true")
     load.add_argument("--record-prompts", type=int, default=8,
                       help="prompts of --prompts to record and replay")
@@ -229,6 +235,7 @@ def hub_load_doc(args: argparse.Namespace, ns: list[int], tree: dict,
                         batch=parse_list(args.batch or "auto", batch_arg, "--batch"),
                         predraft=parse_list(args.predraft or PREDRAFT_DEFAULT, on_off_arg,
                                           "--predraft"),
+                        lookup=parse_list(args.lookup or LOOKUP_DEFAULT, on_off_arg, "--lookup"),
                         warmup_s=args.warmup, duration_s=args.duration,
                         t_v=parse_t_v(args.emulate), cache=args.replay_cache,
                         log_dir=args.log_dir, **tree)
@@ -239,8 +246,8 @@ def hub_load_doc(args: argparse.Namespace, ns: list[int], tree: dict,
 
 def main(args: argparse.Namespace) -> int:
     if args.topology == "edge" or (args.emulate and not args.hub_load):
-        given = [flag for flag, value in (("--batch", args.batch), ("--predraft", args.predraft))
-                 if value is not None]
+        given = [flag for flag, value in (("--batch", args.batch), ("--predraft", args.predraft),
+                                          ("--lookup", args.lookup)) if value is not None]
         if given:
             raise ValueError(f"{' and '.join(given)} apply to the real star bench and "
                              f"--hub-load only")
@@ -280,6 +287,8 @@ def main(args: argparse.Namespace) -> int:
                           batch=parse_list(args.batch or "auto", batch_arg, "--batch"),
                           predraft=parse_list(args.predraft or PREDRAFT_DEFAULT, on_off_arg,
                                               "--predraft"),
+                          lookup=parse_list(args.lookup or LOOKUP_DEFAULT, on_off_arg,
+                                            "--lookup"),
                           baselines=baselines, log_dir=args.log_dir, dtype=args.dtype,
                           linear=args.linear, **tree)
         doc = run_real(cfg, progress=not args.no_progress)

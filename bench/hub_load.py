@@ -37,6 +37,8 @@ METRIC_NOTES = {
                 "tree drafted ahead",
     "critical_draft_ms": "draft time per round that a target waited for (pre-drafted "
                          "rounds excluded)",
+    "lookup": "the hub's --lookup as given; lookup_token_share the committed tokens that "
+              "only its grafted prompt-lookup branch held",
 }
 
 
@@ -120,7 +122,8 @@ def run_point(cfg: HubLoadConfig, n: int, variant: StarVariant, log_dir: str,
         if progress:
             print(f"hub-load: N={n} depth={variant.depth} topk={variant.topk} "
                   f"max-nodes={variant.max_nodes} max-targets={variant.max_targets} "
-                  f"batch={variant.batch} predraft={on_off(variant.predraft)}: "
+                  f"batch={variant.batch} predraft={on_off(variant.predraft)} "
+                  f"lookup={on_off(variant.lookup)}: "
                   f"{cfg.warmup_s:g}s warm-up, "
                   f"{cfg.duration_s:g}s measured", file=sys.stderr, flush=True)
         c0, c1, totals = asyncio.run(measure(hub.address, recording, n, cfg.warmup_s,
@@ -143,7 +146,8 @@ def run_hub_load(cfg: HubLoadConfig, progress: bool = True) -> dict:
             rows.append(row)
     meta = asdict(recording.meta) if recording is not None else {}
     config = {k: v for k, v in asdict(cfg).items() if k not in ("log_dir", "predraft")}
-    config.update(mode="hub-load", predraft=[on_off(p) for p in cfg.predraft], logs=log_dir,
+    config.update(mode="hub-load", predraft=[on_off(p) for p in cfg.predraft],
+                  lookup=[on_off(v) for v in cfg.lookup], logs=log_dir,
                   recording={**{k: meta.get(k) for k in (
                       "key", "model", "prompts", "prompt_names", "max_new_tokens",
                       "feature_layers", "step_ms", "verify_ms", "verify_nodes")},

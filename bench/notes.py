@@ -37,4 +37,7 @@ METRIC_NOTES = {
                   "(1 / its measured plain step)",
     "choices": "rounds by the hub's shape choice: d{depth}n{nodes} or plain",
     "control": "the hub's load model at the end of the row (STATS 'control')",
+    "lookup": "the hub's --lookup as given; lookup_token_share the committed tokens that only "
+              "its grafted prompt-lookup branch held, lookup_round_share the tree rounds "
+              "with a branch",
 }

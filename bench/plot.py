@@ -16,7 +16,8 @@ def _series(rows: list[dict], key: str, sub: str | None = None) -> tuple[list, l
     return xs, ys
 
 
-ROW_OPTIONS = ("draft", "depth", "topk", "max_nodes", "max_targets", "batch", "predraft")
+ROW_OPTIONS = ("draft", "depth", "topk", "max_nodes", "max_targets", "batch", "predraft",
+               "lookup")
 """What a star row records of the hub's comparison options."""
 
 

@@ -33,11 +33,13 @@ EMULATED_EXTRA = [
 ]
 
 
-CONTROL_COLUMNS = [("batch", "batch", "{}"), ("predraft", "predraft", "{}")]
+CONTROL_COLUMNS = [("batch", "batch", "{}"), ("predraft", "predraft", "{}"),
+                   ("lookup", "lookup", "{}")]
 """After ``max`` in star tables whose rows record the hub's batching and pre-drafting."""
 DRAFT_COLUMNS = [("batch_mean", "batch_mean", "{:.2f}"),
                  ("predraft_hit", "predraft_hit_rate", "{:.3f}"),
-                 ("critical_ms", "critical_draft_ms", "{:.2f}")]
+                 ("critical_ms", "critical_draft_ms", "{:.2f}"),
+                 ("lookup_tok", "lookup_token_share", "{:.3f}")]
 """At the end of real star tables: how the hub drafted."""
 HUB_LOAD_COLUMNS = [
     ("mode", "mode", "{}"),

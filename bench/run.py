@@ -19,7 +19,7 @@ from bench.cli import BASELINES
 from bench.notes import METRIC_NOTES, THREADS_NOTE
 from starhub.drafters.base import TreeShape
 from starhub.metrics import DRAFT_KEYS
-from starhub.options import AUTO, DEFAULT_PREDRAFT, resolve_threads, usable_cores
+from starhub.options import AUTO, DEFAULT_LOOKUP, DEFAULT_PREDRAFT, resolve_threads, usable_cores
 
 METRICS = ("system_tok_s", "per_target_tok_s", "t_s_ms", "t_wait_ms", "t_idle_ms", "r_q",
            "r_p", "load", "mean_accept_len")
@@ -56,6 +56,8 @@ class StarConfig:
     """Star rows run once per value: the hub's ``--batch``."""
     predraft: list[bool] = field(default_factory=lambda: [DEFAULT_PREDRAFT])
     """Star rows run once per value: the hub's ``--predraft``."""
+    lookup: list[bool] = field(default_factory=lambda: [DEFAULT_LOOKUP])
+    """Star rows run once per value: the hub's ``--lookup``."""
 
     def __post_init__(self) -> None:
         for key in ("depth", "topk", "max_nodes"):
@@ -89,11 +91,12 @@ class BenchConfig(StarConfig):
 
 def variants(cfg) -> list[StarVariant]:
     """Every combination of a config's ``draft``, ``depth``, ``topk``, ``max_nodes``,
-    ``max_targets``, ``batch`` and ``predraft`` lists, one row each."""
+    ``max_targets``, ``batch``, ``predraft`` and ``lookup`` lists, one row each."""
     drafts = cfg.draft if isinstance(cfg.draft, list) else [cfg.draft]
-    return [StarVariant(d, m, b, p, w, k, n) for w in drafts for d in cfg.depth
+    return [StarVariant(d, m, b, p, w, k, n, look) for w in drafts for d in cfg.depth
             for k in cfg.topk for n in cfg.max_nodes
-            for m in cfg.max_targets for b in cfg.batch for p in cfg.predraft]
+            for m in cfg.max_targets for b in cfg.batch for p in cfg.predraft
+            for look in cfg.lookup]
 
 
 def hub_flags(cfg, variant: StarVariant) -> list[str]:
@@ -103,7 +106,7 @@ def hub_flags(cfg, variant: StarVariant) -> list[str]:
             "--depth", str(variant.depth), "--topk", str(variant.topk),
             "--max-nodes", str(variant.max_nodes), "--draft-dtype", cfg.draft_dtype,
             "--max-targets", str(variant.max_targets), "--batch", str(variant.batch),
-            "--predraft", on_off(variant.predraft)]
+            "--predraft", on_off(variant.predraft), "--lookup", on_off(variant.lookup)]
 
 
 @dataclass(frozen=True)
@@ -117,18 +120,20 @@ class StarVariant:
     draft: str | None = None
     topk: int = TreeShape().topk
     max_nodes: int = TreeShape().max_nodes
+    lookup: bool = DEFAULT_LOOKUP
 
     @property
     def name(self) -> str:
         tag = (f"d{self.depth}-k{self.topk}-n{self.max_nodes}-m{self.max_targets}"
-               f"-b{self.batch}-p{on_off(self.predraft)}")
+               f"-b{self.batch}-p{on_off(self.predraft)}-l{on_off(self.lookup)}")
         return tag + (f"-w{zlib.crc32(self.draft.encode()):08x}" if self.draft else "")
 
     def record(self) -> dict:
         """What a row records: the values as given to the hub."""
         return {"depth": self.depth, "topk": self.topk, "max_nodes": self.max_nodes,
                 "max_targets": self.max_targets, "batch": self.batch,
-                "predraft": on_off(self.predraft), "draft": self.draft}
+                "predraft": on_off(self.predraft), "lookup": on_off(self.lookup),
+                "draft": self.draft}
 
 
 def first_variant(cfg: StarConfig) -> StarVariant:
@@ -410,7 +415,8 @@ def _run_real(cfg: BenchConfig, threads: int, progress: bool) -> dict:
                 bar.set_description(f"star N={n} depth={variant.depth} topk={variant.topk} "
                                     f"max-nodes={variant.max_nodes} max-targets="
                                     f"{variant.max_targets} batch={variant.batch} "
-                                    f"predraft={on_off(variant.predraft)}")
+                                    f"predraft={on_off(variant.predraft)} "
+                                    f"lookup={on_off(variant.lookup)}")
                 rows.append(run_star(cfg, n, log_dir, reference, tick=tick, variant=variant))
         if reference is not None and cfg.targets and star_rows:
             bar.set_description("hf-generate (second pass)")
@@ -420,7 +426,8 @@ def _run_real(cfg: BenchConfig, threads: int, progress: bool) -> dict:
     add_speedups(rows)
     config = {k: v for k, v in asdict(cfg).items() if k != "log_dir"}
     config.update(linear=linear_kernel(cfg.linear, model.dtype),
-                  predraft=[on_off(p) for p in cfg.predraft])
+                  predraft=[on_off(p) for p in cfg.predraft],
+                  lookup=[on_off(v) for v in cfg.lookup])
     config.update(threads_resolved={"cores": usable_cores(), "baselines": threads,
                                     "targets": {str(n): resolve_threads(cfg.threads, n)
                                                 for n in cfg.targets}})

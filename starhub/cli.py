@@ -19,6 +19,7 @@ from starhub.limits import add_limit_args, limits_from_args
 from starhub.options import (  # noqa: F401  (re-exported: earlier homes of these names)
     AUTO,
     DEFAULT_DEPTH,
+    DEFAULT_LOOKUP,
     DEFAULT_PREDRAFT,
     DEFAULT_SHAPE,
     DEFAULT_THREADS,
@@ -108,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "tree for the likeliest outcomes of its round, so a matching COMMIT "
                           "gets its PROPOSE at once (greedy sessions; output never changes). "
                           "Off by default: with the shipped head too few guesses hit to pay")
+    hub.add_argument("--lookup", type=on_off_arg, default=DEFAULT_LOOKUP, metavar="on|off",
+                     help="on (default): graft onto each greedy session's tree what followed "
+                          "the latest earlier occurrence of its last 2-4 tokens (prompt "
+                          "lookup), one branch of at most --depth tokens, where the tree lacks "
+                          "it. Pays where answers copy from their prompt: passages, code")
     hub.add_argument("--max-message-mb", type=float, default=64.0,
                      help="larger messages are refused with an ERROR")
     add_limit_args(hub)
@@ -219,7 +225,8 @@ def cmd_hub(args: argparse.Namespace) -> int:
                        max_message_bytes=int(args.max_message_mb * (1 << 20)),
                        metrics_port=args.metrics_port, threads=threads,
                        limits=limits_from_args(args), security=secure,
-                       batch=args.batch, predraft=args.predraft)
+                       batch=args.batch, predraft=args.predraft,
+                       lookup=args.lookup)
     hub = Hub(drafter, config)
     logging.getLogger("starhub.hub").info("torch threads=%d, drafter weights %s", threads,
                                           getattr(drafter, "dtype", "none"))

@@ -45,6 +45,7 @@ from starhub.protocol import (
 from starhub.security import bind_server
 from starhub.sessions import Peer, Session, SessionTable
 from starhub.transport import Limits, configure_socket, decode, encode, error_for
+from starhub.tree import path_of
 from starhub.worker import DraftWorker
 
 log = logging.getLogger("starhub.hub")
@@ -275,8 +276,17 @@ class Hub:
         self.control.observe_commit(session.tag, msg.accepted, session.last_tree_depth,
                                     session.last_tree_size, msg.verify_ms / 1e3, returned,
                                     msg.step_ms / 1e3)
-        self.metrics.committed(msg.accepted, len(msg.tokens), identity, plain=bool(plain))
+        self.metrics.committed(msg.accepted, len(msg.tokens), identity, plain=bool(plain),
+                               looked_up=self._looked_up(session, msg))
         self.enqueue(identity, session, 0, tuple(msg.tokens.tolist()))
+
+    @staticmethod
+    def _looked_up(session: Session, msg: Commit) -> int | None:
+        """Accepted nodes that ``--lookup`` grafted (None: the tree had no graft)."""
+        if not session.grafted or session.out_tree is None:
+            return None
+        path = path_of(session.out_tree, msg.tokens[:msg.accepted].tolist())
+        return sum(node >= session.grafted for node in path)
 
     def enqueue(self, identity: bytes, session: Session, ref: int,
                 committed: tuple[int, ...] = ()) -> None:

@@ -9,7 +9,7 @@ import torch
 from starhub.control import AUTO, ControlConfig
 from starhub.drafters.base import TreeShape
 from starhub.limits import SessionLimits
-from starhub.options import DEFAULT_PREDRAFT
+from starhub.options import DEFAULT_LOOKUP, DEFAULT_PREDRAFT
 from starhub.security import ServerSecurity
 from starhub.sessions import Session
 from starhub.transport import Limits
@@ -45,6 +45,8 @@ class HubConfig:
     predraft: bool = DEFAULT_PREDRAFT
     """``--predraft``: while a proposal is out and nothing waits, draft the session's next
     tree for its likeliest outcomes, so a matching COMMIT is answered at once."""
+    lookup: bool = DEFAULT_LOOKUP
+    """``--lookup``: graft a prompt-lookup branch onto each greedy session's tree."""
 
     def control(self) -> ControlConfig:
         return ControlConfig(depth=AUTO if self.adaptive else self.shape.depth,

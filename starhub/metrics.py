@@ -25,7 +25,8 @@ from wsgiref.simple_server import WSGIServer
 SCALARS = ("rounds", "draft_s", "draft_layers", "wait_s", "idle_s", "sched_s", "idle_gaps",
            "iterations", "return_s", "returns", "commits", "committed_tokens", "proposed_nodes",
            "plain_rounds", "plain_tokens", "batches", "batched", "batch_s", "predraft_hits",
-           "predraft_misses", "predraft_s", "critical_draft_s")
+           "predraft_misses", "predraft_s", "critical_draft_s", "lookup_rounds",
+           "lookup_tokens")
 """Counters that add up over time; two ``counters()`` readings give any window's rates."""
 
 _PENDING_LIMIT = 1 << 16
@@ -80,6 +81,10 @@ class HubMetrics:
     predraft_s: float = 0.0
     critical_draft_s: float = 0.0
     """Drafting between a COMMIT and its PROPOSE: what the target waited on (0 for a hit)."""
+    lookup_rounds: int = 0
+    """Tree rounds whose tree had a ``--lookup`` branch grafted on."""
+    lookup_tokens: int = 0
+    """Accepted tokens that only the grafted branch held."""
     choices: Counter = field(default_factory=Counter)
     """Rounds by the controller's choice: ``d{depth}n{nodes}`` or ``plain``."""
     accept_lengths: Counter = field(default_factory=Counter)
@@ -181,8 +186,13 @@ class HubMetrics:
         self.predraft_s += seconds
 
     def committed(self, accepted: int, tokens: int, identity: bytes = b"",
-                  plain: bool = False) -> None:
-        """A COMMIT; a plain round's tokens count toward throughput, not toward tau."""
+                  plain: bool = False, looked_up: int | None = None) -> None:
+        """A COMMIT; a plain round's tokens count toward throughput, not toward tau.
+        ``looked_up``: of the accepted nodes, those a ``--lookup`` graft added (None: no
+        graft)."""
+        if looked_up is not None:
+            self.lookup_rounds += 1
+            self.lookup_tokens += looked_up
         if plain:
             self.plain_rounds += 1
             self.plain_tokens += tokens
@@ -295,6 +305,8 @@ def derive(c0: dict | None, c1: dict, targets: int | None = None) -> dict:
         "predraft_hit_rate": d["predraft_hits"] / max(d["predraft_hits"] + d["predraft_misses"],
                                                       1),
         "predraft_load": d["predraft_s"] / wall,
+        "lookup_round_share": d["lookup_rounds"] / max(d["commits"], 1),
+        "lookup_token_share": d["lookup_tokens"] / max(d["committed_tokens"], 1),
     }
 
 
@@ -319,10 +331,12 @@ def _peer_rates(c0: dict | None, c1: dict) -> list[tuple[float, float]]:
 GAUGES = ("system_tok_s", "per_target_tok_s", "t_s_ms", "t_wait_ms", "t_idle_ms",
           "t_idle_gap_ms", "t_sched_ms", "z_ms", "r_q", "r_p", "load", "mean_accept_len",
           "active_sessions", "peers", "queue", "admitted", "n_max", "n_full", "batch_mean",
-          "critical_draft_ms", "predraft_hit_rate")
+          "critical_draft_ms", "predraft_hit_rate", "lookup_token_share")
 DRAFT_KEYS = ("t_draft_ms", "batch_mean", "draft_ms_per_batch", "draft_ms_per_session",
-              "critical_draft_ms", "predraft_hits", "predraft_hit_rate", "predraft_load")
-"""How the hub drafted: batching and pre-drafting, as benchmark rows record them."""
+              "critical_draft_ms", "predraft_hits", "predraft_hit_rate", "predraft_load",
+              "lookup_round_share", "lookup_token_share")
+"""How the hub drafted: batching, pre-drafting and lookup branches, as benchmark rows
+record them."""
 COUNTERS = {"rounds": "draft rounds", "commits": "verification rounds (COMMITs)",
             "tokens": "committed tokens", "sessions_opened": "sessions opened",
             "sessions_expired": "sessions released by TTL",
@@ -394,6 +408,7 @@ _HELP = {
     "admitted": "targets holding an admission slot",
     "n_max": "the load model's N_max: most typical targets that all keep standalone speed",
     "n_full": "the load model's N_full = ceil(Z/S) + 1",
+    "lookup_token_share": "share of committed tokens that only a --lookup branch proposed",
 }
 
 

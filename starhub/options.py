@@ -63,6 +63,11 @@ of its time in the hub's draft. And with the shipped head only about 40% of gues
 and a pre-drafted tree, grown from the head's own guesses of the target's features,
 accepts fewer tokens than one drafted after the COMMIT (see ``starhub.worker``)."""
 
+DEFAULT_LOOKUP = True
+"""Greedy sessions' trees also get the continuation of the latest earlier occurrence of
+their last few tokens (prompt lookup), grafted on as one more branch: answers that copy
+from their prompt (extraction, code fixes, summaries) accept long runs no head guesses."""
+
 
 def on_off_arg(text: str) -> bool:
     """An argparse type for on/off switches that the benchmark can list (``on,off``)."""

@@ -27,6 +27,8 @@ class Session:
     out_tree: DraftTree | None = None
     """The tree in flight (None after a plain round): its COMMIT may not accept more
     nodes than it has, and pre-drafting guesses from it."""
+    grafted: int = 0
+    """Nodes of ``out_tree`` from this index on were grafted by ``--lookup`` (0: none)."""
     predraft_for: int = -1
     """The round (seq) whose outcomes were last pre-drafted."""
     predrafts: dict[tuple[int, ...], DraftTree] = field(default_factory=dict)

@@ -37,6 +37,40 @@ def depths(parents: np.ndarray) -> np.ndarray:
     return out
 
 
+def graft(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
+    """``tree`` with ``chain`` (tokens after the root) as one more branch: the part of it a
+    path of the tree already holds costs nothing, the rest become new nodes. Greedy trees
+    only: the grafted nodes have no draft distribution."""
+    if tree.dist_ids is not None:
+        raise ValueError("only greedy trees (without draft distributions) take a graft")
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    child = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents, strict=True))}
+    parent = -1
+    for tok in chain:
+        node = child.get((parent, tok))
+        if node is None:
+            node = child[(parent, tok)] = len(tokens)
+            tokens.append(tok)
+            parents.append(parent)
+        parent = node
+    if len(tokens) == len(tree):
+        return tree
+    return DraftTree(np.asarray(tokens, np.int32), np.asarray(parents, np.int32))
+
+
+def path_of(tree: DraftTree, tokens: Sequence[int]) -> list[int]:
+    """The nodes a round accepted: the path from the root that spells ``tokens``."""
+    child = {(int(p), int(t)): i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents,
+                                                                strict=True))}
+    path, parent = [], -1
+    for tok in tokens:
+        parent = child.get((parent, int(tok)), -2)
+        if parent < 0:
+            break
+        path.append(parent)
+    return path
+
+
 def ancestor_mask(parents: np.ndarray) -> torch.Tensor:
     """[n+1, n+1] boolean: row j may attend to column i when i is j itself or an ancestor.
 

@@ -5,7 +5,9 @@ of them in one pass per tree layer; never wait for a batch to fill. A request wh
 session already has a tree pre-drafted for exactly the tokens its COMMIT carried is
 answered at once. When the buffer is empty, the worker pre-drafts: for the session whose
 proposal went out last, it grows the next tree for the likeliest outcomes of the round in
-flight, and gives way to any request that arrives, within one tree layer.
+flight, and gives way to any request that arrives, within one tree layer. Every greedy
+tree leaves with a prompt-lookup branch grafted on where the session's own tokens suggest
+one (``--lookup``).
 """
 
 from __future__ import annotations
@@ -16,15 +18,20 @@ import time
 from typing import TYPE_CHECKING
 
 from starhub.drafters.base import Drafter, TreeShape
+from starhub.drafters.ngram import NgramDrafter
 from starhub.hub_config import Request
 from starhub.protocol import Error, ErrorCode, Propose
 from starhub.sessions import Session
-from starhub.tree import DraftTree
+from starhub.tree import DraftTree, graft
 
 if TYPE_CHECKING:
     from starhub.hub import Hub
 
 log = logging.getLogger("starhub.hub")
+
+LOOKUP = NgramDrafter(max_ngram=4, min_ngram=2)
+"""``--lookup``: a branch matched on the last 4, 3 or 2 tokens; a single token matches
+almost anywhere, and its branch would cost verification more often than it pays."""
 
 MAX_AUTO_BATCH = 16
 """``--batch auto`` drafts every waiting request up to this many: past it, a CPU pass costs
@@ -41,6 +48,7 @@ class DraftWorker:
         self.predrafting = hub.config.predraft and type(hub.drafter).predraft is not \
             Drafter.predraft
         """Only for drafters that can guess; the others would return nothing every time."""
+        self.lookup = LOOKUP if hub.config.lookup and hub.drafter.name != "ngram" else None
 
     async def run(self) -> None:
         hub = self.hub
@@ -181,6 +189,13 @@ class DraftWorker:
 
     def send(self, req: Request, tree: DraftTree, now: float) -> None:
         session = req.session
+        session.grafted = 0
+        if self.lookup is not None and session.ctx.greedy and len(tree):
+            chain = self.lookup.continuations(session.ctx.tokens, tree.depth, 1)
+            if chain:
+                grown = graft(tree, chain[0])
+                session.grafted = len(tree) if len(grown) > len(tree) else 0
+                tree = grown
         session.proposed_at = now
         session.out_tree = tree
         self.hub.reply(req.identity, Propose(

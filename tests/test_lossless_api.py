@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from starhub.launch import spawn_hub
 from targets import attach
@@ -91,3 +92,37 @@ def test_generation_stops_at_eos_like_generate(tiny_model, chain_hub):
         model.generation_config.eos_token_id = saved
     assert expected[-1] == eos and len(expected) <= 6
     assert result.output_ids == expected
+
+
+@pytest.mark.parametrize("lookup", ["on", "off"])
+def test_lookup_branches_are_accepted_and_output_stays_generate(tiny_model, tokenizer, tmp_path,
+                                                                tiny_dir, lookup):
+    """The random target's greedy answers repeat their last token; the drafter, a random
+    model with its own output layer, guesses other tokens, so only a prompt-lookup branch
+    follows the loops."""
+    from starhub.protocol import Hello, Stats
+    from targets.client import HubClient
+    from tests.conftest import tiny_config
+
+    torch.manual_seed(99)
+    other = tiny_config()
+    other.tie_word_embeddings = False
+    LlamaForCausalLM(other).save_pretrained(tmp_path / "other")
+    tokenizer.save_pretrained(tmp_path / "other")
+    model, tok = tiny_model
+    with spawn_hub(["--model", str(tiny_dir), "--drafter", "model", "--draft",
+                    str(tmp_path / "other"), "--depth", "4", "--topk", "2", "--max-nodes", "4",
+                    "--lookup", lookup]) as hub, attach(model, tok, hub.address) as session:
+        for prompt in PROMPTS:
+            result = session.generate(prompt, max_new_tokens=64)
+            assert result.output_ids == reference(model, result.prompt_ids, 64)
+        client = HubClient(hub.address, timeout_s=10)
+        client.hello(Hello(name="probe", vocab_size=model.config.vocab_size))
+        body = client.request(Stats()).body
+        client.close()
+    if lookup == "on":
+        assert body["lookup_round_share"] > 0.5 and body["lookup_token_share"] > 0.3
+        assert body["mean_accept_len"] > 1.5
+    else:
+        assert body["lookup_round_share"] == body["lookup_token_share"] == 0
+        assert body["mean_accept_len"] < 1.2

@@ -3,11 +3,14 @@ import pytest
 import torch
 
 from starhub.tree import (
+    DraftTree,
     ancestor_mask,
     build_greedy_tree,
     build_sampled_tree,
     children,
     depths,
+    graft,
+    path_of,
     sample_without_replacement,
 )
 
@@ -133,3 +136,18 @@ def test_keep_rows_keeps_the_prefix_and_the_chosen_rows_in_order(rows):
         assert torch.equal(layer.values[0, 0, :, 0], -(want + 100 * i))
     cache.update(torch.zeros(1, 2, 1, 3), torch.zeros(1, 2, 1, 3), 0)
     assert cache.layers[0].keys.shape[2] == 5 + len(rows)
+
+
+def test_graft_adds_only_the_nodes_a_path_of_the_tree_lacks():
+    # root -> 5 -> 6, root -> 7
+    tree = DraftTree(np.array([5, 7, 6], np.int32), np.array([-1, -1, 0], np.int32))
+    grown = graft(tree, [5, 6, 8, 9])
+    assert grown.tokens.tolist() == [5, 7, 6, 8, 9]
+    assert grown.parents.tolist() == [-1, -1, 0, 2, 3]
+    assert all(p < i for i, p in enumerate(grown.parents))
+    assert graft(tree, [7]) is tree  # already there: the same tree, nothing added
+    assert path_of(grown, [5, 6, 8, 4]) == [0, 2, 3]
+    assert path_of(grown, [7, 6]) == [1]
+    with pytest.raises(ValueError, match="greedy"):
+        graft(DraftTree(tree.tokens, tree.parents, np.zeros((4, 1), np.int32),
+                        np.ones((4, 1), np.float32)), [1])
