@@ -85,47 +85,38 @@ def test_round_trip(tmp_path, target_config, target_weights, kind, draft_vocab):
         assert int(loaded.t2d.sum()) == draft_vocab
 
 
-def test_shrunk_draft_vocab_keeps_each_kept_tokens_logit_and_round_trips(
+def test_resized_draft_vocab_keeps_trained_rows_takes_new_ones_from_the_target_and_round_trips(
         tmp_path, target_config, target_weights):
     head = make_head(target_config, target_weights, EAGLE, 40)
     old_ids = head.to_target_ids(torch.arange(40))
     feats, ids = inputs(head)
     _, before = run(head, feats, ids)
+    # shrinking keeps each kept token's trained row
     keep = old_ids[torch.randperm(40, generator=torch.Generator().manual_seed(5))[:25]]
     head.resize_draft_vocab(keep)
     assert head.draft_vocab_size == 25 and int(head.t2d.sum()) == 25
     new_ids = head.to_target_ids(torch.arange(25))
     assert sorted(new_ids.tolist()) == sorted(keep.tolist())
-    _, after = run(head, feats, ids)
+    hidden, after = run(head, feats, ids)
     rows = [old_ids.tolist().index(t) for t in new_ids.tolist()]
     torch.testing.assert_close(after, before[..., rows], rtol=0, atol=0)
-    save_eagle_head(head, tmp_path, dtype=torch.float32)
-    loaded = load_eagle_head(tmp_path, target_config, *target_weights)
-    torch.testing.assert_close(run(loaded, feats, ids)[1], after, rtol=0, atol=0)
     outside = next(t for t in range(VOCAB) if not head.t2d[t])
     with pytest.raises(ValueError, match="1 of the ids are not in the draft vocabulary"):
         head.resize_draft_vocab(torch.cat([new_ids[:5], torch.tensor([outside])]))
-
-
-def test_grown_draft_vocab_keeps_trained_rows_and_takes_new_ones_from_the_target(
-        tmp_path, target_config, target_weights):
-    head = make_head(target_config, target_weights, EAGLE, 40)
-    old_ids = head.to_target_ids(torch.arange(40))
-    feats, ids = inputs(head)
-    hidden, before = run(head, feats, ids)
+    # growing keeps every trained row; new tokens read the target's LM head
     added = torch.tensor([t for t in range(VOCAB) if not head.t2d[t]][:12])
     lm_head = target_weights[1]
-    head.resize_draft_vocab(torch.cat([old_ids, added]), fill=lm_head)
-    assert head.draft_vocab_size == 52 and int(head.t2d.sum()) == 52
-    new_ids = head.to_target_ids(torch.arange(52)).tolist()
-    _, after = run(head, feats, ids)
-    kept = [new_ids.index(t) for t in old_ids.tolist()]
-    torch.testing.assert_close(after[..., kept], before, rtol=0, atol=0)
-    grown = [new_ids.index(t) for t in added.tolist()]
-    torch.testing.assert_close(after[..., grown], hidden @ lm_head[added].T)
+    head.resize_draft_vocab(torch.cat([new_ids, added]), fill=lm_head)
+    assert head.draft_vocab_size == 37 and int(head.t2d.sum()) == 37
+    grown_ids = head.to_target_ids(torch.arange(37)).tolist()
+    _, grown = run(head, feats, ids)
+    kept = [grown_ids.index(t) for t in new_ids.tolist()]
+    torch.testing.assert_close(grown[..., kept], after, rtol=0, atol=0)
+    fresh = [grown_ids.index(t) for t in added.tolist()]
+    torch.testing.assert_close(grown[..., fresh], hidden @ lm_head[added].T)
     save_eagle_head(head, tmp_path, dtype=torch.float32)
     loaded = load_eagle_head(tmp_path, target_config, *target_weights)
-    torch.testing.assert_close(run(loaded, feats, ids)[1], after, rtol=0, atol=0)
+    torch.testing.assert_close(run(loaded, feats, ids)[1], grown, rtol=0, atol=0)
 
 
 def test_fp16_default_and_public_config(tmp_path, target_config, target_weights):
