@@ -48,7 +48,7 @@ class DraftWorker:
         self.predrafting = hub.config.predraft and type(hub.drafter).predraft is not \
             Drafter.predraft
         """Only for drafters that can guess; the others would return nothing every time."""
-        self.lookup = LOOKUP if hub.config.lookup and hub.drafter.name != "ngram" else None
+        self.lookup = LOOKUP if hub.config.lookup and hub.drafter.lookup_branches else None
 
     async def run(self) -> None:
         hub = self.hub

@@ -51,6 +51,10 @@ class Drafter(ABC):
     """Hidden states a target must send: [] none, [-1] the final one, else layer indices."""
     feature_size: int = 0
     """The width of the feature rows it reads (0: any, or none read)."""
+    lookup_branches: bool = True
+    """Whether the hub may graft a prompt-lookup branch onto this drafter's greedy trees
+    (``--lookup``): not for one that is all lookup, nor for a stand-in whose target never
+    reads tokens."""
     batches: bool = False
     """Whether ``propose_batch`` shares work across sessions. A drafter that would only
     loop is given one request at a time, so no session waits for others' drafts."""

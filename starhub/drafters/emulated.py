@@ -34,6 +34,7 @@ class CalibratedSleep:
 
 class EmulatedDrafter(Drafter):
     name = "emulated"
+    lookup_branches = False
 
     def __init__(self, t_s: float, vocab_size: int = 32000):
         self.t_s = t_s

@@ -14,6 +14,7 @@ class NgramDrafter(Drafter):
     verify with their own seeded draw, ``starhub.coupling``)."""
 
     name = "ngram"
+    lookup_branches = False
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram = max_ngram
