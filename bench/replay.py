@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.cli import DEFAULT_REPLAY_PROMPTS  # noqa: F401  (re-exported)
-from starhub.tree import children
+from starhub.tree import accepted_path  # noqa: F401  (re-exported)
 
 FORMAT = 1
 """Bumped whenever what a recording holds changes, so old caches are never misread."""
@@ -97,23 +97,6 @@ class Recording:
             return cls(meta, [data[f"prompt_{i}"] for i in range(count)],
                        [data[f"output_{i}"] for i in range(count)],
                        [data[f"features_{i}"] for i in range(count)], path=path, reused=True)
-
-
-def accepted_path(tokens: np.ndarray, parents: np.ndarray,
-                  continuation: np.ndarray) -> list[int]:
-    """Greedy acceptance against a known continuation: from the root, follow the child
-    whose token is the next recorded token, as a target whose argmax that token is would.
-    Returns the accepted node indices, root to leaf."""
-    kids = children(np.asarray(parents))
-    path: list[int] = []
-    at = 0
-    for want in np.asarray(continuation).tolist():
-        nxt = next((c for c in kids[at] if int(tokens[c]) == want), None)
-        if nxt is None:
-            break
-        path.append(nxt)
-        at = nxt + 1
-    return path
 
 
 def recording_key(model: str, model_dir: Path, items: list[tuple[object, str]],

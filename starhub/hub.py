@@ -45,7 +45,7 @@ from starhub.protocol import (
 from starhub.security import bind_server
 from starhub.sessions import Peer, Session, SessionTable
 from starhub.transport import Limits, configure_socket, decode, encode, error_for
-from starhub.tree import path_of
+from starhub.tree import accepted_path
 from starhub.worker import DraftWorker
 
 log = logging.getLogger("starhub.hub")
@@ -285,7 +285,8 @@ class Hub:
         """Accepted nodes that ``--lookup`` grafted (None: the tree had no graft)."""
         if not session.grafted or session.out_tree is None:
             return None
-        path = path_of(session.out_tree, msg.tokens[:msg.accepted].tolist())
+        tree = session.out_tree
+        path = accepted_path(tree.tokens, tree.parents, msg.tokens[:msg.accepted])
         return sum(node >= session.grafted for node in path)
 
     def enqueue(self, identity: bytes, session: Session, ref: int,

@@ -37,10 +37,11 @@ def depths(parents: np.ndarray) -> np.ndarray:
     return out
 
 
-def graft(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
+def graft(tree: DraftTree, chain: Sequence[int], max_nodes: int | None = None) -> DraftTree:
     """``tree`` with ``chain`` (tokens after the root) as one more branch: the part of it a
-    path of the tree already holds costs nothing, the rest become new nodes. Greedy trees
-    only: the grafted nodes have no draft distribution."""
+    path of the tree already holds costs nothing, the rest become new nodes, while the tree
+    has fewer than ``max_nodes``. Greedy trees only: the grafted nodes have no draft
+    distribution."""
     if tree.dist_ids is not None:
         raise ValueError("only greedy trees (without draft distributions) take a graft")
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
@@ -49,6 +50,8 @@ def graft(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
     for tok in chain:
         node = child.get((parent, tok))
         if node is None:
+            if max_nodes is not None and len(tokens) >= max_nodes:
+                break
             node = child[(parent, tok)] = len(tokens)
             tokens.append(tok)
             parents.append(parent)
@@ -58,16 +61,19 @@ def graft(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
     return DraftTree(np.asarray(tokens, np.int32), np.asarray(parents, np.int32))
 
 
-def path_of(tree: DraftTree, tokens: Sequence[int]) -> list[int]:
-    """The nodes a round accepted: the path from the root that spells ``tokens``."""
-    child = {(int(p), int(t)): i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents,
-                                                                strict=True))}
-    path, parent = [], -1
-    for tok in tokens:
-        parent = child.get((parent, int(tok)), -2)
-        if parent < 0:
+def accepted_path(tokens: np.ndarray, parents: np.ndarray,
+                  continuation: Sequence[int]) -> list[int]:
+    """The nodes a greedy round accepts against a known continuation: from the root,
+    follow the child whose token is the next one. Returns the node indices, root to leaf."""
+    kids = children(np.asarray(parents))
+    path: list[int] = []
+    at = 0
+    for want in np.asarray(continuation).tolist():
+        nxt = next((c for c in kids[at] if int(tokens[c]) == want), None)
+        if nxt is None:
             break
-        path.append(parent)
+        path.append(nxt)
+        at = nxt + 1
     return path
 
 

@@ -4,13 +4,13 @@ import torch
 
 from starhub.tree import (
     DraftTree,
+    accepted_path,
     ancestor_mask,
     build_greedy_tree,
     build_sampled_tree,
     children,
     depths,
     graft,
-    path_of,
     sample_without_replacement,
 )
 
@@ -146,8 +146,9 @@ def test_graft_adds_only_the_nodes_a_path_of_the_tree_lacks():
     assert grown.parents.tolist() == [-1, -1, 0, 2, 3]
     assert all(p < i for i, p in enumerate(grown.parents))
     assert graft(tree, [7]) is tree  # already there: the same tree, nothing added
-    assert path_of(grown, [5, 6, 8, 4]) == [0, 2, 3]
-    assert path_of(grown, [7, 6]) == [1]
+    assert accepted_path(grown.tokens, grown.parents, [5, 6, 8, 4]) == [0, 2, 3]
+    assert accepted_path(grown.tokens, grown.parents, [7, 6]) == [1]
+    assert len(graft(tree, [5, 6, 8, 9], max_nodes=4)) == 4
     with pytest.raises(ValueError, match="greedy"):
         graft(DraftTree(tree.tokens, tree.parents, np.zeros((4, 1), np.int32),
                         np.ones((4, 1), np.float32)), [1])

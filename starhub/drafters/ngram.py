@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from starhub.drafters.base import DraftContext, Drafter, TreeShape
-from starhub.tree import DraftTree
+from starhub.tree import DraftTree, graft
 
 
 class NgramDrafter(Drafter):
@@ -22,27 +22,14 @@ class NgramDrafter(Drafter):
 
     def propose(self, ctx: DraftContext, shape: TreeShape) -> DraftTree:
         branches = self.continuations(ctx.tokens, shape.depth, 1 if not ctx.greedy else shape.topk)
-        tokens: list[int] = []
-        parents: list[int] = []
-        children: dict[tuple[int, int], int] = {}
+        tree = DraftTree(np.zeros(0, np.int32), np.zeros(0, np.int32))
         for branch in branches:
-            parent = -1
-            for tok in branch:
-                node = children.get((parent, tok))
-                if node is None:
-                    if len(tokens) >= shape.max_nodes:
-                        break
-                    node = children[(parent, tok)] = len(tokens)
-                    tokens.append(tok)
-                    parents.append(parent)
-                parent = node
-        tree = DraftTree(np.asarray(tokens, np.int32), np.asarray(parents, np.int32))
+            tree = graft(tree, branch, shape.max_nodes)
         if not ctx.greedy:
-            tree.dist_ids = np.zeros((len(tokens) + 1, 1), np.int32)
-            tree.dist_probs = np.zeros((len(tokens) + 1, 1), np.float32)
-            for tok, parent in zip(tokens, parents, strict=True):
-                tree.dist_ids[parent + 1, 0] = tok
-                tree.dist_probs[parent + 1, 0] = 1.0
+            tree.dist_ids = np.zeros((len(tree) + 1, 1), np.int32)
+            tree.dist_probs = np.zeros((len(tree) + 1, 1), np.float32)
+            tree.dist_ids[tree.parents + 1, 0] = tree.tokens
+            tree.dist_probs[tree.parents + 1, 0] = 1.0
         return tree
 
     def continuations(self, tokens: list[int], depth: int, count: int) -> list[list[int]]:
