@@ -11,7 +11,9 @@ from starhub.tree import (
     children,
     depths,
     graft,
+    rank,
     sample_without_replacement,
+    top_k,
 )
 
 
@@ -152,3 +154,21 @@ def test_graft_adds_only_the_nodes_a_path_of_the_tree_lacks():
     with pytest.raises(ValueError, match="greedy"):
         graft(DraftTree(tree.tokens, tree.parents, np.zeros((4, 1), np.int32),
                         np.ones((4, 1), np.float32)), [1])
+
+
+@pytest.mark.parametrize("rows,width,k", [(1, 6144, 4), (24, 6144, 4), (5, 49152, 10),
+                                          (3, 6144, 96), (2, 100, 4), (4, 256, 1)])
+def test_top_k_finds_what_topk_finds(rows, width, k):
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows * width + k))
+    values, ids = top_k(x, k)
+    expected = x.topk(min(k, width), -1)
+    assert torch.equal(values, expected.values) and torch.equal(ids, expected.indices)
+
+
+def test_ranked_children_are_log_probabilities_best_first():
+    logits = torch.randn(3, 6144, generator=torch.Generator().manual_seed(0))
+    ranked = rank(logits.bfloat16(), 4)
+    logp = torch.log_softmax(logits.bfloat16().float(), -1)
+    for row in range(3):
+        assert ranked.ids[row] == logp[row].topk(4).indices.tolist()
+        assert ranked.logp[row] == pytest.approx(logp[row].topk(4).values.tolist())

@@ -20,10 +20,12 @@ from starhub.tree import (
     DraftTree,
     Frontier,
     Grower,
+    Ranked,
     TreeFeed,
     grow_greedy,
     grow_sampled,
     grow_together,
+    rank,
 )
 
 if TYPE_CHECKING:
@@ -95,6 +97,7 @@ class DraftBatch:
         self.cost: list[float] = []
         self.shared: list[list[int]] = []  # per job: passes, and sessions in them
         self.owners: list[int] = []  # grower -> job
+        self.ranked: list[int] = []  # grower -> top-k it is sent ranked, 0: raw logits
         self.growths: list[Growth] = []
         self.growing = 0
         self.queued: list[CatchUp] = []  # admitted; their pairs ride the next pass
@@ -138,14 +141,23 @@ class DraftBatch:
     def start(self, jobs: list[int]) -> list[Grower]:
         """Growers for jobs whose sessions have caught up."""
         drafter = self.drafter
+        scores = [self.jobs[k][0].coupled(drafter.head.vocab_size, drafter._target_index())
+                  for k in jobs]
+        plain = [k for k, score in zip(jobs, scores, strict=True)
+                 if self.jobs[k][0].greedy and score is None]
+        roots = iter(self.rank([self.jobs[k][0].state.root_logits[None] for k in plain],
+                               [self.jobs[k][1].topk for k in plain]))
         growers = []
-        for k in jobs:
+        for k, score in zip(jobs, scores, strict=True):
             ctx, shape = self.jobs[k]
             state: HeadState = ctx.state
             self.growths.append(Growth(state.cache, state.pairs, {-1: state.root_hidden}))
             self.owners.append(k)
-            score = ctx.coupled(drafter.head.vocab_size, drafter._target_index())
-            if ctx.greedy or score is not None:
+            self.ranked.append(shape.topk if k in plain else 0)
+            if k in plain:
+                growers.append(grow_greedy(next(roots), shape.depth, shape.topk,
+                                           shape.max_nodes))
+            elif score is not None:
                 growers.append(grow_greedy(state.root_logits, shape.depth, shape.topk,
                                            shape.max_nodes, score))
             else:
@@ -175,13 +187,25 @@ class DraftBatch:
                 joining += self.alone(catch)
         return joining
 
-    def expand(self, asks: list[tuple[int, Frontier]]) -> list[torch.Tensor]:
+    def expand(self, asks: list[tuple[int, Frontier]]) -> list[torch.Tensor | Ranked]:
         catch = CatchUp.merge(self.queued)
         self.queued = []
         out = self.drafter._pass([(self.growths[j], frontier) for j, frontier in asks], catch)
+        plain = [i for i, (j, _) in enumerate(asks) if self.ranked[j]]
+        for i, ranked in zip(plain, self.rank([out[i] for i in plain],
+                                              [self.ranked[asks[i][0]] for i in plain]),
+                             strict=True):
+            out[i] = ranked
         self.charge([self.owners[j] for j, _ in asks] + catch.jobs)
         self.ready.extend(self.start(catch.jobs))
         return out
+
+    @staticmethod
+    def rank(logits: list[torch.Tensor], topk: list[int]) -> list[Ranked]:
+        """Each greedy tree's rows ranked, all trees' in one top-k."""
+        if not logits:
+            return []
+        return rank(torch.cat(logits), max(topk)).split([len(rows) for rows in logits])
 
     def done(self, j: int, tree: DraftTree) -> None:
         self.growing -= 1
