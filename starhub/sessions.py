@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from starhub.control import Choice
 from starhub.drafters.base import DraftContext
+from starhub.drafters.ngram import NgramIndex
 from starhub.protocol import ErrorCode, Open, ProtocolError
 from starhub.tree import DraftTree
 
@@ -29,6 +30,8 @@ class Session:
     nodes than it has, and pre-drafting guesses from it."""
     grafted: int = 0
     """Nodes of ``out_tree`` from this index on were grafted by ``--lookup`` (0: none)."""
+    lookup: NgramIndex | None = None
+    """``--lookup``'s index of this session's tokens, built on its first tree."""
     predraft_for: int = -1
     """The round (seq) whose outcomes were last pre-drafted."""
     predrafts: dict[tuple[int, ...], DraftTree] = field(default_factory=dict)

@@ -13,12 +13,13 @@ one (``--lookup``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from typing import TYPE_CHECKING
 
 from starhub.drafters.base import Drafter, TreeShape
-from starhub.drafters.ngram import NgramDrafter
+from starhub.drafters.ngram import NgramIndex
 from starhub.hub_config import Request
 from starhub.protocol import Error, ErrorCode, Propose
 from starhub.sessions import Session
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("starhub.hub")
 
-LOOKUP = NgramDrafter(max_ngram=4, min_ngram=2)
+LOOKUP_NGRAMS = (4, 2)
 """``--lookup``: a branch matched on the last 4, 3 or 2 tokens; a single token matches
 almost anywhere, and its branch would cost verification more often than it pays."""
 
@@ -48,7 +49,7 @@ class DraftWorker:
         self.predrafting = hub.config.predraft and type(hub.drafter).predraft is not \
             Drafter.predraft
         """Only for drafters that can guess; the others would return nothing every time."""
-        self.lookup = LOOKUP if hub.config.lookup and hub.drafter.lookup_branches else None
+        self.lookup = hub.config.lookup and hub.drafter.lookup_branches
 
     async def run(self) -> None:
         hub = self.hub
@@ -104,7 +105,12 @@ class DraftWorker:
     async def draft(self, batch: list[Request], started: float) -> None:
         """Draft ``batch``. Continuous batching: requests that arrive meanwhile join it
         between tree layers, up to ``--batch`` trees at a time, and each PROPOSE leaves as
-        soon as its own tree is done; nothing waits for the batch to fill or to end."""
+        soon as its own tree is done; nothing waits for the batch to fill or to end.
+
+        The event loop hands arriving requests over as they come (``feed``) and the
+        drafting thread takes what is there between layers, so neither waits on the
+        other: a thread that asked the loop instead waited about a millisecond a layer
+        while the loop was busy with the very COMMITs it was asking for."""
         hub = self.hub
         loop = asyncio.get_running_loop()
         requests = list(batch)
@@ -112,53 +118,64 @@ class DraftWorker:
         for i, req in enumerate(requests):
             hub.metrics.draft_started(req.arrival, started, len(hub.table), first=i == 0)
         delivered: set[int] = set()
-        in_flight = [len(requests)]  # the drafting thread's own count
+        handed: collections.deque[tuple] = collections.deque()
+        counts = {"admitted": len(requests), "finished": 0}  # written by the drafting thread
 
-        def join(room: int) -> list[tuple]:  # on the event loop
+        def feed() -> None:  # on the event loop
+            room = self.max_batch - (len(requests) - counts["finished"])
+            if room <= 0 or not hub.buffer:
+                return
             now = time.monotonic()
             more = self.take(room)
             for req in more:
                 hub.metrics.draft_started(req.arrival, now, len(hub.table), first=False)
             requests.extend(more)
             begun.extend([now] * len(more))
-            return [(req.session.ctx, self.shape(req.session)) for req in more]
+            handed.extend((req.session.ctx, self.shape(req.session)) for req in more)
+
+        async def feeder() -> None:
+            while True:
+                hub._work.clear()
+                feed()
+                await hub._work.wait()
 
         def admit() -> list[tuple]:  # on the drafting thread, between tree layers
-            room = self.max_batch - in_flight[0]
-            if room <= 0 or not hub.buffer:
-                return []
-            future = asyncio.run_coroutine_threadsafe(_call(join, room), loop)
-            try:
-                jobs = future.result(5.0)
-            except Exception:  # noqa: BLE001 - the loop is stuck or closing: draft what we have
-                future.cancel()
-                return []
-            in_flight[0] += len(jobs)
+            jobs = []
+            while handed:
+                jobs.append(handed.popleft())
+            counts["admitted"] += len(jobs)
             return jobs
 
         def finished(k: int, result: DraftTree | Exception, seconds: float,
                      shared: float) -> None:
-            in_flight[0] -= 1
+            counts["finished"] += 1
             loop.call_soon_threadsafe(deliver, k, result, seconds, shared)
 
         def deliver(k: int, result: DraftTree | Exception, seconds: float,
                     shared: float) -> None:
             delivered.add(k)
             self.deliver(requests[k], result, begun[k], seconds, shared)
+            feed()
 
         jobs = [(req.session.ctx, self.shape(req.session)) for req in batch]
+        feeding = loop.create_task(feeder()) if self.max_batch > 1 else None
         try:
             await loop.run_in_executor(hub._executor, lambda: hub.drafter.propose_batch(
-                jobs, admit=admit if self.max_batch > 1 else None, finished=finished))
+                jobs, admit=admit if feeding else None, finished=finished))
         except Exception as exc:  # a failing drafter fails this batch's rounds, not the hub
-            log.exception("drafting a batch of %d failed", len(requests))
-            for k in range(len(requests)):
+            log.exception("drafting a batch of %d failed", counts["admitted"])
+            for k in range(counts["admitted"]):
                 if k not in delivered:
                     self.deliver(requests[k], exc, begun[k], 0.0, 1.0)
                     delivered.add(k)
-        # taken from the buffer for a join the drafting thread gave up waiting for
+        finally:
+            if feeding is not None:
+                feeding.cancel()
+        # handed over after the drafting thread last looked: back to the front of the line
         hub.buffer.extendleft(reversed([req for k, req in enumerate(requests)
                                         if k not in delivered]))
+        if hub.buffer:
+            hub._work.set()
 
     def deliver(self, req: Request, result: DraftTree | Exception, begun: float,
                 seconds: float, shared: float) -> None:
@@ -190,10 +207,12 @@ class DraftWorker:
     def send(self, req: Request, tree: DraftTree, now: float) -> None:
         session = req.session
         session.grafted = 0
-        if self.lookup is not None and session.ctx.greedy and len(tree):
-            chain = self.lookup.continuations(session.ctx.tokens, tree.depth, 1)
+        if self.lookup and session.ctx.greedy and len(tree):
+            if session.lookup is None:
+                session.lookup = NgramIndex(*LOOKUP_NGRAMS)
+            chain = session.lookup.continuation(session.ctx.tokens, tree.depth)
             if chain:
-                grown = graft(tree, chain[0])
+                grown = graft(tree, chain)
                 session.grafted = len(tree) if len(grown) > len(tree) else 0
                 tree = grown
         session.proposed_at = now
@@ -227,8 +246,3 @@ class DraftWorker:
         session.predrafts = found
         return True
 
-
-async def _call(fn, *args):
-    """Run ``fn`` on the event loop, for a thread that hands it over with
-    ``run_coroutine_threadsafe``."""
-    return fn(*args)

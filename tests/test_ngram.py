@@ -1,7 +1,9 @@
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from starhub.drafters.base import DraftContext, TreeShape
-from starhub.drafters.ngram import NgramDrafter
+from starhub.drafters.ngram import NgramDrafter, NgramIndex
 
 
 def test_latest_longest_match_comes_first():
@@ -31,3 +33,16 @@ def test_sampled_sessions_get_a_point_mass_chain():
 def test_no_match_gives_an_empty_tree():
     tree = NgramDrafter().propose(DraftContext(tokens=[1, 2, 3, 4]), TreeShape())
     assert len(tree) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=5), min_size=1, max_size=30),
+       st.integers(1, 8))
+def test_the_incremental_index_finds_what_a_full_scan_finds(appends, depth):
+    """The hub's per-session index gives the same branch as scanning every token, round
+    after round as the session grows."""
+    scan, index, tokens = NgramDrafter(max_ngram=4, min_ngram=2), NgramIndex(4, 2), []
+    for new in appends:
+        tokens += new
+        found = scan.continuations(tokens, depth, 1)
+        assert index.continuation(tokens, depth) == (found[0] if found else [])

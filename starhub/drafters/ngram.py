@@ -47,3 +47,31 @@ class NgramDrafter(Drafter):
                     if len(found) >= count:
                         return found
         return found
+
+
+class NgramIndex:
+    """Prompt lookup for one growing token list, kept as it grows: where each n-gram last
+    began, so a lookup costs the tokens appended since the last one, not a scan of them
+    all. Answers what ``NgramDrafter.continuations(tokens, depth, 1)`` does."""
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
+        self.sizes = range(max_ngram, min_ngram - 1, -1)
+        self.latest: dict[tuple[int, ...], int] = {}
+        self.indexed = {n: 0 for n in self.sizes}
+        """Per n, the n-grams starting before this are in ``latest``."""
+
+    def continuation(self, tokens: list[int], depth: int) -> list[int]:
+        """What followed the latest earlier occurrence of the longest matching suffix of
+        ``tokens`` ([] if none); ``tokens`` may only have grown since the last call."""
+        for n in self.sizes:
+            # an n-gram is looked up only once a token follows it: the suffix itself is not
+            end = len(tokens) - n
+            for start in range(self.indexed[n], end):
+                self.latest[tuple(tokens[start:start + n])] = start
+            self.indexed[n] = max(self.indexed[n], end)
+        for n in self.sizes:
+            if len(tokens) > n:
+                start = self.latest.get(tuple(tokens[-n:]))
+                if start is not None:
+                    return tokens[start + n:start + n + depth]
+        return []
