@@ -242,7 +242,7 @@ class Controller:
             sm.target.sessions.discard(tag)
 
     def _round(self, sm: SessionModel, depth: int, nodes: int,
-               expected: np.ndarray | None = None) -> tuple[float, float, float]:
+               expected: list[float] | None = None) -> tuple[float, float, float]:
         """(S, Z, E) of one round of this shape; ``expected`` is E by depth, if known."""
         s = self.service_s(depth, nodes)
         z = sm.target.t_c.get(self.config.t_c_prior_s) + sm.target.verify_s(nodes)
@@ -261,11 +261,9 @@ class Controller:
             return self._set(sm, Choice(depth, nodes), *self._round(sm, depth, nodes))
         others = [o for t, o in self.sessions.items() if t != tag and o.s]
         load = sum(o.s for o in others)
-        cycles = np.array([o.s + o.z for o in others])
-        gains = np.array([o.e for o in others])
 
         def others_rate(total_load: float) -> float:
-            return float((gains / np.maximum(cycles, total_load)).sum()) if others else 0.0
+            return sum(o.e / max(o.s + o.z, total_load) for o in others)
 
         step = sm.target.step_s()
         standalone = 1.0 / step if step > 0 else 0.0

@@ -3,7 +3,9 @@ an exponential moving average, and acceptance by tree depth with hierarchical pr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import operator
+from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 
@@ -17,35 +19,42 @@ class LinearFit:
 
     ``forget`` sets the memory (about ``1 / (1 - forget)`` samples) so the fit follows a
     machine whose speed drifts; the prior keeps directions the data never spans sane.
+    The hub updates and asks its fits every round on its event loop, so the sums are
+    plain floats and the weights are solved for only when asked after an update.
     """
 
-    prior: np.ndarray
+    prior: list[float]
     forget: float = 0.97
     strength: float = 0.5
-    a: np.ndarray = field(init=False)
-    b: np.ndarray = field(init=False)
     samples: int = 0
 
     def __post_init__(self) -> None:
-        self.prior = np.asarray(self.prior, float)
-        self.a = np.zeros((len(self.prior), len(self.prior)))
-        self.b = np.zeros(len(self.prior))
-        self._w = self.prior.copy()
+        self.prior = [float(w) for w in self.prior]
+        n = len(self.prior)
+        self.a = [[0.0] * n for _ in range(n)]
+        self.b = [0.0] * n
+        self._w: list[float] | None = list(self.prior)
 
     def update(self, x, y: float) -> None:
-        x = np.asarray(x, float)
-        self.a = self.forget * self.a + np.outer(x, x)
-        self.b = self.forget * self.b + x * y
+        f = self.forget
+        for i, xi in enumerate(x):
+            self.b[i] = f * self.b[i] + xi * y
+            row = self.a[i]
+            for j, xj in enumerate(x):
+                row[j] = f * row[j] + xi * xj
         self.samples += 1
-        scale = self.strength * np.eye(len(x))
-        self._w = np.linalg.solve(self.a + scale, self.b + scale @ self.prior)
+        self._w = None
 
     def predict(self, x) -> float:
-        return float(np.asarray(x, float) @ self._w)
+        return sum(xi * wi for xi, wi in zip(x, self.weights, strict=True))
 
     @property
     def weights(self) -> list[float]:
-        return self._w.tolist()
+        if self._w is None:
+            scale = self.strength * np.eye(len(self.b))
+            self._w = np.linalg.solve(np.array(self.a) + scale,
+                                      np.array(self.b) + scale @ self.prior).tolist()
+        return self._w
 
 
 @dataclass
@@ -69,28 +78,27 @@ class Acceptance:
     def __init__(self, parent: Acceptance | None = None, prior: float = 0.5,
                  pseudo: float = 8.0, forget: float = 0.995):
         self.parent, self.prior, self.pseudo, self.forget = parent, prior, pseudo, forget
-        self.hits = np.zeros(MAX_AUTO_DEPTH + 1)
-        self.trials = np.zeros(MAX_AUTO_DEPTH + 1)
+        self.hits = [0.0] * (MAX_AUTO_DEPTH + 1)
+        self.trials = [0.0] * (MAX_AUTO_DEPTH + 1)
 
     def observe(self, depth: int, accepted: int) -> None:
         """A round that drafted ``depth`` layers and had ``accepted`` nodes accepted."""
         depth = min(depth, MAX_AUTO_DEPTH)
-        self.hits *= self.forget
-        self.trials *= self.forget
-        reached = min(accepted + 1, depth)
-        self.trials[1:reached + 1] += 1
-        self.hits[1:min(accepted, depth) + 1] += 1
+        reached, hit = min(accepted + 1, depth), min(accepted, depth)
+        f = self.forget
+        self.trials = [f * t + (1 <= k <= reached) for k, t in enumerate(self.trials)]
+        self.hits = [f * h + (1 <= k <= hit) for k, h in enumerate(self.hits)]
         if self.parent is not None:
             self.parent.observe(depth, accepted)
 
-    def betas(self) -> np.ndarray:
+    def betas(self) -> list[float]:
         """``beta_k`` for k = 1..MAX_AUTO_DEPTH (index 0 unused, 1.0).
 
         Deep nodes are tried less often, so each depth's prior carries what shallower data
         says: the parent's ``beta_k`` scaled by how this curve compares with the parent's
         one layer up (at the hub, which has no parent, the previous layer's estimate)."""
         parent = self.parent.betas() if self.parent is not None else None
-        out = np.ones(MAX_AUTO_DEPTH + 1)
+        out = [1.0] * (MAX_AUTO_DEPTH + 1)
         for k in range(1, MAX_AUTO_DEPTH + 1):
             if parent is None:
                 prior = out[k - 1] if k > 1 else self.prior
@@ -100,10 +108,11 @@ class Acceptance:
             out[k] = (self.hits[k] + self.pseudo * prior) / (self.trials[k] + self.pseudo)
         return out
 
-    def expected_tokens(self) -> np.ndarray:
+    def expected_tokens(self) -> list[float]:
         """``E(d)`` for d = 0..MAX_AUTO_DEPTH: committed tokens a round, the bonus included."""
-        return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.betas()[1:]))])
+        return [1.0, *(1.0 + e for e in accumulate(self.by_depth(None)))]
 
-    def by_depth(self) -> list[float]:
+    def by_depth(self, digits: int | None = 4) -> list[float]:
         """Unconditional acceptance of the node at depth k, as the metrics report it."""
-        return np.cumprod(self.betas()[1:]).round(4).tolist()
+        reach = list(accumulate(self.betas()[1:], operator.mul))
+        return reach if digits is None else [round(r, digits) for r in reach]
