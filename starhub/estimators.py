@@ -7,8 +7,6 @@ import operator
 from dataclasses import dataclass
 from itertools import accumulate
 
-import numpy as np
-
 MAX_AUTO_DEPTH = 8
 """Deepest tree ``--depth auto`` may choose, and how deep acceptance is tracked."""
 
@@ -51,10 +49,29 @@ class LinearFit:
     @property
     def weights(self) -> list[float]:
         if self._w is None:
-            scale = self.strength * np.eye(len(self.b))
-            self._w = np.linalg.solve(np.array(self.a) + scale,
-                                      np.array(self.b) + scale @ self.prior).tolist()
+            s = self.strength
+            a = [[v + s * (i == j) for j, v in enumerate(row)] for i, row in enumerate(self.a)]
+            self._w = _solve(a, [b + s * w for b, w in zip(self.b, self.prior, strict=True)])
         return self._w
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """``a⁻¹b`` for the 2- and 3-unknown systems above, by elimination with partial
+    pivoting: numpy's call overhead is some 20 times the arithmetic at this size, and the
+    hub solves on its event loop every round. ``a`` is positive definite (a ridge term is
+    added), so no pivot is zero."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        m[c], m[p] = m[p], m[c]
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            m[r] = [x - f * y for x, y in zip(m[r], m[c], strict=True)]
+    w = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        w[r] = (m[r][n] - sum(m[r][j] * w[j] for j in range(r + 1, n))) / m[r][r]
+    return w
 
 
 @dataclass
