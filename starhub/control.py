@@ -80,7 +80,8 @@ class ControlConfig:
 class TargetModel:
     """What the hub knows of one target process: its plain step, verify curve and link."""
 
-    def __init__(self, name: str, step_s: float, hub: Acceptance, config: ControlConfig):
+    def __init__(self, name: str, step_s: float, hub: Acceptance, config: ControlConfig,
+                 hub_yields: ShapeYield | None = None):
         self.name = name
         self.step = Ema(step_s if step_s > 0 else None)
         self.t_c = Ema()
@@ -88,7 +89,7 @@ class TargetModel:
         base = step_s if step_s > 0 else 0.0
         self.verify = LinearFit([base, config.verify_slope_prior * base])
         self.acceptance = Acceptance(parent=hub)
-        self.yields = ShapeYield()
+        self.yields = ShapeYield(parent=hub_yields)
         self.tree_rounds = 0
         self.sessions: set[int] = set()
         self.plain_streak = 0
@@ -127,6 +128,8 @@ class Controller:
     def __init__(self, config: ControlConfig):
         self.config = config
         self.hub_acceptance = Acceptance()
+        self.hub_yields = ShapeYield()
+        """Every target's measured yield per shape, the prior of each target's own."""
         self.draft = LinearFit([0.0, 1e-3, 0.0])
         """Seconds to draft as ``c0 + c1·depth + c2·nodes``."""
         self.overhead = Ema(0.0, alpha=0.05)
@@ -177,7 +180,8 @@ class Controller:
             self.targets[identity].report_step(step_s)
             return None
         limit = self.config.max_targets
-        candidate = TargetModel(name, step_s, self.hub_acceptance, self.config)
+        candidate = TargetModel(name, step_s, self.hub_acceptance, self.config,
+                                self.hub_yields)
         reason = None
         if limit == AUTO:
             if not self._fits(candidate):
@@ -236,7 +240,7 @@ class Controller:
         target = self.targets.get(identity)
         if target is None:
             target = self.targets[identity] = TargetModel(
-                identity.hex()[:8], step_s, self.hub_acceptance, self.config)
+                identity.hex()[:8], step_s, self.hub_acceptance, self.config, self.hub_yields)
         else:
             target.report_step(step_s)
         target.sessions.add(tag)
