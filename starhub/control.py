@@ -80,8 +80,7 @@ class ControlConfig:
 class TargetModel:
     """What the hub knows of one target process: its plain step, verify curve and link."""
 
-    def __init__(self, name: str, step_s: float, hub: Acceptance, config: ControlConfig,
-                 hub_yields: ShapeYield | None = None):
+    def __init__(self, name: str, step_s: float, hub: Acceptance, config: ControlConfig):
         self.name = name
         self.step = Ema(step_s if step_s > 0 else None)
         self.t_c = Ema()
@@ -89,7 +88,7 @@ class TargetModel:
         base = step_s if step_s > 0 else 0.0
         self.verify = LinearFit([base, config.verify_slope_prior * base])
         self.acceptance = Acceptance(parent=hub)
-        self.yields = ShapeYield(parent=hub_yields)
+        self.yields = ShapeYield()
         self.tree_rounds = 0
         self.sessions: set[int] = set()
         self.plain_streak = 0
@@ -128,8 +127,6 @@ class Controller:
     def __init__(self, config: ControlConfig):
         self.config = config
         self.hub_acceptance = Acceptance()
-        self.hub_yields = ShapeYield()
-        """Every target's measured yield per shape, the prior of each target's own."""
         self.draft = LinearFit([0.0, 1e-3, 0.0])
         """Seconds to draft as ``c0 + c1·depth + c2·nodes``."""
         self.overhead = Ema(0.0, alpha=0.05)
@@ -180,8 +177,7 @@ class Controller:
             self.targets[identity].report_step(step_s)
             return None
         limit = self.config.max_targets
-        candidate = TargetModel(name, step_s, self.hub_acceptance, self.config,
-                                self.hub_yields)
+        candidate = TargetModel(name, step_s, self.hub_acceptance, self.config)
         reason = None
         if limit == AUTO:
             if not self._fits(candidate):
@@ -240,7 +236,7 @@ class Controller:
         target = self.targets.get(identity)
         if target is None:
             target = self.targets[identity] = TargetModel(
-                identity.hex()[:8], step_s, self.hub_acceptance, self.config, self.hub_yields)
+                identity.hex()[:8], step_s, self.hub_acceptance, self.config)
         else:
             target.report_step(step_s)
         target.sessions.add(tag)

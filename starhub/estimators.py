@@ -143,9 +143,8 @@ class ShapeYield:
     model chose depth 8 (3.02 tokens a round) where depth 4 gave 2.90 for 17% less hub
     time. Where a shape has been measured, its estimate moves toward the measurement."""
 
-    def __init__(self, parent: ShapeYield | None = None, pseudo: float = 8.0,
-                 forget: float = 0.99):
-        self.parent, self.pseudo, self.forget = parent, pseudo, forget
+    def __init__(self, pseudo: float = 8.0, forget: float = 0.99):
+        self.pseudo, self.forget = pseudo, forget
         self.seen: dict[tuple[int, int], tuple[float, float, int]] = {}
         """shape -> (decayed sum of tokens, decayed count, rounds)"""
 
@@ -153,17 +152,12 @@ class ShapeYield:
         total, weight, rounds = self.seen.get(shape, (0.0, 0.0, 0))
         f = self.forget
         self.seen[shape] = (f * total + tokens, f * weight + 1.0, rounds + 1)
-        if self.parent is not None:
-            self.parent.observe(shape, tokens)
 
     def rounds(self, shape: tuple[int, int]) -> int:
         return self.seen.get(shape, (0.0, 0.0, 0))[2]
 
     def blend(self, shape: tuple[int, int], model: float) -> float:
         """The model's tokens a round for ``shape``, pulled toward the measured mean as
-        measurements accumulate (``pseudo`` rounds' worth of weight on the prior: the
-        parent's figure, which pools its children's rounds, else the model's)."""
-        if self.parent is not None:
-            model = self.parent.blend(shape, model)
+        measurements accumulate (``pseudo`` rounds' worth of weight on the model)."""
         total, weight, _ = self.seen.get(shape, (0.0, 0.0, 0))
         return (total + self.pseudo * model) / (weight + self.pseudo)

@@ -10,7 +10,6 @@ import pytest
 
 from bench.model import expected_accepted
 from starhub.control import AUTO, Acceptance, ControlConfig, Controller, LinearFit
-from starhub.estimators import ShapeYield
 
 STEP, T_S, T_V, T_C = 25e-3, 1.4e-3, 25e-3, 1e-3
 
@@ -154,15 +153,6 @@ def test_measured_yield_per_shape_corrects_the_depth_model():
         ctl.observe_commit(1, accepted, choice.depth, choice.nodes, T_V, T_V + T_C, STEP)
         depths.append(choice.depth)
     assert max(set(depths[1000:]), key=depths[1000:].count) == 3
-
-
-def test_a_new_target_starts_from_the_yields_other_targets_measured():
-    hub = ShapeYield()
-    seasoned, new = ShapeYield(parent=hub), ShapeYield(parent=hub)
-    for _ in range(200):
-        seasoned.observe((8, 10), 2.0)
-    assert new.blend((8, 10), 4.0) == pytest.approx(2.0, abs=0.2)
-    assert new.blend((4, 10), 3.0) == 3.0, "an unmeasured shape keeps the model's figure"
 
 
 def test_a_target_without_a_known_step_time_is_admitted():
