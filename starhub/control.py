@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from starhub.estimators import MAX_AUTO_DEPTH, Acceptance, Ema, LinearFit, ShapeYield
+from starhub.estimators import MAX_AUTO_DEPTH, Acceptance, Ema, LinearFit
 
 AUTO = "auto"
 PLAIN_TOKENS = 16
@@ -31,9 +31,6 @@ PROBE_DEPTH = 2
 a shallow tree costs least when they do not."""
 MARGIN = 1.02
 """A tree must beat plain decoding by this factor: the estimates are noisy, plain is not."""
-EXPLORE_EVERY = 16
-"""Every this many tree rounds a target drafts the paying shape it has measured least, so
-that each shape's measured yield (``ShapeYield``) stays current."""
 
 
 @dataclass(frozen=True)
@@ -88,8 +85,6 @@ class TargetModel:
         base = step_s if step_s > 0 else 0.0
         self.verify = LinearFit([base, config.verify_slope_prior * base])
         self.acceptance = Acceptance(parent=hub)
-        self.yields = ShapeYield()
-        self.tree_rounds = 0
         self.sessions: set[int] = set()
         self.plain_streak = 0
         self.probe_gap = 2
@@ -160,7 +155,6 @@ class Controller:
         target.report_step(step_s)
         if sm.choice.plain == 0 and depth > 0:
             sm.acceptance.observe(depth, accepted)
-            target.yields.observe((sm.choice.depth, sm.choice.nodes), accepted + 1)
             if verify_s > 0:
                 target.verify.update([1.0, nodes], verify_s)
         if return_s is not None and verify_s > 0:
@@ -253,8 +247,7 @@ class Controller:
         s = self.service_s(depth, nodes)
         z = sm.target.t_c.get(self.config.t_c_prior_s) + sm.target.verify_s(nodes)
         expected = sm.acceptance.expected_tokens() if expected is None else expected
-        e = float(expected[min(depth, MAX_AUTO_DEPTH)])
-        return s, z, sm.target.yields.blend((depth, nodes), e) if self.config.adaptive else e
+        return s, z, float(expected[min(depth, MAX_AUTO_DEPTH)])
 
     def _load(self) -> float:
         return sum(sm.s for sm in self.sessions.values())
@@ -274,7 +267,7 @@ class Controller:
 
         step = sm.target.step_s()
         standalone = 1.0 / step if step > 0 else 0.0
-        best, best_total, probe, paying = None, others_rate(load) + standalone, None, []
+        best, best_total, probe = None, others_rate(load) + standalone, None
         expected = sm.acceptance.expected_tokens()
         for depth, nodes in self.config.shapes():
             s, z, e = self._round(sm, depth, nodes, expected)
@@ -282,16 +275,11 @@ class Controller:
             total = own + others_rate(load + s)
             if depth <= PROBE_DEPTH and (probe is None or own > probe[0]):
                 probe = (own, depth, nodes, s, z, e)
-            if own >= MARGIN * standalone:
-                paying.append((depth, nodes, s, z, e))
-                if total > best_total:
-                    best, best_total = (depth, nodes, s, z, e), total
+            if own >= MARGIN * standalone and total > best_total:
+                best, best_total = (depth, nodes, s, z, e), total
         target = sm.target
         if best is not None:
             target.plain_streak, target.probe_gap = 0, 2
-            target.tree_rounds += 1
-            if target.tree_rounds % EXPLORE_EVERY == 0:
-                best = min(paying, key=lambda p: target.yields.rounds(p[:2]))
             depth, nodes, s, z, e = best
             return self._set(sm, Choice(depth, nodes), s, z, e)
         target.plain_streak += 1

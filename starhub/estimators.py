@@ -133,31 +133,3 @@ class Acceptance:
         """Unconditional acceptance of the node at depth k, as the metrics report it."""
         reach = list(accumulate(self.betas()[1:], operator.mul))
         return reach if digits is None else [round(r, digits) for r in reach]
-
-
-class ShapeYield:
-    """Tokens a round commits, as measured for each tree shape (depth, nodes) drafted.
-
-    ``Acceptance`` models a round by depth alone, as if a node budget spread over more
-    layers left each layer as wide. It does not: at 8 targets with batched drafting the
-    model chose depth 8 (3.02 tokens a round) where depth 4 gave 2.90 for 17% less hub
-    time. Where a shape has been measured, its estimate moves toward the measurement."""
-
-    def __init__(self, pseudo: float = 8.0, forget: float = 0.99):
-        self.pseudo, self.forget = pseudo, forget
-        self.seen: dict[tuple[int, int], tuple[float, float, int]] = {}
-        """shape -> (decayed sum of tokens, decayed count, rounds)"""
-
-    def observe(self, shape: tuple[int, int], tokens: float) -> None:
-        total, weight, rounds = self.seen.get(shape, (0.0, 0.0, 0))
-        f = self.forget
-        self.seen[shape] = (f * total + tokens, f * weight + 1.0, rounds + 1)
-
-    def rounds(self, shape: tuple[int, int]) -> int:
-        return self.seen.get(shape, (0.0, 0.0, 0))[2]
-
-    def blend(self, shape: tuple[int, int], model: float) -> float:
-        """The model's tokens a round for ``shape``, pulled toward the measured mean as
-        measurements accumulate (``pseudo`` rounds' worth of weight on the model)."""
-        total, weight, _ = self.seen.get(shape, (0.0, 0.0, 0))
-        return (total + self.pseudo * model) / (weight + self.pseudo)

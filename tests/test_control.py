@@ -135,26 +135,6 @@ def test_adaptive_depth_shortens_trees_when_the_hub_saturates():
     assert max(crowd_depths) < deep_alone
 
 
-def test_measured_yield_per_shape_corrects_the_depth_model():
-    """A fixed node budget spread over more layers leaves each narrower, so deep trees
-    accept less per layer (here beta = 0.95 - 0.07 * depth: 2.69 tokens a round at depth
-    3, 2.62 at 4, 2.38 at 5). Pooling layers across shapes, the depth model alone settles
-    on depth 4 and 5; each shape's measured yield brings the choice to 3."""
-    ctl = controller(depth=AUTO, max_targets=0, max_nodes=8)
-    ctl.join(b"t", "t", STEP, 0.0)
-    ctl.open(1, b"t", STEP)
-    rng, depths = random.Random(0), []
-    for _ in range(1500):
-        choice = ctl.choose(1)
-        assert not choice.plain
-        accepted = 0
-        while accepted < choice.depth and rng.random() < 0.95 - 0.07 * choice.depth:
-            accepted += 1
-        ctl.observe_commit(1, accepted, choice.depth, choice.nodes, T_V, T_V + T_C, STEP)
-        depths.append(choice.depth)
-    assert max(set(depths[1000:]), key=depths[1000:].count) == 3
-
-
 def test_a_target_without_a_known_step_time_is_admitted():
     ctl = controller()
     assert ctl.join(b"old", "old", 0.0, 0.0) is None
