@@ -119,8 +119,8 @@ without a ``Score`` may be sent its frontier's ``Ranked`` children instead."""
 class Ranked:
     """Rows of draft logits reduced to what a greedy tree keeps of them: each row's best
     children, best first, as log-probabilities and ids. A drafter that grows many trees
-    in one pass ranks all their rows at once (``rank``, then ``split``): one top-k and one
-    log-sum-exp per pass instead of one per tree and layer."""
+    in one pass ranks all their rows at once (``rank``, then ``split``): one
+    ``log_softmax`` and one top-k per pass instead of one of each per tree and layer."""
 
     logp: list[list[float]]
     ids: list[list[int]]
