@@ -174,8 +174,6 @@ class DraftWorker:
         # handed over after the drafting thread last looked: back to the front of the line
         hub.buffer.extendleft(reversed([req for k, req in enumerate(requests)
                                         if k not in delivered]))
-        if hub.buffer:
-            hub._work.set()
 
     def deliver(self, req: Request, result: DraftTree | Exception, begun: float,
                 seconds: float, shared: float) -> None:
