@@ -218,3 +218,20 @@ def test_synth_openers_file_errors_are_clear(tmp_path):
             read_openers(bad)
     with pytest.raises(SystemExit, match="--synth-openers"):
         read_openers(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.parametrize("queries,keys,batch", [(4, 37, 1), (1, 20, 1), (3, 11, 2)])
+def test_grouped_attention_matches_attention_with_repeated_keys(queries, keys, batch):
+    """The head stacks the query heads that share a key-value head; each query head must
+    still attend with its own key-value head, under its own rows of the mask."""
+    from torch.nn import functional as F
+
+    from starhub.eagle_head import Attention
+
+    gen = torch.Generator().manual_seed(queries * keys)
+    q = torch.randn(batch, 9, queries, 16, generator=gen)
+    k, v = (torch.randn(batch, 3, keys, 16, generator=gen) for _ in range(2))
+    mask = torch.rand(batch, 1, queries, keys, generator=gen) > 0.3
+    mask[..., 0] = True
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.allclose(Attention._attend_grouped(q, k, v, mask, 3), expected, atol=1e-6)
