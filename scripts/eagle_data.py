@@ -110,7 +110,7 @@ def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: int,
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
                 use_cache=True, logits_to_keep=1, output_hidden_states=record is not None)
     answers = [Answer([]) for _ in prompts]
     if record:
@@ -145,7 +145,7 @@ def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: int,
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         last = last + 1
         out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None],
-                    past_key_values=cache, use_cache=True, output_hidden_states=record is not None)
+                    cache=cache, use_cache=True, output_hidden_states=record is not None)
         logits = out.logits[:, -1]
         if record:
             feats = _features(out, record.layers)[:, -1].half().cpu()

@@ -130,7 +130,7 @@ def _verify_batch(model: PreTrainedModel, targets: list[TargetModel],
     ids, positions, mask, cache, spans = layout(model, targets, trees, feeds, cached)
     past = cache.get_seq_length()
     device = targets[0].device
-    out = model(ids.to(device), past_key_values=cache, use_cache=True,
+    out = model(ids.to(device), cache=cache, use_cache=True,
                 position_ids=positions.to(device), attention_mask=mask.to(device),
                 output_hidden_states=any(t.feature_layers for t in targets))
     logits = out.logits.float().cpu()

@@ -69,7 +69,7 @@ class TargetModel:
             self._keep = None
 
     def _forward(self, ids: list[int], **kwargs):
-        return self.model(torch.tensor([ids], device=self.device), past_key_values=self.cache,
+        return self.model(torch.tensor([ids], device=self.device), cache=self.cache,
                           use_cache=True, output_hidden_states=bool(self.feature_layers),
                           **kwargs)
 

@@ -51,7 +51,7 @@ class ModelDrafter(Drafter):
             state.cached = len(ctx.tokens) - 1
         base = len(ctx.tokens)
         pending = torch.tensor([ctx.tokens[state.cached:]], device=model_device(self.model))
-        root_logits = self.model(pending, past_key_values=state.kv, use_cache=True).logits[0, -1]
+        root_logits = self.model(pending, cache=state.kv, use_cache=True).logits[0, -1]
         state.cached = base
         expand = _TreeExpansion(self.model, state.kv, base)
         score = ctx.coupled(self.vocab_size)
@@ -80,5 +80,5 @@ class _TreeExpansion:
         out = self.model(torch.tensor([list(tokens)], device=device),
                          position_ids=positions[None].to(device),
                          attention_mask=mask[None, None].to(device),
-                         past_key_values=self.kv, use_cache=True)
+                         cache=self.kv, use_cache=True)
         return out.logits[0]
