@@ -118,6 +118,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "once, then cached), at once or after --emulate t_v=TIME. One row per N and "
         "combination of --depth, --max-targets, --batch, --predraft and --lookup")
     load.add_argument("--hub-load", action="store_true")
+    load.add_argument("--repeat", type=int, default=1, metavar="R",
+                      help="run every row R times, all rows and then all again, and show "
+                           "each row's median run (r_q_runs lists them all): on a shared "
+                           "machine a single run can be far off (default 1)")
     load.add_argument("--record-prompts", type=int, default=8,
                       help="prompts of --prompts to record and replay")
     load.add_argument("--replay-cache", default=None,
@@ -238,6 +242,7 @@ def hub_load_doc(args: argparse.Namespace, ns: list[int], tree: dict,
                         lookup=parse_list(args.lookup or LOOKUP_DEFAULT, on_off_arg, "--lookup"),
                         warmup_s=args.warmup, duration_s=args.duration,
                         t_v=parse_t_v(args.emulate), cache=args.replay_cache,
+                        repeat=args.repeat,
                         log_dir=args.log_dir, **tree)
     if cfg.record_prompts < 1:
         raise ValueError("--record-prompts must be at least 1")
@@ -245,6 +250,8 @@ def hub_load_doc(args: argparse.Namespace, ns: list[int], tree: dict,
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.repeat != 1 and not args.hub_load:
+        raise ValueError("--repeat applies to --hub-load only")
     if args.topology == "edge" or (args.emulate and not args.hub_load):
         given = [flag for flag, value in (("--batch", args.batch), ("--predraft", args.predraft),
                                           ("--lookup", args.lookup)) if value is not None]

@@ -39,6 +39,8 @@ METRIC_NOTES = {
                          "rounds excluded)",
     "lookup": "the hub's --lookup as given; lookup_token_share the committed tokens that "
               "only its grafted prompt-lookup branch held",
+    "r_q_runs": "with --repeat: r_q of every run of the row, in the order they ran; the "
+                "row's other figures are from its median run",
 }
 
 
@@ -51,6 +53,8 @@ class HubLoadConfig(StarConfig):
     duration_s: float = 3.0
     t_v: float | None = None
     """Seconds the clients wait before answering a tree; None answers at once."""
+    repeat: int = 1
+    """Runs of every row, interleaved; the table keeps each row's median run."""
     cache: str | None = None
 
     def variants(self) -> list[StarVariant]:
@@ -102,14 +106,15 @@ def load_row(cfg: HubLoadConfig, n: int, variant: StarVariant, c0: dict, c1: dic
 
 
 def run_point(cfg: HubLoadConfig, n: int, variant: StarVariant, log_dir: str,
-              recording: Recording | None, progress: bool) -> tuple[dict, Recording]:
+              recording: Recording | None, progress: bool, run: int = 0
+              ) -> tuple[dict, Recording]:
     """One row: a fresh hub, N replay clients, a warm-up, then the measured window. The
     recording is made (or read from the cache) once the first hub says which features
     it wants."""
     from bench.replay_targets import measure
     from starhub.launch import spawn_hub
 
-    name = f"n{n}-{variant.name}"
+    name = f"n{n}-{variant.name}" + (f"-run{run + 1}" if cfg.repeat > 1 else "")
     with open(f"{log_dir}/hub-{name}.log", "w") as hub_log, \
             spawn_hub(hub_flags(cfg, variant), threads=cfg.hub_threads,
                       log_file=hub_log) as hub:
@@ -124,6 +129,7 @@ def run_point(cfg: HubLoadConfig, n: int, variant: StarVariant, log_dir: str,
                   f"max-nodes={variant.max_nodes} max-targets={variant.max_targets} "
                   f"batch={variant.batch} predraft={on_off(variant.predraft)} "
                   f"lookup={on_off(variant.lookup)}: "
+                  + (f"run {run + 1} of {cfg.repeat}, " if cfg.repeat > 1 else "") +
                   f"{cfg.warmup_s:g}s warm-up, "
                   f"{cfg.duration_s:g}s measured", file=sys.stderr, flush=True)
         c0, c1, totals = asyncio.run(measure(hub.address, recording, n, cfg.warmup_s,
@@ -133,17 +139,33 @@ def run_point(cfg: HubLoadConfig, n: int, variant: StarVariant, log_dir: str,
     return load_row(cfg, n, variant, c0, c1, replay, drafter), recording
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median ``r_q`` (the lower one of an even count), with every run's
+    ``r_q`` beside it: on a shared machine one run of a row can be far off the others."""
+    if len(runs) == 1:
+        return runs[0]
+    ranked = sorted(runs, key=lambda row: row.get("r_q") or 0.0)
+    return {**ranked[(len(runs) - 1) // 2], "r_q_runs": [row.get("r_q") for row in runs]}
+
+
 def run_hub_load(cfg: HubLoadConfig, progress: bool = True) -> dict:
-    """Rows for every N and combination of control values, in that order."""
+    """Rows for every N and combination of control values, in that order. With
+    ``repeat`` > 1 all rows run, then all again, so that a machine's slow spell falls on
+    every row rather than on one; each row keeps its median run."""
     from bench.run import machine_info
 
+    if cfg.repeat < 1:
+        raise ValueError("--repeat must be at least 1")
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="starhub-hub-load-")
     os.makedirs(log_dir, exist_ok=True)
-    rows, recording = [], None
-    for n in cfg.targets:
-        for variant in cfg.variants():
-            row, recording = run_point(cfg, n, variant, log_dir, recording, progress)
-            rows.append(row)
+    points = [(n, variant) for n in cfg.targets for variant in cfg.variants()]
+    runs: list[list[dict]] = [[] for _ in points]
+    recording = None
+    for run in range(cfg.repeat):
+        for (n, variant), done in zip(points, runs, strict=True):
+            row, recording = run_point(cfg, n, variant, log_dir, recording, progress, run)
+            done.append(row)
+    rows = [median_run(done) for done in runs]
     meta = asdict(recording.meta) if recording is not None else {}
     config = {k: v for k, v in asdict(cfg).items() if k not in ("log_dir", "predraft")}
     config.update(mode="hub-load", predraft=[on_off(p) for p in cfg.predraft],

@@ -116,7 +116,11 @@ def columns(doc: dict) -> list[tuple[str, object, str]]:
     if doc["config"].get("topology") == "edge":
         return EDGE_COLUMNS + (EDGE_EMULATED_EXTRA if emulated else EDGE_REAL_EXTRA)
     if doc["config"].get("mode") == "hub-load":
-        return with_tree_columns(HUB_LOAD_COLUMNS, doc["rows"])
+        cols = with_tree_columns(HUB_LOAD_COLUMNS, doc["rows"])
+        if any("r_q_runs" in row for row in doc["rows"]):
+            at = [c[1] for c in cols].index("r_q") + 1
+            cols = cols[:at] + [("r_q_runs", "r_q_runs", "{:.1f}")] + cols[at:]
+        return cols
     cols = COLUMNS + (EMULATED_EXTRA if emulated else REAL_EXTRA)
     if any("batch" in row or "predraft" in row for row in doc["rows"]):
         at = [c[1] for c in cols].index("max_targets") + 1

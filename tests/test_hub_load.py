@@ -11,7 +11,7 @@ import pytest
 from bench import replay
 from bench.cli import main as bench_main
 from bench.cli import tree_options
-from bench.hub_load import parse_t_v
+from bench.hub_load import median_run, parse_t_v
 from bench.replay import accepted_path, ensure_recording
 from bench.report import markdown_table, text_table
 from bench.run import BenchConfig, StarVariant, hub_flags, variants
@@ -103,6 +103,21 @@ def test_batch_and_predraft_refused_where_they_mean_nothing():
         bench_main(args)
 
 
+def test_repeated_rows_keep_the_median_run_and_list_every_run():
+    runs = [{"mode": "hub-load", "r_q": r_q, "t_s_ms": r_q / 100} for r_q in (130.0, 90.0, 110.0)]
+    row = median_run(runs)
+    assert row["r_q"] == 110.0 and row["t_s_ms"] == 1.1, "figures come from one run"
+    assert row["r_q_runs"] == [130.0, 90.0, 110.0]
+    assert median_run(runs[:2])["r_q"] == 90.0, "an even count keeps the lower median"
+    assert "r_q_runs" not in median_run(runs[:1])
+    doc = {"machine": {}, "config": {"mode": "hub-load", "drafter": "eagle", "hub_threads": 1,
+                                     "warmup_s": 1.0, "duration_s": 3.0, "t_v": None},
+           "rows": [row]}
+    assert "130.0/90.0/110.0" in text_table(doc)
+    with pytest.raises(ValueError, match="--repeat applies to --hub-load only"):
+        bench_main(build_parser().parse_args(["bench", "--repeat", "3"]))
+
+
 def test_tables_show_hub_load_rows_and_star_controls():
     row = {"mode": "hub-load", "targets": 8, "depth": "auto", "max_targets": 0, "batch": "auto",
            "predraft": "on", "r_q": 120.0, "t_s_ms": 2.0, "t_draft_ms": 8.0, "load": 0.97,
@@ -143,7 +158,7 @@ def test_hub_load_end_to_end_with_a_cached_recording(tmp_path, monkeypatch):
         "bench", "--hub-load", "--targets", "2", "--batch", "1,auto", "--depth", "4",
             "--predraft", "on",
         "--record-prompts", "2",
-        "--max-new-tokens", "16", "--warmup", "0.5", "--duration", "1",
+        "--max-new-tokens", "16", "--warmup", "0.5", "--duration", "1", "--repeat", "2",
         "--replay-cache", str(cache), "--json", str(out), "--no-progress",
         "--log-dir", str(tmp_path / "logs")])
     assert bench_main(args) == 0
@@ -161,6 +176,8 @@ def test_hub_load_end_to_end_with_a_cached_recording(tmp_path, monkeypatch):
         assert row["replay"]["errors"] == 0 and row["replay"]["stray"] == 0
         assert row["replay"]["admitted"] == 2 and row["replay"]["sessions"] > 0
         assert row["threads"]["hub"] == 1
+        assert len(row["r_q_runs"]) == 2 and row["r_q"] in row["r_q_runs"]
+    assert len(list((tmp_path / "logs").glob("hub-n2-*-run2.log"))) == 2
 
     def no_recording(*_a, **_k):
         raise AssertionError("the cached recording was not reused")
