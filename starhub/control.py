@@ -100,9 +100,16 @@ class TargetModel:
             self.step.update(step_s)
 
     def verify_s(self, nodes: int) -> float:
+        base, slope = self.verify_line()
+        return max(base + slope * nodes, 0.0)
+
+    def verify_line(self) -> tuple[float, float]:
+        """Verification seconds as ``base + slope·nodes``: the fit, or until the target has
+        verified a tree, its plain step scaled by the prior slope."""
         if not self.verify.samples and self.step.value:
-            return self.step.value * (1 + self.config.verify_slope_prior * nodes)
-        return max(self.verify.predict([1.0, nodes]), 0.0)
+            return self.step.value, self.step.value * self.config.verify_slope_prior
+        base, slope = self.verify.weights
+        return base, slope
 
 
 @dataclass
@@ -205,8 +212,7 @@ class Controller:
             if not target.sessions:
                 load += self._typical_s(target)
         best = None
-        for depth, nodes in self.config.shapes():
-            s, z, e = self._round(probe, depth, nodes)
+        for _, _, s, z, e in self._rounds(probe, self.config.shapes()):
             if e / max(s + z, load + s) >= 1.0 / new.step_s():
                 if self._others_keep_up(load + s) and (best is None or s < best):
                     best = s
@@ -215,7 +221,7 @@ class Controller:
     def _typical_s(self, target: TargetModel) -> float:
         """Hub time of an admitted target between sessions, at its best shape."""
         sm = SessionModel(target, Acceptance(parent=target.acceptance))
-        return min((self._round(sm, d, n)[0] for d, n in self.config.shapes()), default=0.0)
+        return min((s for _, _, s, _, _ in self._rounds(sm, self.config.shapes())), default=0.0)
 
     def _others_keep_up(self, load: float) -> bool:
         for sm in self.sessions.values():
@@ -241,13 +247,24 @@ class Controller:
         if sm is not None:
             sm.target.sessions.discard(tag)
 
-    def _round(self, sm: SessionModel, depth: int, nodes: int,
-               expected: list[float] | None = None) -> tuple[float, float, float]:
-        """(S, Z, E) of one round of this shape; ``expected`` is E by depth, if known."""
-        s = self.service_s(depth, nodes)
-        z = sm.target.t_c.get(self.config.t_c_prior_s) + sm.target.verify_s(nodes)
-        expected = sm.acceptance.expected_tokens() if expected is None else expected
-        return s, z, float(expected[min(depth, MAX_AUTO_DEPTH)])
+    def _round(self, sm: SessionModel, depth: int, nodes: int) -> tuple[float, float, float]:
+        """(S, Z, E) of one round of this shape."""
+        return self._rounds(sm, [(depth, nodes)])[0][2:]
+
+    def _rounds(self, sm: SessionModel, shapes: list[tuple[int, int]]
+                ) -> list[tuple[int, int, float, float, float]]:
+        """(depth, nodes, S, Z, E) of a round of each shape. The hub asks for every shape
+        each round on its event loop, which the drafting thread waits on for the
+        interpreter: each estimate is read once here, not once a shape."""
+        c0, c1, c2 = self.draft.weights
+        overhead = self.overhead.get(0.0)
+        target = sm.target
+        t_c = target.t_c.get(self.config.t_c_prior_s)
+        base, slope = target.verify_line()
+        expected = sm.acceptance.expected_tokens()
+        return [(d, n, max(c0 + c1 * d + c2 * n, 1e-5) + overhead,
+                 t_c + max(base + slope * n, 0.0), expected[min(d, MAX_AUTO_DEPTH)])
+                for d, n in shapes]
 
     def _load(self) -> float:
         return sum(sm.s for sm in self.sessions.values())
@@ -259,18 +276,16 @@ class Controller:
         if not self.config.adaptive:
             depth, nodes = self.config.shapes()[0]
             return self._set(sm, Choice(depth, nodes), *self._round(sm, depth, nodes))
-        others = [o for t, o in self.sessions.items() if t != tag and o.s]
-        load = sum(o.s for o in others)
+        others = [(o.e, o.s + o.z) for t, o in self.sessions.items() if t != tag and o.s]
+        load = sum(o.s for t, o in self.sessions.items() if t != tag and o.s)
 
         def others_rate(total_load: float) -> float:
-            return sum(o.e / max(o.s + o.z, total_load) for o in others)
+            return sum(e / max(busy, total_load) for e, busy in others)
 
         step = sm.target.step_s()
         standalone = 1.0 / step if step > 0 else 0.0
         best, best_total, probe = None, others_rate(load) + standalone, None
-        expected = sm.acceptance.expected_tokens()
-        for depth, nodes in self.config.shapes():
-            s, z, e = self._round(sm, depth, nodes, expected)
+        for depth, nodes, s, z, e in self._rounds(sm, self.config.shapes()):
             own = e / max(s + z, load + s)
             total = own + others_rate(load + s)
             if depth <= PROBE_DEPTH and (probe is None or own > probe[0]):
