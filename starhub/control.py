@@ -151,7 +151,13 @@ class Controller:
 
     def service_s(self, depth: int, nodes: int) -> float:
         """``S``: the hub's time for one round of this shape."""
-        return max(self.draft.predict([1.0, depth, nodes]), 1e-5) + self.overhead.get(0.0)
+        return self.services([(depth, nodes)])[0]
+
+    def services(self, shapes: list[tuple[int, int]]) -> list[float]:
+        """``S`` of each shape, the fit's weights read once."""
+        c0, c1, c2 = self.draft.weights
+        overhead = self.overhead.get(0.0)
+        return [max(c0 + c1 * d + c2 * n, 1e-5) + overhead for d, n in shapes]
 
     def observe_commit(self, tag: int, accepted: int, depth: int, nodes: int,
                        verify_s: float, return_s: float | None, step_s: float) -> None:
@@ -256,15 +262,12 @@ class Controller:
         """(depth, nodes, S, Z, E) of a round of each shape. The hub asks for every shape
         each round on its event loop, which the drafting thread waits on for the
         interpreter: each estimate is read once here, not once a shape."""
-        c0, c1, c2 = self.draft.weights
-        overhead = self.overhead.get(0.0)
         target = sm.target
         t_c = target.t_c.get(self.config.t_c_prior_s)
         base, slope = target.verify_line()
         expected = sm.acceptance.expected_tokens()
-        return [(d, n, max(c0 + c1 * d + c2 * n, 1e-5) + overhead,
-                 t_c + max(base + slope * n, 0.0), expected[min(d, MAX_AUTO_DEPTH)])
-                for d, n in shapes]
+        return [(d, n, s, t_c + max(base + slope * n, 0.0), expected[min(d, MAX_AUTO_DEPTH)])
+                for (d, n), s in zip(shapes, self.services(shapes), strict=True)]
 
     def _load(self) -> float:
         return sum(sm.s for sm in self.sessions.values())
@@ -276,11 +279,12 @@ class Controller:
         if not self.config.adaptive:
             depth, nodes = self.config.shapes()[0]
             return self._set(sm, Choice(depth, nodes), *self._round(sm, depth, nodes))
-        others = [(o.e, o.s + o.z) for t, o in self.sessions.items() if t != tag and o.s]
-        load = sum(o.s for t, o in self.sessions.items() if t != tag and o.s)
+        others = [o for t, o in self.sessions.items() if t != tag and o.s]
+        load = sum(o.s for o in others)
+        cycles = [(o.e, o.s + o.z) for o in others]
 
         def others_rate(total_load: float) -> float:
-            return sum(e / max(busy, total_load) for e, busy in others)
+            return sum(e / max(busy, total_load) for e, busy in cycles)
 
         step = sm.target.step_s()
         standalone = 1.0 / step if step > 0 else 0.0
