@@ -45,6 +45,28 @@ class DraftContext:
                                                     first + layer - 1, vocab, to_target)
 
 
+@dataclass(frozen=True)
+class TargetNeeds:
+    """What a target must match for a drafter to serve it (0 or "": anything). Plain data,
+    so a drafter in another process can state it once (``starhub.drafting_process``)."""
+
+    who: str = "the drafter"
+    vocab_size: int = 0
+    hidden_size: int = 0
+    tokenizer_fp: str = ""
+
+    def mismatch(self, hello: Hello) -> str | None:
+        if self.vocab_size and hello.vocab_size != self.vocab_size:
+            return (f"{self.who} drafts a {self.vocab_size}-token vocabulary, the target has "
+                    f"{hello.vocab_size}")
+        if self.hidden_size and hello.hidden_size and hello.hidden_size != self.hidden_size:
+            return (f"{self.who} reads {self.hidden_size}-wide features, the target's hidden "
+                    f"size is {hello.hidden_size}")
+        if self.tokenizer_fp and hello.tokenizer_fp and hello.tokenizer_fp != self.tokenizer_fp:
+            return f"{self.who} uses a different tokenizer than the target"
+        return None
+
+
 class Drafter(ABC):
     name: str = ""
     feature_layers: list[int] = []
@@ -101,6 +123,20 @@ class Drafter(ABC):
         """A throwaway session to time drafts on before any target has connected."""
         return DraftContext(tokens=list(range(1, 17)))
 
+    @property
+    def predrafts(self) -> bool:
+        """Whether ``predraft`` can guess at all (the base one never does)."""
+        return type(self).predraft is not Drafter.predraft
+
+    def needs(self) -> TargetNeeds:
+        """What a target must match for this drafter to serve it."""
+        return TargetNeeds()
+
     def check_target(self, hello: Hello) -> str | None:
         """Why this drafter cannot serve the target that sent ``hello``, or None."""
+        return self.needs().mismatch(hello)
+
+    def wake(self) -> None:
+        """``admit`` has more jobs. A drafter that waits on something other than its own
+        passes (``starhub.drafting_process``) looks now, not at its next timeout."""
         return None

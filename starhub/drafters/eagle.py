@@ -15,13 +15,12 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from starhub.drafters.base import DraftContext, Drafter, TreeShape
+from starhub.drafters.base import DraftContext, Drafter, TargetNeeds, TreeShape
 from starhub.drafters.eagle_batch import CatchUp, DraftBatch, Finished, Growth, HeadState, Job
 from starhub.drafters.outcomes import likely_outcomes, path_to
 from starhub.eagle_head import EagleHead, load_eagle_head
 from starhub.kvcache import Segment
 from starhub.models import onednn_packs, prepack_linears, resolve
-from starhub.protocol import Hello
 from starhub.transport import to_torch
 from starhub.tree import (
     DraftTree,
@@ -93,15 +92,9 @@ class EagleDrafter(Drafter):
         ctx.features = [torch.zeros(len(ctx.tokens) - 1, self.head.feature_size)]
         return ctx
 
-    def check_target(self, hello: Hello) -> str | None:
-        if hello.vocab_size != self.head.vocab_size:
-            return (f"EAGLE head '{self.label}' drafts a {self.head.vocab_size}-token vocabulary,"
-                    f" the target has {hello.vocab_size}")
-        expected = self.head.target_hidden_size
-        if hello.hidden_size and hello.hidden_size != expected:
-            return (f"EAGLE head '{self.label}' reads {expected}-wide features, the target's "
-                    f"hidden size is {hello.hidden_size}")
-        return None
+    def needs(self) -> TargetNeeds:
+        return TargetNeeds(f"EAGLE head '{self.label}'", self.head.vocab_size,
+                           self.head.target_hidden_size)
 
     def _to_target_ids(self, tree: DraftTree) -> DraftTree:
         """Trees grow over the draft vocabulary (cheaper top-k and softmax when it is

@@ -11,10 +11,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from starhub.devices import model_device
-from starhub.drafters.base import DraftContext, Drafter, TreeShape
+from starhub.drafters.base import DraftContext, Drafter, TargetNeeds, TreeShape
 from starhub.kvcache import crop_to
 from starhub.models import tokenizer_fingerprint
-from starhub.protocol import Hello
 from starhub.tree import DraftTree, TreeFeed, build_greedy_tree, build_sampled_tree
 
 
@@ -33,13 +32,9 @@ class ModelDrafter(Drafter):
         self.vocab_size = model.config.vocab_size
         self.fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else ""
 
-    def check_target(self, hello: Hello) -> str | None:
-        if hello.vocab_size != self.vocab_size:
-            return (f"draft model '{self.label}' has vocab size {self.vocab_size}, "
-                    f"the target has {hello.vocab_size}")
-        if self.fingerprint and hello.tokenizer_fp and hello.tokenizer_fp != self.fingerprint:
-            return f"draft model '{self.label}' uses a different tokenizer than the target"
-        return None
+    def needs(self) -> TargetNeeds:
+        return TargetNeeds(f"draft model '{self.label}'", self.vocab_size,
+                           tokenizer_fp=self.fingerprint)
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, shape: TreeShape) -> DraftTree:
