@@ -78,6 +78,20 @@ def _dtype_name(arr: np.ndarray) -> str:
     return name
 
 
+def array_frame(value: np.ndarray | torch.Tensor) -> tuple[str, list[int], Any]:
+    """An array's wire dtype name, its shape and its raw bytes as one frame (no copy for a
+    contiguous CPU array)."""
+    arr = to_wire(value)
+    frame = memoryview(arr.view(np.uint8).reshape(-1)) if arr.size else b""
+    return _dtype_name(arr), list(arr.shape), frame
+
+
+def frame_array(dtype: str, shape: list[int], buf: Any) -> np.ndarray:
+    """The array a frame holds (read-only, no copy); ``dtype`` is a wire dtype name."""
+    arr = np.frombuffer(buf, dtype=_NP_DTYPES[dtype]).reshape(shape)
+    return arr.view(BFloat16Array) if dtype == "bfloat16" else arr
+
+
 def encode(msg: Message) -> list[Any]:
     """Frames for one message: header first, then each present array's raw bytes."""
     sch = schema(type(msg))
@@ -89,9 +103,9 @@ def encode(msg: Message) -> list[Any]:
         value = getattr(msg, spec.name)
         if value is None:
             continue
-        arr = to_wire(value)
-        specs.append([spec.name, _dtype_name(arr), list(arr.shape)])
-        frames.append(memoryview(arr.view(np.uint8).reshape(-1)) if arr.size else b"")
+        dtype, shape, frame = array_frame(value)
+        specs.append([spec.name, dtype, shape])
+        frames.append(frame)
     header["arrays"] = specs
     return [msgpack.packb(header, use_bin_type=True), *frames]
 
@@ -165,8 +179,7 @@ def _decode_arrays(msg_type: str, specs: Any, frames: list[memoryview]) -> dict[
             raise ProtocolError(ErrorCode.BAD_FRAME,
                                 f"{msg_type}: array '{name}' {dtype}{shape} needs {expected} "
                                 f"bytes, frame has {buf.nbytes}")
-        arr = np.frombuffer(buf, dtype=np_dtype).reshape(shape)
-        arrays[name] = arr.view(BFloat16Array) if dtype == "bfloat16" else arr
+        arrays[name] = frame_array(dtype, shape, buf)
     return arrays
 
 
