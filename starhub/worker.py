@@ -18,7 +18,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from starhub.drafters.base import Drafter, TreeShape
+from starhub.drafters.base import TreeShape
 from starhub.drafters.ngram import NgramIndex
 from starhub.hub_config import Request
 from starhub.protocol import Error, ErrorCode, Propose
@@ -46,8 +46,7 @@ class DraftWorker:
         self.max_batch = MAX_AUTO_BATCH if batch == "auto" else int(batch)
         if not hub.drafter.batches:
             self.max_batch = 1
-        self.predrafting = hub.config.predraft and type(hub.drafter).predraft is not \
-            Drafter.predraft
+        self.predrafting = hub.config.predraft and hub.drafter.predrafts
         """Only for drafters that can guess; the others would return nothing every time."""
         self.lookup = hub.config.lookup and hub.drafter.lookup_branches
 
@@ -132,6 +131,8 @@ class DraftWorker:
             requests.extend(more)
             begun.extend([now] * len(more))
             handed.extend((req.session.ctx, self.shape(req.session)) for req in more)
+            if more:
+                hub.drafter.wake()
 
         async def feeder() -> None:
             while True:

@@ -1,0 +1,297 @@
+"""A drafter in a process of its own, so that drafting never waits on the hub's event loop.
+
+In one process, every COMMIT the event loop decodes and every PROPOSE it encodes holds the
+interpreter lock that the drafting thread needs between two tensor operations: at eight
+busy targets the loop's 0.5 ms of Python a round kept the drafting thread off the CPU for
+a tenth of its time and cost batched drafting far more than that. Here the drafter runs in
+a child (``python -m starhub.drafting_child``) and the hub holds a ``RemoteDrafter``:
+the same ``Drafter`` interface, each call a message on a ZeroMQ PAIR socket over a
+private ipc:// path. The child keeps the sessions' drafting state; every job carries the
+tokens and feature rows its session gained since the one before, and a session the hub
+lets go of is forgotten there too. Messages are a msgpack header and raw array frames, as
+on the wire: nothing is pickled.
+
+All of ``RemoteDrafter``'s socket work happens on the hub's one drafting thread; the
+event loop only calls ``wake`` (a byte down a pipe) when it hands a running batch more
+jobs.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+from starhub.drafters.base import DraftContext, Drafter, TargetNeeds, TreeShape
+from starhub.transport import array_frame, frame_array
+from starhub.tree import DraftTree
+
+log = logging.getLogger("starhub.hub")
+
+Job = tuple[DraftContext, TreeShape]
+WAKE = object()
+POLL_MS = 1000
+"""How often a waiting side looks whether the other one is still alive."""
+PREDRAFT_POLL_MS = 1
+"""While pre-drafting, how often the hub looks whether a real request arrived."""
+
+
+# -- frames: a msgpack header, then one raw frame per array ---------------------------------
+
+def pack(header: dict, arrays: list[np.ndarray] = ()) -> list[Any]:
+    specs, frames = [], []
+    for value in arrays:
+        dtype, shape, frame = array_frame(value)
+        specs.append([dtype, shape])
+        frames.append(frame)
+    header["arrays"] = specs
+    return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def unpack(frames: list[Any]) -> tuple[dict, list[np.ndarray]]:
+    header = msgpack.unpackb(frames[0], raw=False)
+    arrays = [frame_array(dtype, shape, frame)
+              for (dtype, shape), frame in zip(header.pop("arrays", []), frames[1:],
+                                               strict=True)]
+    return header, arrays
+
+
+def tree_out(tree: DraftTree) -> dict:
+    out = {}
+    for name in ("tokens", "parents", "dist_ids", "dist_probs"):
+        value = getattr(tree, name)
+        if value is not None:
+            value = np.ascontiguousarray(value)
+            out[name] = [value.dtype.str, list(value.shape), value.tobytes()]
+    return out
+
+
+def tree_in(data: dict) -> DraftTree:
+    fields = {name: np.frombuffer(raw, np.dtype(dtype)).reshape(shape).copy()
+              for name, (dtype, shape, raw) in data.items()}
+    return DraftTree(**fields)
+
+
+def shape_out(shape: TreeShape) -> list:
+    return [shape.depth, shape.topk, shape.max_nodes, shape.support]
+
+
+# -- the hub's side --------------------------------------------------------------------------
+
+@dataclass
+class Mirror:
+    """A session's handle on the child's copy of it, kept in the hub's ``ctx.state``."""
+
+    sid: int
+    synced: int = 0
+    """Tokens the child has been sent."""
+    probe: bool = False
+
+
+class RemoteDrafter(Drafter):
+    """A drafter in a child process (see the module docstring). ``argv`` says which one, as
+    ``python -m starhub.drafting_child --help`` explains; ``threads`` are its torch
+    threads."""
+
+    def __init__(self, argv: list[str], threads: int = 1, start_timeout_s: float = 600.0):
+        self._dir = tempfile.mkdtemp(prefix="starhub-draft-")
+        os.chmod(self._dir, 0o700)
+        self._zmq = zmq.Context()
+        self._link = self._zmq.socket(zmq.PAIR)
+        self._link.setsockopt(zmq.LINGER, 0)
+        endpoint = f"ipc://{self._dir}/link"
+        self._link.bind(endpoint)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._ids = itertools.count(1)
+        self._forgotten: collections.deque[int] = collections.deque()
+        self._batch = 0
+        self._proc = subprocess.Popen([sys.executable, "-m", "starhub.drafting_child",
+                                       "--link", endpoint, "--threads", str(threads), *argv])
+        ready = self._recv(start_timeout_s, starting=True)
+        self.name = ready["name"]
+        self.label = ready["label"]
+        self.dtype = ready["dtype"]
+        self.feature_layers = ready["feature_layers"]
+        self.feature_size = ready["feature_size"]
+        self.lookup_branches = ready["lookup_branches"]
+        self.batches = ready["batches"]
+        self._predrafts = ready["predrafts"]
+        self._needs = TargetNeeds(**ready["needs"])
+        log.info("drafting in process %d (%s drafter)", self._proc.pid, self.name)
+
+    @property
+    def predrafts(self) -> bool:
+        return self._predrafts
+
+    def needs(self) -> TargetNeeds:
+        return self._needs
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already woken (a full pipe), or closed
+
+    def probe_context(self) -> DraftContext:
+        ctx = DraftContext(tokens=[])
+        self._mirror(ctx, probe=True)
+        return ctx
+
+    def propose(self, ctx: DraftContext, shape: TreeShape) -> DraftTree:
+        result = self.propose_batch([(ctx, shape)])[0]
+        if isinstance(result, Exception):
+            raise result
+        if result is None:
+            raise RuntimeError("the drafting process skipped a job")
+        return result
+
+    def propose_batch(self, jobs: list[Job], admit: Callable[[], list[Job]] | None = None,
+                      finished: Callable[[int, DraftTree | Exception, float, float], None]
+                      | None = None) -> list[DraftTree | Exception]:
+        """Draft in the child. Jobs ``admit()`` hands over go to it at once; those it
+        took no more when its batch ended are left out of the result (their sessions are
+        in step in the child all the same, and the hub drafts them next)."""
+        self._batch += 1
+        results: list[DraftTree | Exception | None] = [None] * len(jobs)
+        self._send_jobs("jobs", jobs, admit=admit is not None)
+        while True:
+            msg = self._recv(wake=admit is not None)
+            if msg is WAKE:
+                more = admit() if admit is not None else []
+                if more:
+                    results.extend([None] * len(more))
+                    self._send_jobs("more", more)
+                continue
+            if msg["op"] == "done":
+                k = msg["k"]
+                result = (RuntimeError(msg["error"]) if msg.get("error")
+                          else tree_in(msg["tree"]))
+                results[k] = result
+                if finished is not None:
+                    finished(k, result, msg["seconds"], msg["shared"])
+            elif msg["op"] == "end":
+                if msg.get("error"):
+                    raise RuntimeError(f"the drafting process failed a batch: {msg['error']}")
+                return results[:msg["admitted"]]  # type: ignore[return-value]
+
+    def predraft(self, ctx: DraftContext, tree: DraftTree, shape: TreeShape,
+                 stop: Callable[[], bool]) -> dict[tuple[int, ...], DraftTree]:
+        self._send_jobs("predraft", [(ctx, shape)], tree=tree_out(tree))
+        stopping = False
+        while True:
+            msg = self._recv(PREDRAFT_POLL_MS / 1e3, quiet=True)
+            if msg is None:
+                if not stopping and stop():
+                    self._send({"op": "stop"})
+                    stopping = True
+                continue
+            if msg["op"] == "predrafted":
+                if msg.get("error"):
+                    raise RuntimeError(msg["error"])
+                return {tuple(key): tree_in(data) for key, data in msg["trees"]}
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Ask the child to stop, then make sure it has."""
+        if self._proc.poll() is None:
+            try:
+                self._send({"op": "quit"})
+                self._proc.wait(timeout_s)
+            except (zmq.ZMQError, RuntimeError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+        self._link.close(0)
+        self._zmq.term()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _mirror(self, ctx: DraftContext, probe: bool = False) -> Mirror:
+        """The session's handle; the child forgets the session once the hub drops it."""
+        if ctx.state is None:
+            ctx.state = Mirror(next(self._ids), probe=probe)
+            weakref.finalize(ctx, self._forgotten.append, ctx.state.sid)
+        return ctx.state
+
+    def _send_jobs(self, op: str, jobs: list[Job], **extra: Any) -> None:
+        """Each job with what its session gained since the child last heard of it. Feature
+        rows are taken before tokens: a COMMIT the event loop is adding meanwhile then
+        shows up as tokens first, which the child's catch-up tolerates when pre-drafting
+        (the only time a session is not busy while sent)."""
+        entries, arrays = [], []
+        for ctx, shape in jobs:
+            mirror = self._mirror(ctx)
+            take = len(ctx.features)
+            features = ctx.features[:take]
+            del ctx.features[:take]
+            end = len(ctx.tokens)
+            entry = {"sid": mirror.sid, "tokens": ctx.tokens[mirror.synced:end],
+                     "features": len(features), "shape": shape_out(shape)}
+            if not mirror.synced:
+                entry.update(temperature=ctx.temperature, seed=ctx.seed, probe=mirror.probe)
+            mirror.synced = end
+            entries.append(entry)
+            arrays.extend(features)
+        self._send({"op": op, "batch": self._batch, "jobs": entries, **extra}, arrays)
+
+    def _send(self, header: dict, arrays: list = ()) -> None:
+        forgotten = []
+        while self._forgotten:
+            forgotten.append(self._forgotten.popleft())
+        header["forget"] = forgotten
+        frames = pack(header, list(arrays))
+        while not self._link.poll(POLL_MS, zmq.POLLOUT):  # a PAIR without its peer blocks
+            self._check_alive()
+        self._link.send_multipart(frames, copy=False)
+
+    def _check_alive(self, starting: bool = False) -> None:
+        code = self._proc.poll()
+        if code is not None:
+            when = "before it was ready" if starting else "while drafting"
+            raise RuntimeError(f"the drafting process exited with code {code} {when} "
+                               f"(its log is above)")
+
+    def _recv(self, timeout_s: float | None = None, wake: bool = False, quiet: bool = False,
+              starting: bool = False) -> Any:
+        """The child's next message; WAKE when ``wake`` and the event loop handed work
+        over; None after ``timeout_s`` when ``quiet``. A child that exits raises."""
+        poller = zmq.Poller()
+        poller.register(self._link, zmq.POLLIN)
+        if wake:
+            poller.register(self._wake_r, zmq.POLLIN)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait = POLL_MS if deadline is None else max(0, deadline - time.monotonic()) * 1e3
+            ready = dict(poller.poll(min(wait, POLL_MS)))
+            if self._link in ready:
+                header, _ = unpack(self._link.recv_multipart())
+                if header.get("op") == "failed":
+                    raise RuntimeError(f"the drafting process failed: {header['error']}")
+                return header
+            if wake and self._wake_r in ready:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+                return WAKE
+            self._check_alive(starting)
+            if deadline is not None and time.monotonic() >= deadline:
+                if quiet:
+                    return None
+                raise TimeoutError(f"the drafting process did not answer in {timeout_s:g}s")

@@ -1,0 +1,146 @@
+"""The drafter in a process of its own: it drafts exactly the trees the same drafter drafts
+in process, round after round (the sessions it mirrors stay in step), takes jobs handed
+over mid-batch, and a child that cannot load or that dies gives a clear error."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import threading
+
+import pytest
+import torch
+
+from starhub.drafters.base import DraftContext, TreeShape
+from starhub.drafters.eagle import EagleDrafter
+from starhub.drafting_process import RemoteDrafter
+from starhub.eagle_head import EAGLE, save_eagle_head
+from starhub.protocol import Hello
+from tests.test_batched_drafting import same
+from tests.test_eagle_drafter import random_head
+
+SHAPE = TreeShape(depth=4, topk=3, max_nodes=9)
+
+
+@pytest.fixture(scope="module")
+def head(tiny_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("head")
+    save_eagle_head(random_head(tiny_dir, EAGLE, 500), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_dir, head):
+    local = EagleDrafter.load(head, str(tiny_dir), dtype=torch.float32)
+    remote = RemoteDrafter(["--drafter", "eagle", "--draft", str(head), "--model",
+                            str(tiny_dir), "--draft-dtype", "float32"])
+    yield local, remote
+    remote.close()
+
+
+def sessions(width: int, count: int = 3) -> list[DraftContext]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(count):
+        n = 6 + 4 * i
+        out.append(DraftContext(tokens=torch.randint(3, 4000, (n,), generator=g).tolist(),
+                                features=[torch.randn(n - 1, width, generator=g).numpy()]))
+    return out
+
+
+def commit(ctxs: list[DraftContext], width: int, round_: int) -> None:
+    """What a COMMIT adds: three tokens and their feature rows (as the wire gives them)."""
+    g = torch.Generator().manual_seed(100 + round_)
+    for ctx in ctxs:
+        ctx.tokens += torch.randint(3, 4000, (3,), generator=g).tolist()
+        ctx.features.append(torch.randn(3, width, generator=g).numpy())
+
+
+def test_the_child_drafts_the_trees_the_drafter_drafts_in_process(drafters):
+    local, remote = drafters
+    assert (remote.name, remote.feature_size, remote.batches, remote.predrafts) == \
+        (local.name, local.feature_size, local.batches, local.predrafts)
+    here = sessions(local.feature_size)
+    there = copy.deepcopy(here)
+    for round_ in range(4):
+        want = local.propose_batch([(ctx, SHAPE) for ctx in here])
+        got = remote.propose_batch([(ctx, SHAPE) for ctx in there])
+        assert all(same(a, b) for a, b in zip(want, got, strict=True)), round_
+        assert len(got[0]) > 1
+        assert not any(ctx.features for ctx in there), "the features went to the child"
+        commit(here, local.feature_size, round_)
+        commit(there, local.feature_size, round_)
+
+
+def test_jobs_handed_over_mid_batch_are_drafted_and_each_is_reported(drafters):
+    local, remote = drafters
+    first, late = sessions(local.feature_size, 2), sessions(local.feature_size, 3)[2:]
+    want = [local.propose(ctx, SHAPE) for ctx in copy.deepcopy(first + late)]
+    handed = [(ctx, SHAPE) for ctx in late]
+    reported: dict[int, object] = {}
+
+    def admit():
+        jobs = list(handed)
+        handed.clear()
+        return jobs
+
+    def finished(k, result, seconds, shared):
+        reported[k] = result
+        assert seconds > 0 and shared >= 1
+
+    threading.Timer(0.0, remote.wake).start()
+    got = remote.propose_batch([(ctx, SHAPE) for ctx in first], admit=admit, finished=finished)
+    taken = len(got)
+    assert taken in (2, 3) and sorted(reported) == list(range(taken))
+    assert all(same(want[k], reported[k]) for k in range(taken))
+    if taken == 2:  # the batch ended before the child looked: the next one drafts it
+        assert same(want[2], remote.propose(late[0], SHAPE))
+
+
+def test_predrafting_in_the_child_guesses_what_it_guesses_in_process(drafters):
+    local, remote = drafters
+    here = sessions(local.feature_size, 1)
+    there = copy.deepcopy(here)
+    tree = local.propose(here[0], SHAPE)
+    assert same(tree, remote.propose(there[0], SHAPE))
+    want = local.predraft(here[0], tree, SHAPE, lambda: False)
+    got = remote.predraft(there[0], tree, SHAPE, lambda: False)
+    assert want and sorted(want) == sorted(got)
+    assert all(same(want[key], got[key]) for key in want)
+
+
+def test_a_session_the_hub_drops_is_forgotten_by_the_child(drafters):
+    _, remote = drafters
+    ctx = sessions(remote.feature_size, 1)[0]
+    remote.propose(ctx, SHAPE)
+    sid = ctx.state.sid
+    del ctx
+    gc.collect()
+    assert sid in remote._forgotten  # goes out with the next message
+    remote.propose(sessions(remote.feature_size, 1)[0], SHAPE)
+    assert sid not in remote._forgotten
+
+
+def test_targets_are_checked_against_what_the_child_drafts_for(drafters):
+    local, remote = drafters
+    hello = Hello(name="t", vocab_size=local.head.vocab_size + 1, hidden_size=0, num_layers=2)
+    assert remote.check_target(hello) == local.check_target(hello) is not None
+    hello = Hello(name="t", vocab_size=local.head.vocab_size, hidden_size=0, num_layers=2)
+    assert remote.check_target(hello) is None
+
+
+def test_a_drafter_that_cannot_load_fails_the_start_with_its_reason(tmp_path):
+    with pytest.raises(RuntimeError, match="no EAGLE head"):
+        RemoteDrafter(["--drafter", "eagle", "--draft", str(tmp_path)])
+
+
+def test_a_child_that_dies_fails_the_next_draft_with_a_clear_error(tiny_dir, head):
+    remote = RemoteDrafter(["--drafter", "eagle", "--draft", str(head), "--model",
+                            str(tiny_dir), "--draft-dtype", "float32"])
+    try:
+        remote._proc.kill()
+        remote._proc.wait()
+        with pytest.raises(RuntimeError, match="exited with code"):
+            remote.propose(sessions(remote.feature_size, 1)[0], SHAPE)
+    finally:
+        remote.close()
