@@ -65,6 +65,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="comma list of the hub's --lookup (on, off); each value gets its own "
                         f"star or hub-load row for every N (default: {LOOKUP_DEFAULT}, as "
                         "`starhub hub`)")
+    p.add_argument("--draft-process", default=None,
+                   help="comma list of the hub's --draft-process (on, off); each value gets its "
+                        "own star or hub-load row for every N (default: on, as `starhub hub`)")
     p.add_argument("--topk", default=None,
                    help="comma list of the hub's --topk; each value gets its own star or "
                         "hub-load row for every N (default: the hub's)")
@@ -116,7 +119,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "hub load", "--hub-load: a real hub and drafter, and N replay clients that compute "
         "nothing: they answer each PROPOSE from a recorded greedy run of --model (recorded "
         "once, then cached), at once or after --emulate t_v=TIME. One row per N and "
-        "combination of --depth, --max-targets, --batch, --predraft and --lookup")
+        "combination of --depth, --max-targets, --batch, --predraft, --lookup and "
+        "--draft-process")
     load.add_argument("--hub-load", action="store_true")
     load.add_argument("--repeat", type=int, default=1, metavar="R",
                       help="run every row R times, all rows and then all again, and show "
@@ -240,6 +244,8 @@ def hub_load_doc(args: argparse.Namespace, ns: list[int], tree: dict,
                         predraft=parse_list(args.predraft or PREDRAFT_DEFAULT, on_off_arg,
                                           "--predraft"),
                         lookup=parse_list(args.lookup or LOOKUP_DEFAULT, on_off_arg, "--lookup"),
+                        draft_process=parse_list(args.draft_process or "on", on_off_arg,
+                                                 "--draft-process"),
                         warmup_s=args.warmup, duration_s=args.duration,
                         t_v=parse_t_v(args.emulate), cache=args.replay_cache,
                         repeat=args.repeat,
@@ -254,7 +260,9 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--repeat applies to --hub-load only")
     if args.topology == "edge" or (args.emulate and not args.hub_load):
         given = [flag for flag, value in (("--batch", args.batch), ("--predraft", args.predraft),
-                                          ("--lookup", args.lookup)) if value is not None]
+                                          ("--lookup", args.lookup),
+                                          ("--draft-process", args.draft_process))
+                 if value is not None]
         if given:
             raise ValueError(f"{' and '.join(given)} apply to the real star bench and "
                              f"--hub-load only")
@@ -296,6 +304,8 @@ def main(args: argparse.Namespace) -> int:
                                               "--predraft"),
                           lookup=parse_list(args.lookup or LOOKUP_DEFAULT, on_off_arg,
                                             "--lookup"),
+                          draft_process=parse_list(args.draft_process or "on", on_off_arg,
+                                                   "--draft-process"),
                           baselines=baselines, log_dir=args.log_dir, dtype=args.dtype,
                           linear=args.linear, **tree)
         doc = run_real(cfg, progress=not args.no_progress)

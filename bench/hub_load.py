@@ -39,6 +39,8 @@ METRIC_NOTES = {
                          "rounds excluded)",
     "lookup": "the hub's --lookup as given; lookup_token_share the committed tokens that "
               "only its grafted prompt-lookup branch held",
+    "draft_process": "the hub's --draft-process as given: on, drafting in a process of its "
+                     "own; off, in a thread of the hub's",
     "r_q_runs": "with --repeat: r_q of every run of the row, in the order they ran; the "
                 "row's other figures are from its median run",
 }
@@ -128,7 +130,8 @@ def run_point(cfg: HubLoadConfig, n: int, variant: StarVariant, log_dir: str,
             print(f"hub-load: N={n} depth={variant.depth} topk={variant.topk} "
                   f"max-nodes={variant.max_nodes} max-targets={variant.max_targets} "
                   f"batch={variant.batch} predraft={on_off(variant.predraft)} "
-                  f"lookup={on_off(variant.lookup)}: "
+                  f"lookup={on_off(variant.lookup)} "
+                  f"draft-process={on_off(variant.draft_process)}: "
                   + (f"run {run + 1} of {cfg.repeat}, " if cfg.repeat > 1 else "") +
                   f"{cfg.warmup_s:g}s warm-up, "
                   f"{cfg.duration_s:g}s measured", file=sys.stderr, flush=True)
@@ -169,7 +172,8 @@ def run_hub_load(cfg: HubLoadConfig, progress: bool = True) -> dict:
     meta = asdict(recording.meta) if recording is not None else {}
     config = {k: v for k, v in asdict(cfg).items() if k not in ("log_dir", "predraft")}
     config.update(mode="hub-load", predraft=[on_off(p) for p in cfg.predraft],
-                  lookup=[on_off(v) for v in cfg.lookup], logs=log_dir,
+                  lookup=[on_off(v) for v in cfg.lookup],
+                  draft_process=[on_off(v) for v in cfg.draft_process], logs=log_dir,
                   recording={**{k: meta.get(k) for k in (
                       "key", "model", "prompts", "prompt_names", "max_new_tokens",
                       "feature_layers", "step_ms", "verify_ms", "verify_nodes")},

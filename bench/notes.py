@@ -40,4 +40,6 @@ METRIC_NOTES = {
     "lookup": "the hub's --lookup as given; lookup_token_share the committed tokens that only "
               "its grafted prompt-lookup branch held, lookup_round_share the tree rounds "
               "with a branch",
+    "draft_process": "the hub's --draft-process as given: on, drafting in a process of its own; "
+                     "off, in a thread of the hub's",
 }

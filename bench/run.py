@@ -58,6 +58,8 @@ class StarConfig:
     """Star rows run once per value: the hub's ``--predraft``."""
     lookup: list[bool] = field(default_factory=lambda: [DEFAULT_LOOKUP])
     """Star rows run once per value: the hub's ``--lookup``."""
+    draft_process: list[bool] = field(default_factory=lambda: [True])
+    """Star rows run once per value: the hub's ``--draft-process``."""
 
     def __post_init__(self) -> None:
         for key in ("depth", "topk", "max_nodes"):
@@ -91,12 +93,13 @@ class BenchConfig(StarConfig):
 
 def variants(cfg) -> list[StarVariant]:
     """Every combination of a config's ``draft``, ``depth``, ``topk``, ``max_nodes``,
-    ``max_targets``, ``batch``, ``predraft`` and ``lookup`` lists, one row each."""
+    ``max_targets``, ``batch``, ``predraft``, ``lookup`` and ``draft_process`` lists, one
+    row each."""
     drafts = cfg.draft if isinstance(cfg.draft, list) else [cfg.draft]
-    return [StarVariant(d, m, b, p, w, k, n, look) for w in drafts for d in cfg.depth
+    return [StarVariant(d, m, b, p, w, k, n, look, x) for w in drafts for d in cfg.depth
             for k in cfg.topk for n in cfg.max_nodes
             for m in cfg.max_targets for b in cfg.batch for p in cfg.predraft
-            for look in cfg.lookup]
+            for look in cfg.lookup for x in cfg.draft_process]
 
 
 def hub_flags(cfg, variant: StarVariant) -> list[str]:
@@ -106,7 +109,8 @@ def hub_flags(cfg, variant: StarVariant) -> list[str]:
             "--depth", str(variant.depth), "--topk", str(variant.topk),
             "--max-nodes", str(variant.max_nodes), "--draft-dtype", cfg.draft_dtype,
             "--max-targets", str(variant.max_targets), "--batch", str(variant.batch),
-            "--predraft", on_off(variant.predraft), "--lookup", on_off(variant.lookup)]
+            "--predraft", on_off(variant.predraft), "--lookup", on_off(variant.lookup),
+            "--draft-process", on_off(variant.draft_process)]
 
 
 @dataclass(frozen=True)
@@ -121,11 +125,13 @@ class StarVariant:
     topk: int = TreeShape().topk
     max_nodes: int = TreeShape().max_nodes
     lookup: bool = DEFAULT_LOOKUP
+    draft_process: bool = True
 
     @property
     def name(self) -> str:
         tag = (f"d{self.depth}-k{self.topk}-n{self.max_nodes}-m{self.max_targets}"
-               f"-b{self.batch}-p{on_off(self.predraft)}-l{on_off(self.lookup)}")
+               f"-b{self.batch}-p{on_off(self.predraft)}-l{on_off(self.lookup)}"
+               f"-x{on_off(self.draft_process)}")
         return tag + (f"-w{zlib.crc32(self.draft.encode()):08x}" if self.draft else "")
 
     def record(self) -> dict:
@@ -133,7 +139,7 @@ class StarVariant:
         return {"depth": self.depth, "topk": self.topk, "max_nodes": self.max_nodes,
                 "max_targets": self.max_targets, "batch": self.batch,
                 "predraft": on_off(self.predraft), "lookup": on_off(self.lookup),
-                "draft": self.draft}
+                "draft_process": on_off(self.draft_process), "draft": self.draft}
 
 
 def first_variant(cfg: StarConfig) -> StarVariant:
@@ -416,7 +422,8 @@ def _run_real(cfg: BenchConfig, threads: int, progress: bool) -> dict:
                                     f"max-nodes={variant.max_nodes} max-targets="
                                     f"{variant.max_targets} batch={variant.batch} "
                                     f"predraft={on_off(variant.predraft)} "
-                                    f"lookup={on_off(variant.lookup)}")
+                                    f"lookup={on_off(variant.lookup)} "
+                                    f"draft-process={on_off(variant.draft_process)}")
                 rows.append(run_star(cfg, n, log_dir, reference, tick=tick, variant=variant))
         if reference is not None and cfg.targets and star_rows:
             bar.set_description("hf-generate (second pass)")
@@ -427,7 +434,8 @@ def _run_real(cfg: BenchConfig, threads: int, progress: bool) -> dict:
     config = {k: v for k, v in asdict(cfg).items() if k != "log_dir"}
     config.update(linear=linear_kernel(cfg.linear, model.dtype),
                   predraft=[on_off(p) for p in cfg.predraft],
-                  lookup=[on_off(v) for v in cfg.lookup])
+                  lookup=[on_off(v) for v in cfg.lookup],
+                  draft_process=[on_off(v) for v in cfg.draft_process])
     config.update(threads_resolved={"cores": usable_cores(), "baselines": threads,
                                     "targets": {str(n): resolve_threads(cfg.threads, n)
                                                 for n in cfg.targets}})
