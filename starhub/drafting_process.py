@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -121,6 +122,10 @@ class RemoteDrafter(Drafter):
         self._ids = itertools.count(1)
         self._forgotten: collections.deque[int] = collections.deque()
         self._batch = 0
+        self._busy = threading.Lock()
+        """Held while a call talks to the child, so that ``close`` never pulls the link
+        from under one (a hub that stops mid-batch closes from another thread)."""
+        self._closed = False
         self._proc = subprocess.Popen([sys.executable, "-m", "starhub.drafting_child",
                                        "--link", endpoint, "--threads", str(threads), *argv])
         ready = self._recv(start_timeout_s, starting=True)
@@ -167,6 +172,13 @@ class RemoteDrafter(Drafter):
         """Draft in the child. Jobs ``admit()`` hands over go to it at once; those it
         took no more when its batch ended are left out of the result (their sessions are
         in step in the child all the same, and the hub drafts them next)."""
+        with self._busy:
+            self._check_open()
+            return self._propose_batch(jobs, admit, finished)
+
+    def _propose_batch(self, jobs: list[Job], admit: Callable[[], list[Job]] | None,
+                       finished: Callable[[int, DraftTree | Exception, float, float], None]
+                       | None) -> list[DraftTree | Exception]:
         self._batch += 1
         results: list[DraftTree | Exception | None] = [None] * len(jobs)
         self._send_jobs("jobs", jobs, admit=admit is not None)
@@ -192,6 +204,12 @@ class RemoteDrafter(Drafter):
 
     def predraft(self, ctx: DraftContext, tree: DraftTree, shape: TreeShape,
                  stop: Callable[[], bool]) -> dict[tuple[int, ...], DraftTree]:
+        with self._busy:
+            self._check_open()
+            return self._predraft(ctx, tree, shape, stop)
+
+    def _predraft(self, ctx: DraftContext, tree: DraftTree, shape: TreeShape,
+                  stop: Callable[[], bool]) -> dict[tuple[int, ...], DraftTree]:
         self._send_jobs("predraft", [(ctx, shape)], tree=tree_out(tree))
         stopping = False
         while True:
@@ -207,18 +225,30 @@ class RemoteDrafter(Drafter):
                 return {tuple(key): tree_in(data) for key, data in msg["trees"]}
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Ask the child to stop, then make sure it has."""
+        """Stop the child and let go of the link. A call still running on another thread
+        (a hub stopped mid-batch) ends with an error once the child is gone; the link is
+        then left open rather than closed under it, and a later ``close`` closes it."""
+        self._closed = True
+        idle = self._busy.acquire(timeout=0.1)
         if self._proc.poll() is None:
             try:
-                self._send({"op": "quit"})
+                if idle:
+                    self._send({"op": "quit"})
+                else:
+                    self._proc.terminate()
                 self._proc.wait(timeout_s)
             except (zmq.ZMQError, RuntimeError, subprocess.TimeoutExpired):
                 self._proc.kill()
                 self._proc.wait()
-        self._link.close(0)
-        self._zmq.term()
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+        if not idle:
+            idle = self._busy.acquire(timeout=2 * POLL_MS / 1e3)
+        if idle:
+            if not self._link.closed:
+                self._link.close(0)
+                self._zmq.term()
+                for fd in (self._wake_r, self._wake_w):
+                    os.close(fd)
+            self._busy.release()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _mirror(self, ctx: DraftContext, probe: bool = False) -> Mirror:
@@ -258,6 +288,10 @@ class RemoteDrafter(Drafter):
         while not self._link.poll(POLL_MS, zmq.POLLOUT):  # a PAIR without its peer blocks
             self._check_alive()
         self._link.send_multipart(frames, copy=False)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the drafting process has been stopped")
 
     def _check_alive(self, starting: bool = False) -> None:
         code = self._proc.poll()

@@ -144,3 +144,16 @@ def test_a_child_that_dies_fails_the_next_draft_with_a_clear_error(tiny_dir, hea
             remote.propose(sessions(remote.feature_size, 1)[0], SHAPE)
     finally:
         remote.close()
+
+
+def test_closing_mid_call_stops_the_child_and_later_calls_fail_clearly(tiny_dir, head):
+    remote = RemoteDrafter(["--drafter", "eagle", "--draft", str(head), "--model",
+                            str(tiny_dir), "--draft-dtype", "float32"])
+    with remote._busy:  # what a call in flight on the hub's drafting thread holds
+        remote.close(timeout_s=5.0)
+        assert remote._proc.poll() is not None, "the child was left running"
+        assert not remote._link.closed, "the link was closed under the call"
+    with pytest.raises(RuntimeError, match="stopped"):
+        remote.propose(sessions(remote.feature_size, 1)[0], SHAPE)
+    remote.close()
+    assert remote._link.closed
