@@ -9,11 +9,13 @@ from pathlib import Path
 
 from starhub.limits import positive_int
 from starhub.options import (
+    DEFAULT_DRAFT_PROCESS,
     DEFAULT_LOOKUP,
     DEFAULT_PREDRAFT,
     DEFAULT_THREADS,
     DTYPES,
     LINEARS,
+    auto_on_off_arg,
     batch_arg,
     depth_arg,
     max_targets_arg,
@@ -66,8 +68,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         f"star or hub-load row for every N (default: {LOOKUP_DEFAULT}, as "
                         "`starhub hub`)")
     p.add_argument("--draft-process", default=None,
-                   help="comma list of the hub's --draft-process (on, off); each value gets its "
-                        "own star or hub-load row for every N (default: on, as `starhub hub`)")
+                   help="comma list of the hub's --draft-process (auto, on, off); each value "
+                        "gets its own star or hub-load row for every N (default: "
+                        f"{DEFAULT_DRAFT_PROCESS}, as `starhub hub`)")
     p.add_argument("--topk", default=None,
                    help="comma list of the hub's --topk; each value gets its own star or "
                         "hub-load row for every N (default: the hub's)")
@@ -160,6 +163,12 @@ def hub_defaults() -> dict:
     return {k: defaults[k] for k in TREE_ARGS}
 
 
+def draft_processes(args: argparse.Namespace) -> list[bool | str]:
+    """The hub's ``--draft-process`` values, one row each."""
+    return parse_list(args.draft_process or DEFAULT_DRAFT_PROCESS, auto_on_off_arg,
+                      "--draft-process")
+
+
 def parse_list(text: str, parse, flag: str) -> list:
     """A comma list of values for one comparison option; each value gets its own rows."""
     out = []
@@ -244,8 +253,7 @@ def hub_load_doc(args: argparse.Namespace, ns: list[int], tree: dict,
                         predraft=parse_list(args.predraft or PREDRAFT_DEFAULT, on_off_arg,
                                           "--predraft"),
                         lookup=parse_list(args.lookup or LOOKUP_DEFAULT, on_off_arg, "--lookup"),
-                        draft_process=parse_list(args.draft_process or "on", on_off_arg,
-                                                 "--draft-process"),
+                        draft_process=draft_processes(args),
                         warmup_s=args.warmup, duration_s=args.duration,
                         t_v=parse_t_v(args.emulate), cache=args.replay_cache,
                         repeat=args.repeat,
@@ -304,8 +312,7 @@ def main(args: argparse.Namespace) -> int:
                                               "--predraft"),
                           lookup=parse_list(args.lookup or LOOKUP_DEFAULT, on_off_arg,
                                             "--lookup"),
-                          draft_process=parse_list(args.draft_process or "on", on_off_arg,
-                                                   "--draft-process"),
+                          draft_process=draft_processes(args),
                           baselines=baselines, log_dir=args.log_dir, dtype=args.dtype,
                           linear=args.linear, **tree)
         doc = run_real(cfg, progress=not args.no_progress)

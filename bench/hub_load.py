@@ -40,7 +40,7 @@ METRIC_NOTES = {
     "lookup": "the hub's --lookup as given; lookup_token_share the committed tokens that "
               "only its grafted prompt-lookup branch held",
     "draft_process": "the hub's --draft-process as given: on, drafting in a process of its "
-                     "own; off, in a thread of the hub's",
+                     "own; off, in a thread of the hub's; auto, on for the eagle drafter",
     "r_q_runs": "with --repeat: r_q of every run of the row, in the order they ran; the "
                 "row's other figures are from its median run",
 }

@@ -41,5 +41,5 @@ METRIC_NOTES = {
               "its grafted prompt-lookup branch held, lookup_round_share the tree rounds "
               "with a branch",
     "draft_process": "the hub's --draft-process as given: on, drafting in a process of its own; "
-                     "off, in a thread of the hub's",
+                     "off, in a thread of the hub's; auto, on for the eagle drafter",
 }

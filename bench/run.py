@@ -19,7 +19,14 @@ from bench.cli import BASELINES
 from bench.notes import METRIC_NOTES, THREADS_NOTE
 from starhub.drafters.base import TreeShape
 from starhub.metrics import DRAFT_KEYS
-from starhub.options import AUTO, DEFAULT_LOOKUP, DEFAULT_PREDRAFT, resolve_threads, usable_cores
+from starhub.options import (
+    AUTO,
+    DEFAULT_DRAFT_PROCESS,
+    DEFAULT_LOOKUP,
+    DEFAULT_PREDRAFT,
+    resolve_threads,
+    usable_cores,
+)
 
 METRICS = ("system_tok_s", "per_target_tok_s", "t_s_ms", "t_wait_ms", "t_idle_ms", "r_q",
            "r_p", "load", "mean_accept_len")
@@ -58,7 +65,7 @@ class StarConfig:
     """Star rows run once per value: the hub's ``--predraft``."""
     lookup: list[bool] = field(default_factory=lambda: [DEFAULT_LOOKUP])
     """Star rows run once per value: the hub's ``--lookup``."""
-    draft_process: list[bool] = field(default_factory=lambda: [True])
+    draft_process: list[bool | str] = field(default_factory=lambda: [DEFAULT_DRAFT_PROCESS])
     """Star rows run once per value: the hub's ``--draft-process``."""
 
     def __post_init__(self) -> None:
@@ -125,7 +132,7 @@ class StarVariant:
     topk: int = TreeShape().topk
     max_nodes: int = TreeShape().max_nodes
     lookup: bool = DEFAULT_LOOKUP
-    draft_process: bool = True
+    draft_process: bool | str = DEFAULT_DRAFT_PROCESS
 
     @property
     def name(self) -> str:
@@ -149,7 +156,10 @@ def first_variant(cfg: StarConfig) -> StarVariant:
                        max_nodes=shape.max_nodes)
 
 
-def on_off(value: bool) -> str:
+def on_off(value: bool | str) -> str:
+    """A switch as the command line spells it; ``auto`` stays ``auto``."""
+    if isinstance(value, str):
+        return value
     return "on" if value else "off"
 
 

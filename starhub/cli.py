@@ -19,6 +19,7 @@ from starhub.limits import add_limit_args, limits_from_args
 from starhub.options import (  # noqa: F401  (re-exported: earlier homes of these names)
     AUTO,
     DEFAULT_DEPTH,
+    DEFAULT_DRAFT_PROCESS,
     DEFAULT_LOOKUP,
     DEFAULT_PREDRAFT,
     DEFAULT_SHAPE,
@@ -27,9 +28,11 @@ from starhub.options import (  # noqa: F401  (re-exported: earlier homes of thes
     LINEARS,
     MAX_AUTO_DEPTH,
     add_device_args,
+    auto_on_off_arg,
     auto_or_count,
     batch_arg,
     depth_arg,
+    draft_process_for,
     max_targets_arg,
     on_off_arg,
     resolve_threads,
@@ -114,11 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "the latest earlier occurrence of its last 2-4 tokens (prompt "
                           "lookup), one branch of at most --depth tokens, where the tree lacks "
                           "it. Pays where answers copy from their prompt: passages, code")
-    hub.add_argument("--draft-process", type=on_off_arg, default=True, metavar="on|off",
-                     help="on (default): draft in a process of its own, so that drafting "
-                          "never waits on the hub's message handling (one interpreter lock "
-                          "between them cost batched drafting about a third of its speed at "
-                          "8 targets); off: draft in a thread of the hub's process")
+    hub.add_argument("--draft-process", type=auto_on_off_arg, default=DEFAULT_DRAFT_PROCESS,
+                     metavar="auto|on|off",
+                     help="on: draft in a process of its own, so that drafting never waits "
+                          "on the hub's message handling (in one process, one interpreter "
+                          "lock between them held batched drafting to about two thirds of "
+                          "its speed at 8 targets); off: draft in a thread of the hub's "
+                          "process; auto (default): on for the eagle drafter, off for the "
+                          "ngram and model drafters, which do not batch")
     hub.add_argument("--max-message-mb", type=float, default=64.0,
                      help="larger messages are refused with an ERROR")
     add_limit_args(hub)
@@ -222,7 +228,7 @@ def cmd_hub(args: argparse.Namespace) -> int:
     security.check_bind(args.bind, secure)  # before the drafter loads: fail at once
     threads = args.threads or set_threads(None)
     set_threads(1)
-    if args.draft_process:
+    if draft_process_for(args.draft_process, args.drafter):
         from starhub.drafting_process import RemoteDrafter
 
         draft = ["--draft", args.draft] if args.draft else []

@@ -80,6 +80,29 @@ def on_off_arg(text: str) -> bool:
 max_targets_arg = auto_or_count(0, "max-targets")
 
 
+def auto_on_off_arg(text: str) -> bool | str:
+    """An argparse type for switches whose ``auto`` leaves the choice to the hub."""
+    if str(text).strip().lower() == AUTO:
+        return AUTO
+    try:
+        return on_off_arg(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'on' or 'off', got '{text}'") from None
+
+
+DEFAULT_DRAFT_PROCESS = AUTO
+PROCESS_DRAFTERS = ("eagle",)
+"""``--draft-process auto`` gives these a process of their own: their batched passes are
+tensor work that the event loop's Python held back through the interpreter lock. The
+n-gram drafter drafts in microseconds, less than a round trip to a child, and the model
+drafter drafts one request at a time."""
+
+
+def draft_process_for(setting: bool | str, drafter: str) -> bool:
+    """Whether a hub with ``--draft-process setting`` drafts in a process of its own."""
+    return setting is True or (setting == AUTO and drafter in PROCESS_DRAFTERS)
+
+
 def add_tree_args(p: argparse.ArgumentParser) -> None:
     """The drafter and tree options of ``starhub hub`` (``bench`` reads its defaults here)."""
     p.add_argument("--drafter", choices=DRAFTERS, default="eagle",

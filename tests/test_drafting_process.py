@@ -4,6 +4,7 @@ over mid-batch, and a child that cannot load or that dies gives a clear error.""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import gc
 import threading
@@ -15,6 +16,7 @@ from starhub.drafters.base import DraftContext, TreeShape
 from starhub.drafters.eagle import EagleDrafter
 from starhub.drafting_process import RemoteDrafter
 from starhub.eagle_head import EAGLE, save_eagle_head
+from starhub.options import AUTO, auto_on_off_arg, draft_process_for
 from starhub.protocol import Hello
 from tests.test_batched_drafting import same
 from tests.test_eagle_drafter import random_head
@@ -157,3 +159,12 @@ def test_closing_mid_call_stops_the_child_and_later_calls_fail_clearly(tiny_dir,
         remote.propose(sessions(remote.feature_size, 1)[0], SHAPE)
     remote.close()
     assert remote._link.closed
+
+
+def test_auto_gives_only_the_batching_drafter_a_process_of_its_own():
+    assert draft_process_for(AUTO, "eagle")
+    assert not draft_process_for(AUTO, "ngram") and not draft_process_for(AUTO, "model")
+    assert draft_process_for(True, "ngram") and not draft_process_for(False, "eagle")
+    assert [auto_on_off_arg(v) for v in ("auto", "on", "off")] == [AUTO, True, False]
+    with pytest.raises(argparse.ArgumentTypeError, match="'auto', 'on' or 'off'"):
+        auto_on_off_arg("maybe")

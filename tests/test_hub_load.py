@@ -56,7 +56,7 @@ def test_star_rows_for_every_batch_predraft_lookup_and_draft_process_value():
     assert flags[flags.index("--draft-process") + 1] == "off"
     assert StarVariant("auto", 0, "auto", True).record() == {
         "depth": "auto", "topk": 4, "max_nodes": 10, "max_targets": 0, "batch": "auto",
-        "predraft": "on", "lookup": "on", "draft_process": "on", "draft": None}
+        "predraft": "on", "lookup": "on", "draft_process": "auto", "draft": None}
 
 
 def test_star_rows_for_every_topk_and_node_budget_given():
