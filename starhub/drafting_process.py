@@ -128,7 +128,11 @@ class RemoteDrafter(Drafter):
         self._closed = False
         self._proc = subprocess.Popen([sys.executable, "-m", "starhub.drafting_child",
                                        "--link", endpoint, "--threads", str(threads), *argv])
-        ready = self._recv(start_timeout_s, starting=True)
+        try:
+            ready = self._recv(start_timeout_s, starting=True)
+        except BaseException:
+            self.close()  # no child, socket or folder outlives a failed start
+            raise
         self.name = ready["name"]
         self.label = ready["label"]
         self.dtype = ready["dtype"]

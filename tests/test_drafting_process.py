@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import tempfile
 import threading
 
 import pytest
@@ -131,9 +132,11 @@ def test_targets_are_checked_against_what_the_child_drafts_for(drafters):
     assert remote.check_target(hello) is None
 
 
-def test_a_drafter_that_cannot_load_fails_the_start_with_its_reason(tmp_path):
+def test_a_drafter_that_cannot_load_fails_the_start_with_its_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the link's folder goes
     with pytest.raises(RuntimeError, match="no EAGLE head"):
         RemoteDrafter(["--drafter", "eagle", "--draft", str(tmp_path)])
+    assert not list(tmp_path.glob("starhub-draft-*")), "the failed start left its folder"
 
 
 def test_a_child_that_dies_fails_the_next_draft_with_a_clear_error(tiny_dir, head):
