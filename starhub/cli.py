@@ -120,9 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     hub.add_argument("--draft-process", type=auto_on_off_arg, default=DEFAULT_DRAFT_PROCESS,
                      metavar="auto|on|off",
                      help="on: draft in a process of its own, so that drafting never waits "
-                          "on the hub's message handling (in one process, one interpreter "
-                          "lock between them held batched drafting to about two thirds of "
-                          "its speed at 8 targets); off: draft in a thread of the hub's "
+                          "on the hub's message handling (in one process the two share one "
+                          "interpreter lock, which cost batched drafting about a fifth of "
+                          "its rounds at 8 targets); off: draft in a thread of the hub's "
                           "process; auto (default): on for the eagle drafter, off for the "
                           "ngram and model drafters, which do not batch")
     hub.add_argument("--max-message-mb", type=float, default=64.0,
@@ -273,8 +273,7 @@ def cmd_hub(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        if hasattr(drafter, "close"):
-            drafter.close()
+        drafter.close()
     return 0
 
 

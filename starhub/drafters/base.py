@@ -140,3 +140,7 @@ class Drafter(ABC):
         """``admit`` has more jobs. A drafter that waits on something other than its own
         passes (``starhub.drafting_process``) looks now, not at its next timeout."""
         return None
+
+    def close(self) -> None:
+        """Let go of what outlives the hub's event loop (a drafting process)."""
+        return None
