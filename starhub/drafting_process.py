@@ -31,7 +31,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import msgpack
@@ -73,23 +73,19 @@ def unpack(frames: list[Any]) -> tuple[dict, list[np.ndarray]]:
 
 
 def tree_out(tree: DraftTree) -> dict:
+    """A tree as header data: each array as the wire spells it (``array_frame``), inline."""
     out = {}
     for name in ("tokens", "parents", "dist_ids", "dist_probs"):
         value = getattr(tree, name)
         if value is not None:
-            value = np.ascontiguousarray(value)
-            out[name] = [value.dtype.str, list(value.shape), value.tobytes()]
+            dtype, shape, frame = array_frame(value)
+            out[name] = [dtype, shape, bytes(frame)]
     return out
 
 
 def tree_in(data: dict) -> DraftTree:
-    fields = {name: np.frombuffer(raw, np.dtype(dtype)).reshape(shape).copy()
-              for name, (dtype, shape, raw) in data.items()}
-    return DraftTree(**fields)
-
-
-def shape_out(shape: TreeShape) -> list:
-    return [shape.depth, shape.topk, shape.max_nodes, shape.support]
+    return DraftTree(**{name: frame_array(dtype, shape, raw).copy()
+                        for name, (dtype, shape, raw) in data.items()})
 
 
 # -- the hub's side --------------------------------------------------------------------------
@@ -276,7 +272,7 @@ class RemoteDrafter(Drafter):
             del ctx.features[:take]
             end = len(ctx.tokens)
             entry = {"sid": mirror.sid, "tokens": ctx.tokens[mirror.synced:end],
-                     "features": len(features), "shape": shape_out(shape)}
+                     "features": len(features), "shape": astuple(shape)}
             if not mirror.synced:
                 entry.update(temperature=ctx.temperature, seed=ctx.seed, probe=mirror.probe)
             mirror.synced = end
