@@ -1,4 +1,4 @@
-"""``starhub bench``: its arguments and handler (registered by ``starhub.cli``)."""
+"""``starhub bench``: its arguments and handler (registered by ``starhub.cli.main``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-from starhub.limits import positive_int
 from starhub.options import (
     DEFAULT_DRAFT_PROCESS,
     DEFAULT_LOOKUP,
@@ -24,6 +23,7 @@ from starhub.options import (
     threads_arg,
     tree_defaults,
 )
+from starhub.server.limits import positive_int
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "scripts" / "prompts" / "demo.jsonl"
 DEFAULT_REPLAY_PROMPTS = DEFAULT_PROMPTS.with_name("eval.jsonl")
@@ -206,7 +206,7 @@ def parse_targets(text: str) -> list[int]:
 
 def edge_doc(args: argparse.Namespace) -> dict:
     from bench.edge import EdgeConfig, run_edge_real
-    from starhub.edge_cli import SCHEDULES, budget_arg
+    from starhub.cli.edge import SCHEDULES, budget_arg
     from starhub.options import auto_or_count
 
     def schedule(text: str) -> str:

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 import zmq
 
-from starhub.protocol import Commit, Message, Propose
-from starhub.transport import decode, encode
+from starhub.wire.codec import decode, encode
+from starhub.wire.messages import Commit, Message, Propose
 
 NODES = 60
 TOPK = 16

@@ -121,8 +121,8 @@ def run_edge_real(cfg: EdgeConfig, progress: bool = True) -> dict:
 
     from bench.baselines import hf_generate
     from bench.run import baseline_row
-    from starhub.models import load_model, set_threads
-    from starhub.prompts import encode_prompt, read_prompts
+    from starhub.models.loading import load_model, set_threads
+    from starhub.models.prompts import encode_prompt, read_prompts
 
     threads = set_threads(cfg.threads)
     items = read_prompts(cfg.prompts)
@@ -162,7 +162,7 @@ def _run_variant(cfg: EdgeConfig, n: int, schedule: str, max_batch: int | str, l
     from bench.emulate import _spawn_ready, _stop
     from starhub.launch import child_env
     from starhub.launch.status import observer_client
-    from starhub.protocol import Stats
+    from starhub.wire.messages import Stats
     from targets.runner import iter_results
 
     name = f"n{n}-{schedule}-b{batch_flag(max_batch)}"

@@ -32,12 +32,12 @@ __all__ = ["EmulateOptions", "EmulateSpec", "emulated_doc", "load_trace", "run_e
 # --- the hub process -------------------------------------------------------------------
 
 def hub_main(args: argparse.Namespace) -> int:
-    from starhub.control import AUTO, MAX_AUTO_DEPTH
+    from starhub.control.plane import AUTO, MAX_AUTO_DEPTH
     from starhub.drafters.base import TreeShape
     from starhub.drafters.emulated import EmulatedDrafter
-    from starhub.hub import Hub, HubConfig
+    from starhub.hub.server import Hub, HubConfig
     from starhub.launch import READY
-    from starhub.models import set_threads
+    from starhub.models.loading import set_threads
     from starhub.options import max_targets_arg
 
     set_threads(args.threads)
@@ -130,9 +130,9 @@ def run_point(spec: EmulateSpec, n: int, opts: EmulateOptions, log_dir: str,
     """One N: a fresh hub process, N emulated targets, a measured window between two STATS
     readings after a warm-up; returns the benchmark row with the model's prediction.
     ``depth`` (a number or ``auto``) overrides the spec's."""
+    from starhub.hub.metrics import derive
     from starhub.launch.status import observer_client
-    from starhub.metrics import derive
-    from starhub.protocol import Stats
+    from starhub.wire.messages import Stats
 
     depth = spec.depth if depth is None else depth
     if depth != "auto":

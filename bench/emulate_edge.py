@@ -27,7 +27,7 @@ import numpy as np
 from bench.emulate_spec import VOCAB, _seconds
 from starhub.drafters.base import DraftContext, Drafter, TreeShape
 from starhub.drafters.emulated import CalibratedSleep
-from starhub.tree import DraftTree, chain_tree, children
+from starhub.wire.tree import DraftTree, chain_tree, children
 from targets.engine import BatchStats
 from targets.verify import Verdict
 
@@ -184,9 +184,9 @@ class EmulatedChainDrafter(Drafter):
 # --- the verifier process -------------------------------------------------------------
 
 def verifier_main(argv: list[str]) -> int:
-    from starhub.edge_cli import batch_arg
+    from starhub.cli.edge import batch_arg
     from starhub.launch import READY
-    from starhub.protocol import Hello
+    from starhub.wire.messages import Hello
     from targets.verifier import Verifier, VerifierConfig
 
     p = argparse.ArgumentParser(prog="python -m bench.emulate_edge verifier")
@@ -221,9 +221,9 @@ def run_point(spec: EdgeSpec, n: int, schedule: str, max_batch: int | str, budge
     """One row: a fresh verifier, N drafter threads, a measured window after a warm-up."""
     from bench.edge import batch_flag, edge_row, jain
     from bench.emulate import _spawn_ready, _stop
-    from starhub.edge_drafter import EdgeDrafter
+    from starhub.edge.drafter import EdgeDrafter
     from starhub.launch.status import observer_client
-    from starhub.protocol import Stats
+    from starhub.wire.messages import Stats
 
     name = f"n{n}-{schedule}-b{batch_flag(max_batch)}"
     cmd = [sys.executable, "-m", "bench.emulate_edge", "verifier", "--spec", spec.text(),

@@ -25,8 +25,8 @@ import zmq
 
 from bench.malformed import Malformed, Target
 from starhub.launch import spawn_hub
-from starhub.protocol import Error, ErrorCode, Hello, Open, Ping, Pong, Propose, Stats, Welcome
-from starhub.transport import decode, encode
+from starhub.wire.codec import decode, encode
+from starhub.wire.messages import Error, ErrorCode, Hello, Open, Ping, Pong, Propose, Stats, Welcome
 
 PROMPTS = ["Write a short poem about the sea.", "What is the capital of France? Explain.",
            "List three uses of a paperclip.", "def fibonacci(n):"]
@@ -175,8 +175,8 @@ def run(messages: int, model_spec: str = "default", drafter: str = "eagle",
     prompts through it, over and over, until the blast is over."""
     import torch
 
-    from starhub.models import load_model
-    from starhub.prompts import encode_prompt
+    from starhub.models.loading import load_model
+    from starhub.models.prompts import encode_prompt
     from targets import attach
 
     torch.set_num_threads(1)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.replay import DEFAULT_REPLAY_PROMPTS, Recording, ensure_recording
 from bench.run import StarConfig, StarVariant, hub_flags, on_off, variants
-from starhub.metrics import DRAFT_KEYS
+from starhub.hub.metrics import DRAFT_KEYS
 
 WINDOW_KEYS = ("r_q", "t_s_ms", "t_draft_ms", "load", "system_tok_s", "per_target_tok_s",
                "mean_accept_len", "t_wait_ms", "t_idle_ms", "z_ms", "rounds", "commits",
@@ -77,8 +77,8 @@ def parse_t_v(spec: str | None) -> float | None:
 
 def feature_layers_of(address: str) -> tuple[list[int], str]:
     """The features the hub's WELCOME asks targets for, and its drafter's name."""
-    from starhub.protocol import Hello, Welcome
-    from targets.client import HubClient
+    from starhub.client.connection import HubClient
+    from starhub.wire.messages import Hello, Welcome
 
     client = HubClient(address, timeout_s=30)
     try:
@@ -92,7 +92,7 @@ def feature_layers_of(address: str) -> tuple[list[int], str]:
 
 def load_row(cfg: HubLoadConfig, n: int, variant: StarVariant, c0: dict, c1: dict,
              replay: dict, drafter: str) -> dict:
-    from starhub.metrics import derive
+    from starhub.hub.metrics import derive
 
     window = derive(c0["counters"], c1["counters"], targets=n)
     return {

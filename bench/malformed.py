@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from starhub.protocol import VERSION, Close, Commit, Hello, Open, Ping, Pong, Propose, Welcome
-from starhub.transport import encode
+from starhub.wire.codec import encode
+from starhub.wire.messages import VERSION, Close, Commit, Hello, Open, Ping, Pong, Propose, Welcome
 
 Frames = list[bytes]
 

@@ -72,7 +72,7 @@ class ReplayTargets:
         self.socks: list = []
 
     def hello(self, index: int):
-        from starhub.protocol import Hello
+        from starhub.wire.messages import Hello
 
         meta = self.rec.meta
         return Hello(name=f"replay{index}", vocab_size=meta.vocab_size,
@@ -81,12 +81,12 @@ class ReplayTargets:
 
     async def stats(self, sock) -> dict:
         """The hub's raw counters, asked on an observer socket (``sock``)."""
-        from starhub.protocol import Stats
+        from starhub.wire.messages import Stats
 
         return (await ask(sock, Stats(body={"counters": True}))).body
 
     async def observer(self):
-        from starhub.protocol import Hello
+        from starhub.wire.messages import Hello
 
         sock = dealer(self.ctx, self.hub, "replay-observer")
         await ask(sock, Hello(name="bench", observer=True))
@@ -105,7 +105,7 @@ class ReplayTargets:
         self.ctx.term()
 
     async def client(self, i: int, sock) -> None:
-        from starhub.protocol import Reject, Welcome
+        from starhub.wire.messages import Reject, Welcome
 
         prompts = itertools.cycle(range(i % len(self.rec), i % len(self.rec) + len(self.rec)))
         admitted = False
@@ -126,8 +126,8 @@ class ReplayTargets:
 
     async def session(self, i: int, sock, index: int) -> bool:
         """One recorded prompt from OPEN to CLOSE; False when the hub forgot our HELLO."""
-        from starhub.protocol import Close, Commit, Error, ErrorCode, Open, Propose
-        from starhub.transport import decode, encode
+        from starhub.wire.codec import decode, encode
+        from starhub.wire.messages import Close, Commit, Error, ErrorCode, Open, Propose
 
         prompt, out = self.rec.prompts[index], self.rec.outputs[index]
         feats = self.rec.features[index]

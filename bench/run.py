@@ -18,7 +18,7 @@ from bench.baselines import PromptRun, colocated, hf_generate
 from bench.cli import BASELINES
 from bench.notes import METRIC_NOTES, THREADS_NOTE
 from starhub.drafters.base import TreeShape
-from starhub.metrics import DRAFT_KEYS
+from starhub.hub.metrics import DRAFT_KEYS
 from starhub.options import (
     AUTO,
     DEFAULT_DRAFT_PROCESS,
@@ -320,7 +320,7 @@ def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
              tick=lambda k: None, variant: StarVariant | None = None) -> dict:
     from starhub.launch import child_env, spawn_hub, target_command
     from starhub.launch.status import observer_client
-    from starhub.protocol import Stats
+    from starhub.wire.messages import Stats
     from targets.runner import iter_results
 
     variant = variant or first_variant(cfg)
@@ -376,7 +376,7 @@ def _lines(path: str) -> int:
 def run_real(cfg: BenchConfig, progress: bool = True) -> dict:
     """Baselines in this process, then a hub and N target processes per star row. This
     process's torch threads are set for the baselines and restored afterwards."""
-    from starhub.models import set_threads
+    from starhub.models.loading import set_threads
 
     previous = set_threads(None)
     try:
@@ -389,7 +389,7 @@ def _run_real(cfg: BenchConfig, threads: int, progress: bool) -> dict:
     from tqdm import tqdm
 
     from starhub.drafters import make_drafter
-    from starhub.models import linear_kernel, load_model
+    from starhub.models.loading import linear_kernel, load_model
     from targets.generate import encode_prompt
     from targets.runner import read_prompts
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from scripts.eagle_data import Dump
-from starhub.eagle_head import EagleHead, KVCache
+from starhub.drafters.eagle_head import EagleHead, KVCache
 
 
 @torch.no_grad()

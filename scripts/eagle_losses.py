@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from scripts.eagle_data import Dump
-from starhub.eagle_head import EAGLE, EagleHead, KVCache
+from starhub.drafters.eagle_head import EAGLE, EagleHead, KVCache
 
 
 def make_batch(dump: Dump, seq_ids: list[int], t2d_index: Tensor | None, device: str

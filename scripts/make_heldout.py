@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from starhub.models import eos_ids, load_model
-from starhub.prompts import encode_prompt
+from starhub.models.loading import eos_ids, load_model
+from starhub.models.prompts import encode_prompt
 
 HERE = Path(__file__).resolve().parent / "prompts"
 

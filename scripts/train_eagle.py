@@ -44,7 +44,7 @@ from scripts.eagle_data import (
 )
 from scripts.eagle_eval import evaluate
 from scripts.eagle_losses import losses, make_batch
-from starhub.eagle_head import (
+from starhub.drafters.eagle_head import (
     EAGLE,
     EAGLE3,
     EagleHead,
@@ -52,7 +52,7 @@ from starhub.eagle_head import (
     head_config,
     save_eagle_head,
 )
-from starhub.models import DTYPES, load_model, native_bf16_cpu
+from starhub.models.loading import DTYPES, load_model, native_bf16_cpu
 from targets.runner import read_prompts
 
 PROMPTS = Path(__file__).resolve().parent / "prompts"
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.bf16 = args.device != "cpu" or native_bf16_cpu()
     torch.manual_seed(args.seed)
     if args.work_dir is None:
-        from starhub.models import cache_dir
+        from starhub.models.loading import cache_dir
 
         args.work_dir = str(cache_dir() / "train-eagle" / slug(args.target))
     work = Path(args.work_dir)
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.data_only:
         return {"train_tokens": len(data.ids), "train_answer_tokens": answer_tokens, **times}
     if args.eval_only:
-        from starhub.eagle_head import load_eagle_head
+        from starhub.drafters.eagle_head import load_eagle_head
 
         head = load_eagle_head(args.out, model.config, model.get_input_embeddings().weight,
                                model.get_output_embeddings().weight).to(args.device)
@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
         return metrics
     draft_ids, head = None, None
     if args.init_from:
-        from starhub.eagle_head import load_eagle_head
+        from starhub.drafters.eagle_head import load_eagle_head
 
         head = load_eagle_head(args.init_from, model.config, model.get_input_embeddings().weight,
                                model.get_output_embeddings().weight)

@@ -1,3 +1,3 @@
-from starhub.cli import main
+from starhub.cli.main import main
 
 raise SystemExit(main())

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from starhub.control import AUTO, MAX_AUTO_DEPTH
+from starhub.control.plane import AUTO, MAX_AUTO_DEPTH
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LINEARS = ("auto", "onednn", "torch")
@@ -61,7 +61,7 @@ DEFAULT_PREDRAFT = False
 is verifying on and slows it by more than it saves: one target's round spends only 6-9%
 of its time in the hub's draft. And with the shipped head only about 40% of guesses hit,
 and a pre-drafted tree, grown from the head's own guesses of the target's features,
-accepts fewer tokens than one drafted after the COMMIT (see ``starhub.worker``)."""
+accepts fewer tokens than one drafted after the COMMIT (see ``starhub.hub.worker``)."""
 
 DEFAULT_LOOKUP = True
 """Greedy sessions' trees also get the continuation of the latest earlier occurrence of

@@ -3,7 +3,7 @@
 Both modes walk the tree the same way: at each position the target picks its token, and
 the walk moves to the child holding it or stops there, that token being the bonus. Greedy
 picks the argmax. Sampling picks the Gumbel-max draw keyed by (seed, sequence index)
-(``starhub.coupling``): an exact draw from the target's distribution, and the same token
+(``starhub.models.coupling``): an exact draw from the target's distribution, and the same token
 whatever was drafted, so sampled output is lossless and reproducible for a seed.
 """
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from starhub.coupling import sample_at
-from starhub.tree import DraftTree, children
+from starhub.models.coupling import sample_at
+from starhub.wire.tree import DraftTree, children
 
 
 @dataclass(frozen=True)

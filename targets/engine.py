@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from starhub.tree import DraftTree, ancestor_mask, depths
+from starhub.wire.tree import DraftTree, ancestor_mask, depths
 from targets.acceptance import Sampling
 from targets.verify import TargetModel, Verdict
 

@@ -15,14 +15,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from starhub.models import tokenizer_fingerprint
-from starhub.prompts import encode_prompt  # noqa: F401  (re-exported)
-from starhub.protocol import Close, Commit, ErrorCode, Hello, Open, Propose, Stats
-from starhub.round_stats import clip_output, count_round, mean_accept_len
-from starhub.tree import DraftTree
+from starhub.client.connection import HubClient, HubError, HubUnavailable
+from starhub.client.link import HubLink
+from starhub.client.round_stats import clip_output, count_round, mean_accept_len
+from starhub.models.loading import tokenizer_fingerprint
+from starhub.models.prompts import encode_prompt  # noqa: F401  (re-exported)
+from starhub.wire.messages import Close, Commit, ErrorCode, Hello, Open, Propose, Stats
+from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
-from targets.client import HubClient, HubError, HubUnavailable
-from targets.link import HubLink
 from targets.verify import TargetModel
 
 log = logging.getLogger("starhub.target")

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from starhub.devices import model_device
-from starhub.models import linear_kernel, load_model, set_threads
+from starhub.models.devices import model_device
+from starhub.models.loading import linear_kernel, load_model, set_threads
+from starhub.models.prompts import encode_prompt, read_prompts  # noqa: F401  (re-exported)
 from starhub.options import resolve_threads
-from starhub.prompts import encode_prompt, read_prompts  # noqa: F401  (re-exported)
 from targets.generate import SpeculativeGenerator
 
 log = logging.getLogger("starhub.target")

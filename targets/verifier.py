@@ -26,10 +26,11 @@ from dataclasses import replace
 import torch
 import zmq
 
-from starhub.isolation import Observers, verifier_view
-from starhub.limits import SessionBudget, check_tree
-from starhub.models import tokenizer_fingerprint
-from starhub.protocol import (
+from starhub.models.loading import tokenizer_fingerprint
+from starhub.server.isolation import Observers, verifier_view
+from starhub.server.limits import SessionBudget, check_tree
+from starhub.wire.codec import Limits, configure_socket, decode, encode, error_for
+from starhub.wire.messages import (
     Close,
     Commit,
     Error,
@@ -45,9 +46,8 @@ from starhub.protocol import (
     Stats,
     Welcome,
 )
-from starhub.security import bind_server
-from starhub.transport import Limits, configure_socket, decode, encode, error_for
-from starhub.tree import DraftTree
+from starhub.wire.security import bind_server
+from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.engine import VerifyEngine, measure_budget
 from targets.generate import feature_dtype, measure_step

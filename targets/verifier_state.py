@@ -7,9 +7,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from starhub.limits import VERIFIER_LIMITS, SessionLimits
-from starhub.security import ServerSecurity
-from starhub.tree import DraftTree
+from starhub.server.limits import VERIFIER_LIMITS, SessionLimits
+from starhub.wire.security import ServerSecurity
+from starhub.wire.tree import DraftTree
 from targets.schedule import Waiting
 
 

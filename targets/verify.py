@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from starhub.coupling import sample_at
-from starhub.kvcache import keep_rows
-from starhub.tree import DraftTree, ancestor_mask, depths
+from starhub.models.coupling import sample_at
+from starhub.models.kvcache import keep_rows
+from starhub.wire.tree import DraftTree, ancestor_mask, depths
 from targets.acceptance import Sampling, accept_greedy, accept_sampled, target_probs
 
 
@@ -38,7 +38,7 @@ class TargetModel:
         self.sampling = sampling
         self.seed = seed
         """Sampled tokens are seeded draws keyed by (seed, sequence index): the output is a
-        function of the seed alone, whatever the hub drafted (``starhub.coupling``)."""
+        function of the seed alone, whatever the hub drafted (``starhub.models.coupling``)."""
         self.feature_layers = feature_layers or []
         self.cache = DynamicCache(config=model.config)
         self.device = next(model.parameters()).device

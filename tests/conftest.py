@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from starhub.models import resolve
+from starhub.models.loading import resolve
 
 torch.set_num_threads(1)
 
@@ -44,7 +44,7 @@ def tiny_dir(tmp_path_factory, tokenizer) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_dir):
-    from starhub.models import load_model
+    from starhub.models.loading import load_model
 
     return load_model(str(tiny_dir))
 
@@ -55,7 +55,7 @@ class HubThread:
     def __init__(self, drafter, **config):
         import asyncio
 
-        from starhub.hub import Hub, HubConfig
+        from starhub.hub.server import Hub, HubConfig
 
         self.loop = asyncio.new_event_loop()
         self.hub = Hub.__new__(Hub)
@@ -71,7 +71,7 @@ class HubThread:
     def _run(self) -> None:
         import asyncio
 
-        from starhub.hub import Hub
+        from starhub.hub.server import Hub
 
         asyncio.set_event_loop(self.loop)
 

@@ -21,7 +21,8 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from starhub.protocol import (
+from starhub.wire.codec import encode
+from starhub.wire.messages import (
     MAX_TREE_NODES,
     MESSAGE_TYPES,
     VERSION,
@@ -39,7 +40,6 @@ from starhub.protocol import (
     Welcome,
     header_fields,
 )
-from starhub.transport import encode
 
 settings.register_profile("ci", max_examples=300, deadline=None, derandomize=True,
                           database=None, suppress_health_check=list(HealthCheck))

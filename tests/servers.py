@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 
-from starhub.hub import Hub, HubConfig
-from starhub.protocol import Message
-from starhub.transport import decode, encode
-from starhub.worker import DraftWorker
+from starhub.hub.server import Hub, HubConfig
+from starhub.hub.worker import DraftWorker
+from starhub.wire.codec import decode, encode
+from starhub.wire.messages import Message
 
 
 def wire(msg: Message) -> list[bytes]:

@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
+from starhub.client.connection import HubClient
 from starhub.launch import child_env, spawn_hub
 from starhub.launch.status import query_stats
-from starhub.protocol import Hello, Reject, Welcome
+from starhub.wire.messages import Hello, Reject, Welcome
 from targets import attach
-from targets.client import HubClient
 from tests.conftest import HubThread
 
 

@@ -13,13 +13,13 @@ import torch
 
 from starhub.drafters.base import DraftContext, TreeShape
 from starhub.drafters.eagle import EagleDrafter
+from starhub.drafters.eagle_head import EAGLE, EAGLE3
 from starhub.drafters.outcomes import likely_outcomes, path_to
-from starhub.eagle_head import EAGLE, EAGLE3
-from starhub.hub_config import Request
-from starhub.metrics import HubMetrics, derive
-from starhub.sessions import Session
-from starhub.tree import DraftTree, children, grow_greedy, grow_together
-from starhub.worker import DraftWorker
+from starhub.hub.config import Request
+from starhub.hub.metrics import HubMetrics, derive
+from starhub.hub.sessions import Session
+from starhub.hub.worker import DraftWorker
+from starhub.wire.tree import DraftTree, children, grow_greedy, grow_together
 from targets import attach
 from tests.conftest import HubThread
 from tests.test_eagle_drafter import random_head
@@ -179,7 +179,7 @@ class _Hub:
     """Just what ``DraftWorker.predrafted`` reads."""
 
     def __init__(self):
-        from starhub.hub_config import HubConfig
+        from starhub.hub.config import HubConfig
 
         self.config = HubConfig()
         self.metrics = HubMetrics()
@@ -234,7 +234,7 @@ def test_a_batching_predrafting_hub_stays_lossless_for_concurrent_targets(tiny_m
 
 def test_only_a_drafter_that_shares_work_gets_batches():
     from starhub.drafters.ngram import NgramDrafter
-    from starhub.worker import MAX_AUTO_BATCH
+    from starhub.hub.worker import MAX_AUTO_BATCH
 
     hub = _Hub()
     assert DraftWorker(hub).max_batch == MAX_AUTO_BATCH
@@ -246,7 +246,7 @@ def test_only_a_drafter_that_shares_work_gets_batches():
 
 def test_a_drafter_that_raises_fails_its_rounds_and_the_hub_serves_on():
     from starhub.drafters.ngram import NgramDrafter
-    from starhub.protocol import Error, ErrorCode, Hello, Open, Propose, Welcome
+    from starhub.wire.messages import Error, ErrorCode, Hello, Open, Propose, Welcome
     from tests.servers import HubHarness
 
     class Exploding(NgramDrafter):

@@ -12,7 +12,7 @@ from bench.cli import hub_defaults, parse_targets
 from bench.plot import plot
 from bench.report import markdown_table, text_table
 from bench.run import METRICS, BenchConfig, baseline_row, run_real
-from starhub.cli import build_parser
+from starhub.cli.main import build_parser
 from starhub.drafters.base import TreeShape
 from starhub.drafters.ngram import NgramDrafter
 from starhub.options import AUTO, resolve_threads, usable_cores

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from starhub.protocol import (
+from starhub.wire.codec import BFloat16Array, decode, encode, to_torch
+from starhub.wire.messages import (
     MESSAGE_TYPES,
     Commit,
     Error,
@@ -31,7 +32,6 @@ from starhub.protocol import (
     header_fields,
     schema,
 )
-from starhub.transport import BFloat16Array, decode, encode, to_torch
 
 
 def one_of_each():

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from bench.model import expected_accepted
-from starhub.control import AUTO, Acceptance, ControlConfig, Controller, LinearFit
+from starhub.control.plane import AUTO, Acceptance, ControlConfig, Controller, LinearFit
 
 STEP, T_S, T_V, T_C = 25e-3, 1.4e-3, 25e-3, 1e-3
 

@@ -9,7 +9,7 @@ import argparse
 import pytest
 import torch
 
-from starhub.devices import device_map_kwargs, resolve_device
+from starhub.models.devices import device_map_kwargs, resolve_device
 from starhub.options import device_arg
 
 CUDA = torch.cuda.is_available()
@@ -42,7 +42,7 @@ def test_without_a_gpu_auto_is_the_cpu_and_cuda_is_a_clear_error():
 
 @pytest.mark.skipif(CUDA, reason="checks the machine without a GPU")
 def test_a_target_asked_for_a_gpu_it_lacks_exits_with_the_reason(tmp_path, caplog):
-    from starhub.cli import main
+    from starhub.cli.main import main
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": 0, "prompt": "hi"}\n')
@@ -66,8 +66,8 @@ def test_star_on_the_gpu_matches_generate_on_the_gpu():
     from conftest import HubThread
 
     from starhub.drafters import make_drafter
-    from starhub.models import load_model
-    from starhub.prompts import encode_prompt
+    from starhub.models.loading import load_model
+    from starhub.models.prompts import encode_prompt
     from targets.generate import SpeculativeGenerator
 
     drafter = make_drafter("eagle", device="cuda")
@@ -93,7 +93,7 @@ def test_sampled_drafts_on_the_gpu_carry_their_distributions():
     """Sampled trees draw on the CPU from distributions the GPU computed."""
     from starhub.drafters.base import DraftContext, TreeShape
     from starhub.drafters.model import ModelDrafter
-    from starhub.models import load_model
+    from starhub.models.loading import load_model
 
     model, tokenizer = load_model("default", dtype="float32", device="cuda", layers=4)
     ctx = DraftContext(tokens=[1, 2, 3, 4], temperature=0.8,
@@ -109,7 +109,7 @@ def test_a_device_map_target_verifies_trees_like_a_single_device_one(tiny_dir):
     same model on one GPU."""
     from starhub.drafters.base import DraftContext, TreeShape
     from starhub.drafters.model import ModelDrafter
-    from starhub.models import load_model
+    from starhub.models.loading import load_model
     from targets.acceptance import Sampling
     from targets.engine import VerifyEngine
 

@@ -15,10 +15,10 @@ import torch
 
 from starhub.drafters.base import DraftContext, TreeShape
 from starhub.drafters.eagle import EagleDrafter
-from starhub.drafting_process import RemoteDrafter
-from starhub.eagle_head import EAGLE, save_eagle_head
+from starhub.drafters.eagle_head import EAGLE, save_eagle_head
+from starhub.hub.drafting_process import RemoteDrafter
 from starhub.options import AUTO, auto_on_off_arg, draft_process_for
-from starhub.protocol import Hello
+from starhub.wire.messages import Hello
 from tests.test_batched_drafting import same
 from tests.test_eagle_drafter import random_head
 

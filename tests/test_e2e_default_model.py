@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from starhub.launch import child_env, spawn_hub, target_command
-from starhub.models import load_model
+from starhub.models.loading import load_model
 
 PROMPTS = [
     "What is the capital of France?",

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from starhub.eagle_head import (
+from starhub.drafters.eagle_head import (
     EAGLE,
     EAGLE3,
     EagleHead,

@@ -10,7 +10,7 @@ from transformers import AutoConfig
 
 from starhub.drafters.base import TreeShape
 from starhub.drafters.eagle import EagleDrafter, target_embeddings
-from starhub.eagle_head import EAGLE, EAGLE3, EagleHead, head_config, save_eagle_head
+from starhub.drafters.eagle_head import EAGLE, EAGLE3, EagleHead, head_config, save_eagle_head
 from starhub.launch import spawn_hub
 from targets import attach
 from tests.test_lossless_api import reference
@@ -131,7 +131,7 @@ def test_training_writes_a_head_the_hub_can_load_and_resumes(tiny_dir, tmp_path,
 
 def test_synthesized_prompts_are_complete_unique_held_out_and_resume(tmp_path):
     from scripts.eagle_data import synthesize_prompts
-    from starhub.models import load_model
+    from starhub.models.loading import load_model
 
     model, tokenizer = load_model("default")
     first = synthesize_prompts(model, tokenizer, 4, tmp_path / "a.jsonl", 8, max_tokens=48)
@@ -150,7 +150,7 @@ def test_synthesized_prompts_are_complete_unique_held_out_and_resume(tmp_path):
 def test_steered_prompts_start_with_their_openers_and_follow_ups_extend_the_conversation(
         tmp_path):
     from scripts.eagle_data import follow_ups, synthesize_prompts
-    from starhub.models import load_model
+    from starhub.models.loading import load_model
 
     model, tokenizer = load_model("default")
     openers = ["Fix the bug in this Python function:\n\n```python\n", "A train leaves"]
@@ -226,7 +226,7 @@ def test_grouped_attention_matches_attention_with_repeated_keys(queries, keys, b
     still attend with its own key-value head, under its own rows of the mask."""
     from torch.nn import functional as F
 
-    from starhub.eagle_head import Attention
+    from starhub.drafters.eagle_head import Attention
 
     gen = torch.Generator().manual_seed(queries * keys)
     q = torch.randn(batch, 9, queries, 16, generator=gen)

@@ -13,9 +13,9 @@ import zmq
 
 from starhub.drafters.base import TreeShape
 from starhub.drafters.model import ModelDrafter
-from starhub.edge_drafter import EdgeDrafter, VerifierUnavailable
-from starhub.protocol import Close, Error, ErrorCode, Hello, Open, Propose, Stats, Welcome
-from starhub.transport import decode, encode
+from starhub.edge.drafter import EdgeDrafter, VerifierUnavailable
+from starhub.wire.codec import decode, encode
+from starhub.wire.messages import Close, Error, ErrorCode, Hello, Open, Propose, Stats, Welcome
 from targets.verifier import Verifier, VerifierConfig
 
 PROMPTS = [[1, 5, 9, 14, 3], list(range(20, 43)), [7, 7, 8, 100, 4000], [11] * 9]

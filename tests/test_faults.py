@@ -15,11 +15,11 @@ import pytest
 import torch
 import zmq
 
+from starhub.client.connection import HubClient
 from starhub.launch import child_env, spawn_hub, target_command
-from starhub.models import load_model
-from starhub.protocol import Hello, Open, Propose, Stats, Welcome
-from starhub.transport import decode, encode
-from targets.client import HubClient
+from starhub.models.loading import load_model
+from starhub.wire.codec import decode, encode
+from starhub.wire.messages import Hello, Open, Propose, Stats, Welcome
 from targets.generate import SpeculativeGenerator
 from targets.runner import iter_results
 

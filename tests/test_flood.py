@@ -8,8 +8,8 @@ import os
 import numpy as np
 import zmq
 
-from starhub.protocol import Commit, Hello, Open, Propose, Welcome
-from starhub.transport import decode, encode
+from starhub.wire.codec import decode, encode
+from starhub.wire.messages import Commit, Hello, Open, Propose, Welcome
 from tests.test_edge import VerifierThread
 
 FLOOD = 5000

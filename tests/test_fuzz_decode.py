@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from starhub.protocol import VERSION, Error, ErrorCode, Open, ProtocolError
-from starhub.transport import MAX_HEADER_BYTES, Limits, decode, encode, error_for
+from starhub.wire.codec import MAX_HEADER_BYTES, Limits, decode, encode, error_for
+from starhub.wire.messages import VERSION, Error, ErrorCode, Open, ProtocolError
 from tests import fuzz_strategies as fz
 
 

@@ -14,10 +14,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from starhub.drafters.eagle import EagleDrafter
+from starhub.drafters.eagle_head import EAGLE
 from starhub.drafters.ngram import NgramDrafter
-from starhub.eagle_head import EAGLE
-from starhub.limits import SessionLimits
-from starhub.protocol import (
+from starhub.server.limits import SessionLimits
+from starhub.wire.messages import (
     MAX_TREE_NODES,
     Close,
     Commit,

@@ -15,7 +15,7 @@ from bench.hub_load import median_run, parse_t_v
 from bench.replay import accepted_path, ensure_recording
 from bench.report import markdown_table, text_table
 from bench.run import BenchConfig, StarVariant, hub_flags, variants
-from starhub.cli import build_parser
+from starhub.cli.main import build_parser
 
 # root -> 0:5 -> 2:9
 #           \-> 3:7 -> 5:8

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import zmq
 
-from starhub.protocol import (
+from starhub.wire.codec import decode, encode
+from starhub.wire.messages import (
     VERSION,
     Close,
     Commit,
@@ -25,7 +26,6 @@ from starhub.protocol import (
     Stats,
     Welcome,
 )
-from starhub.transport import decode, encode
 
 
 class Peer:
@@ -191,7 +191,7 @@ def test_close_releases_the_session(ngram_hub, healthy):
 
 def test_admission_limit_rejects_extra_targets():
     from starhub.drafters.ngram import NgramDrafter
-    from starhub.protocol import Reject
+    from starhub.wire.messages import Reject
     from tests.conftest import HubThread
 
     hub = HubThread(NgramDrafter(), max_targets=1)

@@ -102,7 +102,7 @@ def test_targets_without_prompts_are_refused_and_zero_targets_only_serve():
 
 @pytest.mark.parametrize("name", ["local-cpu", "single-host-gpus", "ray-cluster", "edge"])
 def test_every_shipped_config_is_valid_and_plans_its_processes(name):
-    from starhub.cli import build_parser
+    from starhub.cli.main import build_parser
 
     dep = load_config(CONFIGS / f"{name}.toml")
     plan = build_plan(dep, "prompts.jsonl")
@@ -182,7 +182,7 @@ def test_dry_run_prints_each_exact_command_and_starts_nothing(tmp_path):
 
 
 def test_help_answers_without_torch_or_transformers():
-    code = ("import sys\nfrom starhub.cli import main\n"
+    code = ("import sys\nfrom starhub.cli.main import main\n"
             "for argv in (['--help'], ['launch', '--help']):\n"
             "    try:\n        main(argv)\n    except SystemExit as e:\n"
             "        assert e.code == 0\n"
@@ -196,12 +196,12 @@ def test_help_answers_without_torch_or_transformers():
 
 
 def test_bench_cli_no_longer_imports_the_starhub_cli():
-    code = "import sys, bench.cli\nprint('starhub.cli' in sys.modules)\n"
+    code = "import sys, bench.cli\nprint('starhub.cli.main' in sys.modules)\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
     from bench.cli import hub_defaults
-    from starhub.cli import build_parser
+    from starhub.cli.main import build_parser
 
     hub = build_parser().parse_args(["hub"])
     assert hub_defaults() == {k: getattr(hub, k) for k in hub_defaults()}

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from starhub.cli import build_parser
+from starhub.cli.main import build_parser
 from starhub.drafters.ngram import NgramDrafter
-from starhub.limits import SessionLimits, limits_from_args
-from starhub.protocol import (
+from starhub.server.limits import SessionLimits, limits_from_args
+from starhub.wire.messages import (
     Close,
     Commit,
     Error,

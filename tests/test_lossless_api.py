@@ -100,8 +100,8 @@ def test_lookup_branches_are_accepted_and_output_stays_generate(tiny_model, toke
     """The random target's greedy answers repeat their last token; the drafter, a random
     model with its own output layer, guesses other tokens, so only a prompt-lookup branch
     follows the loops."""
-    from starhub.protocol import Hello, Stats
-    from targets.client import HubClient
+    from starhub.client.connection import HubClient
+    from starhub.wire.messages import Hello, Stats
     from tests.conftest import tiny_config
 
     torch.manual_seed(99)

@@ -9,10 +9,10 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from starhub.client.connection import HubClient
 from starhub.drafters.ngram import NgramDrafter
-from starhub.metrics import HubMetrics, derive
-from starhub.protocol import Commit, Hello, Open, Propose, Stats
-from targets.client import HubClient
+from starhub.hub.metrics import HubMetrics, derive
+from starhub.wire.messages import Commit, Hello, Open, Propose, Stats
 from tests.conftest import HubThread
 
 S, Z = 0.010, 0.025
@@ -164,7 +164,7 @@ def test_target_splits_its_round_trips(tiny_model, ngram_hub):
 
 
 def test_departed_peers_totals_stay_bounded():
-    from starhub.metrics import DEPARTED_LIMIT, HubMetrics
+    from starhub.hub.metrics import DEPARTED_LIMIT, HubMetrics
 
     metrics = HubMetrics()
     for i in range(DEPARTED_LIMIT + 50):

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from starhub.cli import build_parser
+from starhub.cli.main import build_parser
 from starhub.drafters import parse_draft
-from starhub.models import ModelNotFound, resolve
+from starhub.models.loading import ModelNotFound, resolve
 from targets.runner import read_prompts
 
 
@@ -39,7 +39,7 @@ def test_prompt_files_accept_plain_and_mt_bench_lines(tmp_path):
 
 
 def test_conversation_prompts_keep_their_turns_and_end_with_the_user(tmp_path, tokenizer):
-    from starhub.prompts import encode_prompt
+    from starhub.models.prompts import encode_prompt
 
     turns = [{"role": "user", "content": "Name a planet."},
              {"role": "assistant", "content": "Mars."},
@@ -98,8 +98,8 @@ def test_dtype_auto_keeps_cpu_targets_exact_and_gives_eagle_heads_native_bf16(ti
     import torch
 
     from starhub.drafters import make_drafter
-    from starhub.eagle_head import EAGLE, save_eagle_head
-    from starhub.models import draft_dtype, native_bf16_cpu, target_dtype
+    from starhub.drafters.eagle_head import EAGLE, save_eagle_head
+    from starhub.models.loading import draft_dtype, native_bf16_cpu, target_dtype
     from tests.test_eagle_drafter import random_head
 
     assert target_dtype("auto") == torch.float32
@@ -117,7 +117,7 @@ def test_dtype_auto_keeps_cpu_targets_exact_and_gives_eagle_heads_native_bf16(ti
 def test_onednn_linears_keep_float32_logits_and_greedy_tokens(tiny_dir):
     import torch
 
-    from starhub.models import linear_kernel, load_model
+    from starhub.models.loading import linear_kernel, load_model
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN")

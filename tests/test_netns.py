@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench.netns import measure, netem_unavailable, netns_unavailable
-from starhub.prompts import encode_prompt
+from starhub.models.prompts import encode_prompt
 
 PROMPTS = ["the quick brown fox", "one two three four five"]
 

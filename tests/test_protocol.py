@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from starhub.protocol import (
+from starhub.wire.codec import Limits, decode, encode, to_torch
+from starhub.wire.messages import (
     VERSION,
     Close,
     Commit,
@@ -16,7 +17,6 @@ from starhub.protocol import (
     Stats,
     Welcome,
 )
-from starhub.transport import Limits, decode, encode, to_torch
 
 
 def roundtrip(msg, limits=Limits()):

@@ -16,9 +16,9 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from starhub.coupling import sample_at
 from starhub.drafters.base import DraftContext
-from starhub.tree import build_greedy_tree, build_sampled_tree
+from starhub.models.coupling import sample_at
+from starhub.wire.tree import build_greedy_tree, build_sampled_tree
 from targets.acceptance import Sampling, accept_sampled, target_probs, walk
 from tests.conftest import tiny_config
 
@@ -75,7 +75,7 @@ def eagle_proposer(topk: int, depth: int, max_nodes: int):
     """Trees from the real EagleDrafter with a random head over the target's features."""
     from starhub.drafters.base import DraftContext, TreeShape
     from starhub.drafters.eagle import EagleDrafter
-    from starhub.eagle_head import EAGLE, EagleHead, head_config
+    from starhub.drafters.eagle_head import EAGLE, EagleHead, head_config
 
     torch.manual_seed(5)
     target = TARGET.model

@@ -17,16 +17,17 @@ import pytest
 import torch
 import zmq
 
+from starhub.client.connection import HubClient, HubUnavailable
 from starhub.drafters.base import TreeShape
 from starhub.drafters.model import ModelDrafter
 from starhub.drafters.ngram import NgramDrafter
-from starhub.edge_drafter import EdgeDrafter, VerifierUnavailable
-from starhub.isolation import AGGREGATES_ONLY
+from starhub.edge.drafter import EdgeDrafter, VerifierUnavailable
 from starhub.launch.config import ConfigError, parse_config
 from starhub.launch.plan import build_plan
 from starhub.launch.status import query_stats
-from starhub.protocol import Hello, Open, Stats, Welcome
-from starhub.security import (
+from starhub.server.isolation import AGGREGATES_ONLY
+from starhub.wire.messages import Hello, Open, Stats, Welcome
+from starhub.wire.security import (
     ClientCurve,
     SecurityError,
     ServerCurve,
@@ -41,7 +42,6 @@ from starhub.security import (
     use_client_curve,
 )
 from targets import attach
-from targets.client import HubClient, HubUnavailable
 from tests.conftest import HubThread
 from tests.test_edge import VerifierThread
 

@@ -8,8 +8,8 @@ import asyncio
 import numpy as np
 
 from starhub.drafters.ngram import NgramDrafter
-from starhub.protocol import Close, Error, ErrorCode, Hello, Open, Welcome
-from starhub.shutdown import drain
+from starhub.hub.shutdown import drain
+from starhub.wire.messages import Close, Error, ErrorCode, Hello, Open, Welcome
 from tests.servers import HubHarness
 
 A = b"peer-a"

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from starhub.tree import (
+from starhub.wire.tree import (
     DraftTree,
     accepted_path,
     ancestor_mask,
@@ -52,7 +52,7 @@ def path_expand(vocab: int, seed: int, scale: float, fed: list[int]):
 
 
 def test_greedy_tree_expands_only_nodes_whose_children_could_still_be_chosen(monkeypatch):
-    import starhub.tree
+    import starhub.wire.tree
 
     def build(seed: int, scale: float) -> tuple[list, list, list]:
         fed: list[int] = []
@@ -63,7 +63,7 @@ def test_greedy_tree_expands_only_nodes_whose_children_could_still_be_chosen(mon
 
     runs = [(seed, scale) for seed in range(12) for scale in (0.3, 1.0, 3.0)]
     pruned = [build(*run) for run in runs]
-    monkeypatch.setattr(starhub.tree, "_useful", lambda frontier, scores, max_nodes: frontier)
+    monkeypatch.setattr(starhub.wire.tree, "_useful", lambda frontier, scores, max_nodes: frontier)
     full = [build(*run) for run in runs]
     assert [p[:2] for p in pruned] == [f[:2] for f in full]
     assert all(f[2] == [3] * 5 for f in full)
@@ -124,7 +124,7 @@ def test_without_replacement_draw_order_matches_sequential_sampling():
 def test_keep_rows_keeps_the_prefix_and_the_chosen_rows_in_order(rows):
     from transformers import DynamicCache
 
-    from starhub.kvcache import keep_rows
+    from starhub.models.kvcache import keep_rows
 
     cache = DynamicCache()
     for layer in range(2):

@@ -28,12 +28,12 @@ def make_drafter(kind: str, draft: str | None = None, model: str = "default",
 
     ``dtype`` ``auto`` gives an EAGLE head bfloat16 where the hardware has it; a draft model
     keeps the target's own dtype, so that ``self`` reproduces the target exactly. ``device``
-    is cpu, cuda, cuda:N or auto (``starhub.devices``).
+    is cpu, cuda, cuda:N or auto (``starhub.models.devices``).
     """
     if kind == "eagle":
-        from starhub.devices import resolve_device
         from starhub.drafters.eagle import EagleDrafter
-        from starhub.models import draft_dtype
+        from starhub.models.devices import resolve_device
+        from starhub.models.loading import draft_dtype
 
         device = resolve_device(device)
         return EagleDrafter.load(draft, model, dtype=draft_dtype(dtype, device), device=device)
@@ -43,7 +43,7 @@ def make_drafter(kind: str, draft: str | None = None, model: str = "default",
         return NgramDrafter()
     if kind == "model":
         from starhub.drafters.model import ModelDrafter
-        from starhub.models import load_model
+        from starhub.models.loading import load_model
 
         source, layers = parse_draft(draft or "self:layers=8")
         spec = model if source == "self" else source

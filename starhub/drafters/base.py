@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from starhub.coupling import coupled_scores
+from starhub.models.coupling import coupled_scores
 from starhub.options import TreeShape
-from starhub.protocol import Hello
-from starhub.tree import DraftTree, Score
+from starhub.wire.messages import Hello
+from starhub.wire.tree import DraftTree, Score
 
 
 @dataclass
@@ -27,7 +27,7 @@ class DraftContext:
     state: Any = None
     seed: int | None = None
     """A sampled session's seed. Its target draws token i as the Gumbel-max keyed by (seed,
-    i) (``starhub.coupling``); ranking drafts with the same noise makes the first guesses
+    i) (``starhub.models.coupling``); ranking drafts with the same noise makes the first guesses
     the target's draws wherever drafter and target agree."""
 
     @property
@@ -48,7 +48,7 @@ class DraftContext:
 @dataclass(frozen=True)
 class TargetNeeds:
     """What a target must match for a drafter to serve it (0 or "": anything). Plain data,
-    so a drafter in another process can state it once (``starhub.drafting_process``)."""
+    so a drafter in another process can state it once (``starhub.hub.drafting_process``)."""
 
     who: str = "the drafter"
     vocab_size: int = 0
@@ -138,7 +138,7 @@ class Drafter(ABC):
 
     def wake(self) -> None:
         """``admit`` has more jobs. A drafter that waits on something other than its own
-        passes (``starhub.drafting_process``) looks now, not at its next timeout."""
+        passes (``starhub.hub.drafting_process``) looks now, not at its next timeout."""
         return None
 
     def close(self) -> None:

@@ -17,12 +17,12 @@ from transformers import AutoConfig
 
 from starhub.drafters.base import DraftContext, Drafter, TargetNeeds, TreeShape
 from starhub.drafters.eagle_batch import CatchUp, DraftBatch, Finished, Growth, HeadState, Job
+from starhub.drafters.eagle_head import EagleHead, load_eagle_head
 from starhub.drafters.outcomes import likely_outcomes, path_to
-from starhub.eagle_head import EagleHead, load_eagle_head
-from starhub.kvcache import Segment
-from starhub.models import onednn_packs, prepack_linears, resolve
-from starhub.transport import to_torch
-from starhub.tree import (
+from starhub.models.kvcache import Segment
+from starhub.models.loading import onednn_packs, prepack_linears, resolve
+from starhub.wire.codec import to_torch
+from starhub.wire.tree import (
     DraftTree,
     Frontier,
     depths,

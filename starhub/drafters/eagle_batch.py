@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from starhub.drafters.base import DraftContext, TreeShape
-from starhub.kvcache import KVCache, Segment
-from starhub.tree import (
+from starhub.models.kvcache import KVCache, Segment
+from starhub.wire.tree import (
     DraftTree,
     Frontier,
     Grower,

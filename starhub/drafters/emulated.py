@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from starhub.drafters.base import DraftContext, Drafter, TreeShape
-from starhub.tree import DraftTree
+from starhub.wire.tree import DraftTree
 
 
 class CalibratedSleep:

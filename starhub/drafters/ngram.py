@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from starhub.drafters.base import DraftContext, Drafter, TreeShape
-from starhub.tree import DraftTree, graft
+from starhub.wire.tree import DraftTree, graft
 
 
 class NgramDrafter(Drafter):
     """Needs no model. Greedy sessions get a trie of the most recent distinct continuations;
     sampled sessions get one chain, with a point-mass q that targets no longer need (they
-    verify with their own seeded draw, ``starhub.coupling``)."""
+    verify with their own seeded draw, ``starhub.models.coupling``)."""
 
     name = "ngram"
     lookup_branches = False

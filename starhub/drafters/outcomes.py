@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from starhub.tree import children
+from starhub.wire.tree import children
 
 
 def likely_outcomes(parents: Sequence[int], tokens: Sequence[int],

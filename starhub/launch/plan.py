@@ -12,7 +12,7 @@ from pathlib import Path
 
 from starhub.launch.config import ConfigError, Deployment, Placement
 from starhub.options import AUTO, resolve_threads
-from starhub.security import is_loopback
+from starhub.wire.security import is_loopback
 
 HUB = "{hub}"
 PROMPTS = "{prompts}"

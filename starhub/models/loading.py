@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from starhub.devices import device_map_kwargs, resolve_device
+from starhub.models.devices import device_map_kwargs, resolve_device
 from starhub.options import DTYPES, LINEARS
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device:
     """(model, tokenizer) in eval mode; ``layers`` keeps only the first K decoder layers.
 
     ``device`` is cpu, cuda, cuda:N or auto; ``device_map`` (auto or GPU indices) spreads the
-    model over several GPUs instead (see ``starhub.devices``). With oneDNN linears (see
+    model over several GPUs instead (see ``starhub.models.devices``). With oneDNN linears (see
     ``linear_kernel``) the weights are prepacked once and the model is for inference only:
     its ``nn.Linear`` layers no longer expose a plain ``.weight``.
     """

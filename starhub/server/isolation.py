@@ -5,7 +5,7 @@ only to peers that introduced themselves: a target's HELLO, a drafter's WELCOME,
 observer's HELLO (``Hello(observer=True)``: ``starhub status`` and the benchmark, which hold
 no admission slot and no session). A peer that only knocks gets aggregates. This keeps
 casual probes from listing who uses a server; keeping strangers out altogether is CURVE's
-job (``starhub.security``).
+job (``starhub.wire.security``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import argparse
 from collections import Counter
 from dataclasses import dataclass, fields
 
-from starhub.protocol import ErrorCode, ProtocolError
+from starhub.wire.messages import ErrorCode, ProtocolError
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,9 @@ import time
 from pathlib import Path
 
 from bench import cli as bench_cli
-from starhub import edge_cli, security
+from starhub.cli import edge as edge_cli
+from starhub.cli import launch as launch_cli
 from starhub.launch import READY, spawn_hub
-from starhub.launch import cli as launch_cli
-from starhub.limits import add_limit_args, limits_from_args
 from starhub.options import (  # noqa: F401  (re-exported: earlier homes of these names)
     AUTO,
     DEFAULT_DEPTH,
@@ -39,8 +38,10 @@ from starhub.options import (  # noqa: F401  (re-exported: earlier homes of thes
     threads_arg,
 )
 from starhub.options import add_tree_args as _add_tree_args
+from starhub.server.limits import add_limit_args, limits_from_args
+from starhub.wire import security
 
-DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "scripts" / "prompts" / "demo.jsonl"
+DEMO_PROMPTS = Path(__file__).resolve().parents[2] / "scripts" / "prompts" / "demo.jsonl"
 
 
 def _setup_logging(level: str) -> None:
@@ -221,15 +222,15 @@ def cmd_hub(args: argparse.Namespace) -> int:
     import asyncio
 
     from starhub.drafters import TreeShape, make_drafter
-    from starhub.hub import Hub, HubConfig
-    from starhub.models import set_threads
+    from starhub.hub.server import Hub, HubConfig
+    from starhub.models.loading import set_threads
 
     secure = security.ServerSecurity.from_args(args)
     security.check_bind(args.bind, secure)  # before the drafter loads: fail at once
     threads = args.threads or set_threads(None)
     set_threads(1)
     if draft_process_for(args.draft_process, args.drafter):
-        from starhub.drafting_process import RemoteDrafter
+        from starhub.hub.drafting_process import RemoteDrafter
 
         draft = ["--draft", args.draft] if args.draft else []
         drafter = RemoteDrafter(["--drafter", args.drafter, *draft, "--model", args.model,
@@ -255,7 +256,7 @@ def cmd_hub(args: argparse.Namespace) -> int:
         import contextlib
         import signal
 
-        from starhub.shutdown import drain
+        from starhub.hub.shutdown import drain
 
         task = asyncio.create_task(hub.serve())
         await hub.ready.wait()
@@ -290,7 +291,7 @@ def cmd_target(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from starhub.models import load_model, set_threads
+    from starhub.models.loading import load_model, set_threads
     from targets.api import attach
 
     set_threads(resolve_threads(args.threads))
@@ -314,7 +315,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from starhub.demo import run_demo
+    from starhub.cli.demo import run_demo
 
     return run_demo(args, _tree_flags(args))
 

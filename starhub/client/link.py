@@ -15,8 +15,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from starhub.protocol import Hello, Welcome
-from targets.client import HubClient, HubUnavailable
+from starhub.client.connection import HubClient, HubUnavailable
+from starhub.wire.messages import Hello, Welcome
 
 log = logging.getLogger("starhub.target")
 

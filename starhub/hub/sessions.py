@@ -6,11 +6,11 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from starhub.control import Choice
+from starhub.control.plane import Choice
 from starhub.drafters.base import DraftContext
 from starhub.drafters.ngram import NgramIndex
-from starhub.protocol import ErrorCode, Open, ProtocolError
-from starhub.tree import DraftTree
+from starhub.wire.messages import ErrorCode, Open, ProtocolError
+from starhub.wire.tree import DraftTree
 
 
 @dataclass

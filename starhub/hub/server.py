@@ -1,10 +1,10 @@
 """The draft hub: StarSD's Algorithm 1 on one ROUTER socket.
 
-receiver -> global request buffer -> work-conserving worker (``starhub.worker``: drafts
+receiver -> global request buffer -> work-conserving worker (``starhub.hub.worker``: drafts
 batches in a thread, pre-drafts when idle) -> sender.
 The receiver never waits for drafting, so a slow target never holds up the others, and
 nothing a peer sends can stop the loop: bad input gets an ERROR and serving goes on.
-The controller (``starhub.control``) admits targets at HELLO and shapes every round before
+The controller (``starhub.control.plane``) admits targets at HELLO and shapes every round before
 it enters the buffer; a round it makes plain is answered at once and never drafted.
 """
 
@@ -20,13 +20,16 @@ import torch
 import zmq
 import zmq.asyncio
 
-from starhub.control import AUTO, Controller
+from starhub.control.plane import AUTO, Controller
 from starhub.drafters.base import Drafter, TreeShape
-from starhub.hub_config import HubConfig, Request, drafting_thread
-from starhub.isolation import Observers, hub_view
-from starhub.limits import SessionBudget
-from starhub.metrics import HubMetrics, PrometheusCollector, serve_prometheus
-from starhub.protocol import (
+from starhub.hub.config import HubConfig, Request, drafting_thread
+from starhub.hub.metrics import HubMetrics, PrometheusCollector, serve_prometheus
+from starhub.hub.sessions import Peer, Session, SessionTable
+from starhub.hub.worker import DraftWorker
+from starhub.server.isolation import Observers, hub_view
+from starhub.server.limits import SessionBudget
+from starhub.wire.codec import Limits, configure_socket, decode, encode, error_for
+from starhub.wire.messages import (
     Close,
     Commit,
     Error,
@@ -42,11 +45,8 @@ from starhub.protocol import (
     Stats,
     Welcome,
 )
-from starhub.security import bind_server
-from starhub.sessions import Peer, Session, SessionTable
-from starhub.transport import Limits, configure_socket, decode, encode, error_for
-from starhub.tree import accepted_path
-from starhub.worker import DraftWorker
+from starhub.wire.security import bind_server
+from starhub.wire.tree import accepted_path
 
 log = logging.getLogger("starhub.hub")
 
@@ -70,7 +70,7 @@ class Hub:
         self.bound: str | None = None
         self.ready = asyncio.Event()
         self.accepting = True
-        """False once shutting down (``starhub.shutdown``): no new targets or sessions."""
+        """False once shutting down (``starhub.hub.shutdown``): no new targets or sessions."""
         self.linger_ms = 0
 
     async def serve(self) -> None:
@@ -358,7 +358,7 @@ class Hub:
     def stats_reply(self, identity: bytes, request: dict) -> dict:
         """STATS body: the snapshot; ``{"peer": true}`` asks for the sender's own totals
         (its time split), ``{"counters": true}`` adds raw totals for windowed rates. Other
-        targets' entries only go to a peer that said HELLO (``starhub.isolation``)."""
+        targets' entries only go to a peer that said HELLO (``starhub.server.isolation``)."""
         if request.get("peer"):
             totals = self.metrics.totals_of(identity)
             return {"peer": totals.to_dict() if totals else {}}

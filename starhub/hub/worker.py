@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 
 from starhub.drafters.base import TreeShape
 from starhub.drafters.ngram import NgramIndex
-from starhub.hub_config import Request
-from starhub.protocol import Error, ErrorCode, Propose
-from starhub.sessions import Session
-from starhub.tree import DraftTree, graft
+from starhub.hub.config import Request
+from starhub.hub.sessions import Session
+from starhub.wire.messages import Error, ErrorCode, Propose
+from starhub.wire.tree import DraftTree, graft
 
 if TYPE_CHECKING:
-    from starhub.hub import Hub
+    from starhub.hub.server import Hub
 
 log = logging.getLogger("starhub.hub")
 

@@ -6,13 +6,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from starhub.control import AUTO, ControlConfig
+from starhub.control.plane import AUTO, ControlConfig
 from starhub.drafters.base import TreeShape
-from starhub.limits import SessionLimits
+from starhub.hub.sessions import Session
 from starhub.options import DEFAULT_LOOKUP, DEFAULT_PREDRAFT
-from starhub.security import ServerSecurity
-from starhub.sessions import Session
-from starhub.transport import Limits
+from starhub.server.limits import SessionLimits
+from starhub.wire.codec import Limits
+from starhub.wire.security import ServerSecurity
 
 
 @dataclass
@@ -37,7 +37,7 @@ class HubConfig:
     threads: int = 0
     """Torch threads of the drafting thread; 0 keeps torch's setting."""
     limits: SessionLimits = field(default_factory=SessionLimits)
-    """Sessions, their lengths and the tokens cached over all of them (``starhub.limits``)."""
+    """Sessions, their lengths and the tokens cached over all of them (``server.limits``)."""
     security: ServerSecurity = field(default_factory=ServerSecurity)
     batch: int | str = AUTO
     """``--batch``: sessions drafted together in one pass per tree layer; ``auto`` takes

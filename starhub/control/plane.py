@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from starhub.estimators import MAX_AUTO_DEPTH, Acceptance, Ema, LinearFit
+from starhub.control.estimators import MAX_AUTO_DEPTH, Acceptance, Ema, LinearFit
 
 AUTO = "auto"
 PLAIN_TOKENS = 16

@@ -1,4 +1,4 @@
-"""The child side of ``starhub.drafting_process``: it holds the hub's drafter and every
+"""The child side of ``starhub.hub.drafting_process``: it holds the hub's drafter and every
 session's drafting state, and drafts what the hub sends over its private link."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import numpy as np
 import zmq
 
 from starhub.drafters.base import DraftContext, Drafter, TreeShape
-from starhub.drafting_process import POLL_MS, Job, pack, tree_in, tree_out, unpack
-from starhub.tree import DraftTree
+from starhub.hub.drafting_process import POLL_MS, Job, pack, tree_in, tree_out, unpack
+from starhub.wire.tree import DraftTree
 
 log = logging.getLogger("starhub.hub")
 
@@ -132,7 +132,7 @@ def ready_message(drafter: Drafter) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m starhub.drafting_child",
+        prog="python -m starhub.hub.drafting_child",
         description="The hub's drafter in a process of its own. `starhub hub` starts it; "
                     "it serves only the hub that started it, over --link.")
     parser.add_argument("--link", required=True, help="the hub's ipc:// endpoint")
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         datefmt="%H:%M:%S")
     from starhub.drafters import make_drafter
-    from starhub.models import set_threads
+    from starhub.models.loading import set_threads
 
     set_threads(args.threads)
     context = zmq.Context()

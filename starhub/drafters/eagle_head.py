@@ -29,7 +29,7 @@ from transformers import LlamaConfig, PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from starhub.kvcache import KVCache, Segment
+from starhub.models.kvcache import KVCache, Segment
 
 EAGLE = "eagle"
 EAGLE3 = "eagle3"

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from starhub.security import add_client_args, client_curve_from_args
+from starhub.wire.security import add_client_args, client_curve_from_args
 
 LAUNCH_EPILOG = """\
 a deployment file (see configs/) looks like:
@@ -103,7 +103,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _check_prompts(path: str) -> None:
-    from starhub.prompts import read_prompts
+    from starhub.models.prompts import read_prompts
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"prompts file {path} not found")
@@ -111,8 +111,8 @@ def _check_prompts(path: str) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from starhub.client.connection import HubUnavailable
     from starhub.launch.status import query_stats, report
-    from targets.client import HubUnavailable
 
     curve = client_curve_from_args(args)
     try:

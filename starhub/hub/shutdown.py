@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 
-from starhub.protocol import Error, ErrorCode
+from starhub.wire.messages import Error, ErrorCode
 
 log = logging.getLogger("starhub.hub")
 

@@ -53,7 +53,7 @@ def generate_alone(args: argparse.Namespace, rows: list[dict]) -> dict[str, tupl
     import torch
 
     from bench.baselines import hf_generate
-    from starhub.models import load_model
+    from starhub.models.loading import load_model
 
     torch.set_num_threads(args.threads)
     model, _ = load_model(args.model, dtype=args.dtype, linear=args.linear, device=args.device)

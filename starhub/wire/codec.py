@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import zmq
 
-from starhub.protocol import (
+from starhub.wire.messages import (
     MESSAGE_TYPES,
     VERSION,
     Error,

@@ -9,9 +9,9 @@ import time
 
 import zmq
 
-from starhub.protocol import Error, Hello, Message, Ping, Pong, ProtocolError, Reject, Welcome
-from starhub.security import ClientCurve, prepare_client
-from starhub.transport import Limits, configure_socket, decode, encode
+from starhub.wire.codec import Limits, configure_socket, decode, encode
+from starhub.wire.messages import Error, Hello, Message, Ping, Pong, ProtocolError, Reject, Welcome
+from starhub.wire.security import ClientCurve, prepare_client
 
 log = logging.getLogger("starhub.target")
 

@@ -7,9 +7,7 @@ import json
 import logging
 import sys
 
-from starhub import security
 from starhub.launch import READY
-from starhub.limits import VERIFIER_LIMITS, add_limit_args, limits_from_args
 from starhub.options import (
     AUTO,
     DEFAULT_THREADS,
@@ -22,6 +20,8 @@ from starhub.options import (
     resolve_threads,
     threads_arg,
 )
+from starhub.server.limits import VERIFIER_LIMITS, add_limit_args, limits_from_args
+from starhub.wire import security
 
 SCHEDULES = ("fifo", "goodspeed", "slo", "random")
 DEFAULT_SHAPE = TreeShape()
@@ -138,7 +138,7 @@ def add_parsers(sub) -> None:
 
 
 def cmd_verifier(args: argparse.Namespace) -> int:
-    from starhub.models import load_model, set_threads
+    from starhub.models.loading import load_model, set_threads
     from targets.verifier import Verifier, VerifierConfig
 
     secure = security.ServerSecurity.from_args(args)
@@ -165,9 +165,9 @@ def cmd_drafter(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from starhub.drafters import make_drafter
-    from starhub.edge_drafter import EdgeDrafter, VerifierUnavailable, result_json
-    from starhub.models import eos_ids, load_tokenizer, set_threads
-    from starhub.prompts import encode_prompt, read_prompts
+    from starhub.edge.drafter import EdgeDrafter, VerifierUnavailable, result_json
+    from starhub.models.loading import eos_ids, load_tokenizer, set_threads
+    from starhub.models.prompts import encode_prompt, read_prompts
 
     curve = security.client_curve_from_args(args)
     threads = set_threads(resolve_threads(args.threads))

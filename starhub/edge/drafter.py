@@ -18,8 +18,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 import zmq
 
+from starhub.client.round_stats import clip_output, count_round, mean_accept_len
 from starhub.drafters.base import DraftContext, Drafter, TreeShape
-from starhub.protocol import (
+from starhub.wire.codec import Limits, configure_socket, decode, encode, to_torch
+from starhub.wire.messages import (
     Close,
     Commit,
     Error,
@@ -32,9 +34,7 @@ from starhub.protocol import (
     Reject,
     Welcome,
 )
-from starhub.round_stats import clip_output, count_round, mean_accept_len
-from starhub.security import ClientCurve, prepare_client
-from starhub.transport import Limits, configure_socket, decode, encode, to_torch
+from starhub.wire.security import ClientCurve, prepare_client
 
 log = logging.getLogger("starhub.drafter")
 

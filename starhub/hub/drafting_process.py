@@ -5,7 +5,7 @@ interpreter lock that the drafting thread needs between two tensor operations: a
 busy targets the loop's 0.5 ms of Python a round kept the drafting thread off the CPU for
 a tenth of its time, and batched drafting made about a fifth fewer rounds than it does in a
 process of its own. Here the drafter runs in a child (``python -m
-starhub.drafting_child``) and the hub holds a ``RemoteDrafter``:
+starhub.hub.drafting_child``) and the hub holds a ``RemoteDrafter``:
 the same ``Drafter`` interface, each call a message on a ZeroMQ PAIR socket over a
 private ipc:// path. The child keeps the sessions' drafting state; every job carries the
 tokens and feature rows its session gained since the one before, and a session the hub
@@ -39,8 +39,8 @@ import numpy as np
 import zmq
 
 from starhub.drafters.base import DraftContext, Drafter, TargetNeeds, TreeShape
-from starhub.transport import array_frame, frame_array
-from starhub.tree import DraftTree
+from starhub.wire.codec import array_frame, frame_array
+from starhub.wire.tree import DraftTree
 
 log = logging.getLogger("starhub.hub")
 
@@ -102,7 +102,7 @@ class Mirror:
 
 class RemoteDrafter(Drafter):
     """A drafter in a child process (see the module docstring). ``argv`` says which one, as
-    ``python -m starhub.drafting_child --help`` explains; ``threads`` are its torch
+    ``python -m starhub.hub.drafting_child --help`` explains; ``threads`` are its torch
     threads."""
 
     def __init__(self, argv: list[str], threads: int = 1, start_timeout_s: float = 600.0):
@@ -123,7 +123,7 @@ class RemoteDrafter(Drafter):
         """Held while a call talks to the child, so that ``close`` never pulls the link
         from under one (a hub that stops mid-batch closes from another thread)."""
         self._closed = False
-        self._proc = subprocess.Popen([sys.executable, "-m", "starhub.drafting_child",
+        self._proc = subprocess.Popen([sys.executable, "-m", "starhub.hub.drafting_child",
                                        "--link", endpoint, "--threads", str(threads), *argv])
         try:
             ready = self._recv(start_timeout_s, starting=True)
