@@ -25,20 +25,25 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from bench.emulate_spec import VOCAB, EmulateSpec, load_trace
+from bench.emulate_targets import targets_main
 from bench.model import StarModel
+from bench.notes import METRIC_NOTES
+from starhub.hub.metrics import derive
+from starhub.launch import READY, child_env
+from starhub.launch.status import observer_client
+from starhub.options import AUTO, MAX_AUTO_DEPTH, max_targets_arg
+from starhub.wire.messages import Stats
 
 __all__ = ["EmulateOptions", "EmulateSpec", "emulated_doc", "load_trace", "run_emulated"]
 
 # --- the hub process -------------------------------------------------------------------
 
 def hub_main(args: argparse.Namespace) -> int:
-    from starhub.control.plane import AUTO, MAX_AUTO_DEPTH
+    # deferred: torch and transformers load only when this runs
     from starhub.drafters.base import TreeShape
     from starhub.drafters.emulated import EmulatedDrafter
     from starhub.hub.server import Hub, HubConfig
-    from starhub.launch import READY
     from starhub.models.loading import set_threads
-    from starhub.options import max_targets_arg
 
     set_threads(args.threads)
     adaptive = args.depth == AUTO
@@ -91,7 +96,6 @@ class EmulateOptions:
 def _spawn_ready(cmd: list[str], log_path: str, timeout_s: float = 120.0,
                  stdin: bool = False) -> tuple[subprocess.Popen, str]:
     """Start ``cmd`` and wait for its first line that starts with READY."""
-    from starhub.launch import child_env
 
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
@@ -130,9 +134,6 @@ def run_point(spec: EmulateSpec, n: int, opts: EmulateOptions, log_dir: str,
     """One N: a fresh hub process, N emulated targets, a measured window between two STATS
     readings after a warm-up; returns the benchmark row with the model's prediction.
     ``depth`` (a number or ``auto``) overrides the spec's."""
-    from starhub.hub.metrics import derive
-    from starhub.launch.status import observer_client
-    from starhub.wire.messages import Stats
 
     depth = spec.depth if depth is None else depth
     if depth != "auto":
@@ -291,7 +292,7 @@ def emulated_doc(spec: EmulateSpec, ns: list[int], opts: EmulateOptions,
                  progress: bool = True, depths: list[int | str] | None = None,
                  max_targets: list[int | str] | None = None) -> dict:
     """The benchmark JSON for an emulated run: rows with the model's prediction beside."""
-    from bench.notes import METRIC_NOTES
+    # deferred: torch and transformers load only when this runs
     from bench.run import machine_info
 
     model = spec.model()
@@ -324,8 +325,6 @@ def emulated_doc(spec: EmulateSpec, ns: list[int], opts: EmulateOptions,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.emulate_targets import targets_main
-
     parser = argparse.ArgumentParser(prog="python -m bench.emulate")
     sub = parser.add_subparsers(dest="role", required=True)
     hub = sub.add_parser("hub", help="a real hub whose drafter sleeps depth·t_s")

@@ -14,7 +14,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from starhub.options import AUTO, DEFAULT_SHAPE, DRAFTERS, DTYPES, LINEARS
+from starhub.options import AUTO, DEFAULT_SHAPE, DRAFTERS, DTYPES, LINEARS, SCHEDULES
 
 try:
     import tomllib
@@ -23,7 +23,6 @@ except ModuleNotFoundError:  # Python 3.10
 
 BACKENDS = ("local", "ray")
 TOPOLOGIES = ("star", "edge")
-SCHEDULES = ("fifo", "goodspeed", "slo", "random")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
