@@ -341,8 +341,13 @@ def tree_options(args: argparse.Namespace, depths: list | None) -> dict:
 
 
 def write(args: argparse.Namespace, doc: dict) -> int:
-    """Print the table; write JSON, Markdown and the plot where asked."""
+    """Print the table (and, for an emulated run, where it strays from the model); write
+    JSON, Markdown and the plot where asked."""
     print(text_table(doc))
+    if "model_check" in doc:
+        missed = doc["model_check"]
+        print("model check: " + ("the run follows the analytical model" if not missed
+                                 else "; ".join(missed)))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(doc, indent=1) + "\n")
     if args.markdown:

@@ -197,6 +197,10 @@ on a 2-core machine one target with 2 threads ran plain decoding 1.38x faster th
 while two targets with 2 threads each would only fight over the cores."""
 
 
+CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+"""The cgroup (v2) CPU quota: "QUOTA PERIOD" in microseconds, or "max PERIOD"."""
+
+
 def usable_cores() -> int:
     """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota (as
     containers set), at least 1."""
@@ -205,7 +209,7 @@ def usable_cores() -> int:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        quota, period = CPU_MAX.read_text().split()[:2]
         if quota != "max":
             cores = min(cores, math.ceil(int(quota) / int(period)))
     except (OSError, ValueError):

@@ -372,6 +372,7 @@ class Controller:
                 "predicted_tok_s": sum(rates) if rates else None,
                 "t_c_ms": 1e3 * target.t_c.get(self.config.t_c_prior_s),
                 "verify_ms_fit": [1e3 * w for w in target.verify.weights],
+                "verify_samples": target.verify.samples,
             })
         return {
             "depth": self.config.depth, "max_targets": self.config.max_targets,
