@@ -35,7 +35,8 @@ from starhub.launch.status import observer_client
 from starhub.options import AUTO, MAX_AUTO_DEPTH, max_targets_arg
 from starhub.wire.messages import Stats
 
-__all__ = ["EmulateOptions", "EmulateSpec", "emulated_doc", "load_trace", "run_emulated"]
+__all__ = ["EmulateOptions", "EmulateSpec", "emulated_doc", "load_trace", "model_check",
+           "run_emulated"]
 
 # --- the hub process -------------------------------------------------------------------
 
