@@ -22,10 +22,12 @@ demo: install
 
 test: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-logo
 	$(BIN)/python -m pytest -q -ra
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-logo
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

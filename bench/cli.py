@@ -7,6 +7,10 @@ import json
 import sys
 from pathlib import Path
 
+from bench.defaults import BASELINES, DEFAULT_PROMPTS, DEFAULT_REPLAY_PROMPTS
+from bench.emulate import EmulateOptions, EmulateSpec, emulated_doc
+from bench.plot import plot, plot_edge
+from bench.report import markdown_table, text_table
 from starhub.options import (
     DEFAULT_DRAFT_PROCESS,
     DEFAULT_LOOKUP,
@@ -14,8 +18,11 @@ from starhub.options import (
     DEFAULT_THREADS,
     DTYPES,
     LINEARS,
+    SCHEDULES,
     auto_on_off_arg,
+    auto_or_count,
     batch_arg,
+    budget_arg,
     depth_arg,
     max_targets_arg,
     on_off_arg,
@@ -25,12 +32,9 @@ from starhub.options import (
 )
 from starhub.server.limits import positive_int
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "scripts" / "prompts" / "demo.jsonl"
-DEFAULT_REPLAY_PROMPTS = DEFAULT_PROMPTS.with_name("eval.jsonl")
 TREE_ARGS = ("drafter", "draft", "depth", "topk", "max_nodes", "draft_dtype")
 PREDRAFT_DEFAULT = "on" if DEFAULT_PREDRAFT else "off"
 LOOKUP_DEFAULT = "on" if DEFAULT_LOOKUP else "off"
-BASELINES = ("hf-generate", "hf-prompt-lookup", "colocated")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -205,9 +209,8 @@ def parse_targets(text: str) -> list[int]:
 
 
 def edge_doc(args: argparse.Namespace) -> dict:
+    # deferred: torch and transformers load only when this runs
     from bench.edge import EdgeConfig, run_edge_real
-    from starhub.cli.edge import SCHEDULES, budget_arg
-    from starhub.options import auto_or_count
 
     def schedule(text: str) -> str:
         if text not in SCHEDULES:
@@ -232,6 +235,7 @@ def edge_doc(args: argparse.Namespace) -> dict:
                      topk=single(args.topk, "--topk") or tree["topk"], log_dir=args.log_dir,
                      baselines=[b for b in args.baselines.split(",") if b == "hf-generate"])
     if args.emulate:
+        # deferred: torch and transformers load only when this runs
         from bench.emulate_edge import EdgeSpec, run_edge_emulated
 
         return run_edge_emulated(cfg, EdgeSpec.parse(args.emulate), args.warmup,
@@ -241,6 +245,7 @@ def edge_doc(args: argparse.Namespace) -> dict:
 
 def hub_load_doc(args: argparse.Namespace, ns: list[int], tree: dict,
                  admission: list) -> dict:
+    # deferred: torch and transformers load only when this runs
     from bench.hub_load import HubLoadConfig, parse_t_v, run_hub_load
 
     cfg = HubLoadConfig(targets=ns, model=args.model, dtype=args.dtype,
@@ -287,8 +292,6 @@ def main(args: argparse.Namespace) -> int:
     if args.hub_load:
         return write(args, hub_load_doc(args, ns, tree, admission))
     if args.emulate:
-        from bench.emulate import EmulateOptions, EmulateSpec, emulated_doc
-
         spec = EmulateSpec.parse(args.emulate)
         opts = EmulateOptions(duration_s=args.duration, warmup_s=args.warmup,
                               procs=args.emulate_procs,
@@ -297,6 +300,7 @@ def main(args: argparse.Namespace) -> int:
         doc = emulated_doc(spec, ns, opts, progress=not args.no_progress,
                            depths=depths or [spec.depth], max_targets=admission)
     else:
+        # deferred: torch and transformers load only when this runs
         from bench.run import BenchConfig, run_real
 
         baselines = [b for b in args.baselines.split(",") if b]
@@ -337,17 +341,18 @@ def tree_options(args: argparse.Namespace, depths: list | None) -> dict:
 
 
 def write(args: argparse.Namespace, doc: dict) -> int:
-    """Print the table; write JSON, Markdown and the plot where asked."""
-    from bench.report import markdown_table, text_table
-
+    """Print the table (and, for an emulated run, where it strays from the model); write
+    JSON, Markdown and the plot where asked."""
     print(text_table(doc))
+    if "model_check" in doc:
+        missed = doc["model_check"]
+        print("model check: " + ("the run follows the analytical model" if not missed
+                                 else "; ".join(missed)))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(doc, indent=1) + "\n")
     if args.markdown:
         Path(args.markdown).write_text(markdown_table(doc))
     if args.plot:
-        from bench.plot import plot, plot_edge
-
         (plot_edge if doc["config"].get("topology") == "edge" else plot)(doc, args.plot)
     for path in filter(None, (args.json_out, args.markdown, args.plot)):
         print(f"wrote {path}", file=sys.stderr)

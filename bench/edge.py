@@ -15,7 +15,15 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 
-from bench.run import lossless_check, machine_info, wait_for_outputs
+from bench.baselines import PromptRun, hf_generate
+from bench.emulate import _spawn_ready, _stop
+from bench.run import baseline_row, lossless_check, machine_info, wait_for_outputs
+from starhub.launch import child_env
+from starhub.launch.status import observer_client
+from starhub.models.loading import load_model, set_threads
+from starhub.models.prompts import encode_prompt, read_prompts
+from starhub.wire.messages import Stats
+from targets.runner import iter_results
 
 EDGE_NOTES = {
     "system_tok_s": "committed tokens of all drafters over the run's span",
@@ -109,8 +117,6 @@ def edge_row(n: int, schedule: str, max_batch: int | str, per_drafter: list[list
                                                   "verify_s", "gather_s", "prefill_s")},
     }
     if reference is not None:
-        from bench.baselines import PromptRun
-
         row.update(lossless_check([PromptRun(g["id"], g["output_ids"], 0.0, 0) for g in gens],
                                   reference))
     return row
@@ -118,11 +124,6 @@ def edge_row(n: int, schedule: str, max_batch: int | str, per_drafter: list[list
 
 def run_edge_real(cfg: EdgeConfig, progress: bool = True) -> dict:
     from tqdm import tqdm
-
-    from bench.baselines import hf_generate
-    from bench.run import baseline_row
-    from starhub.models.loading import load_model, set_threads
-    from starhub.models.prompts import encode_prompt, read_prompts
 
     threads = set_threads(cfg.threads)
     items = read_prompts(cfg.prompts)
@@ -159,11 +160,6 @@ def run_edge_real(cfg: EdgeConfig, progress: bool = True) -> dict:
 
 def _run_variant(cfg: EdgeConfig, n: int, schedule: str, max_batch: int | str, log_dir: str,
                  reference: dict | None, tick) -> dict:
-    from bench.emulate import _spawn_ready, _stop
-    from starhub.launch import child_env
-    from starhub.launch.status import observer_client
-    from starhub.wire.messages import Stats
-    from targets.runner import iter_results
 
     name = f"n{n}-{schedule}-b{batch_flag(max_batch)}"
     cmd = [sys.executable, "-m", "starhub", "verifier", "--bind", "tcp://127.0.0.1:0",

@@ -23,22 +23,29 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from itertools import pairwise
 
 from bench.emulate_spec import VOCAB, EmulateSpec, load_trace
+from bench.emulate_targets import targets_main
 from bench.model import StarModel
+from bench.notes import METRIC_NOTES
+from starhub.hub.metrics import derive
+from starhub.launch import READY, child_env
+from starhub.launch.status import observer_client
+from starhub.options import AUTO, MAX_AUTO_DEPTH, max_targets_arg
+from starhub.wire.messages import Stats
 
-__all__ = ["EmulateOptions", "EmulateSpec", "emulated_doc", "load_trace", "run_emulated"]
+__all__ = ["EmulateOptions", "EmulateSpec", "emulated_doc", "load_trace", "model_check",
+           "run_emulated"]
 
 # --- the hub process -------------------------------------------------------------------
 
 def hub_main(args: argparse.Namespace) -> int:
-    from starhub.control.plane import AUTO, MAX_AUTO_DEPTH
+    # deferred: torch and transformers load only when this runs
     from starhub.drafters.base import TreeShape
     from starhub.drafters.emulated import EmulatedDrafter
     from starhub.hub.server import Hub, HubConfig
-    from starhub.launch import READY
     from starhub.models.loading import set_threads
-    from starhub.options import max_targets_arg
 
     set_threads(args.threads)
     adaptive = args.depth == AUTO
@@ -91,7 +98,6 @@ class EmulateOptions:
 def _spawn_ready(cmd: list[str], log_path: str, timeout_s: float = 120.0,
                  stdin: bool = False) -> tuple[subprocess.Popen, str]:
     """Start ``cmd`` and wait for its first line that starts with READY."""
-    from starhub.launch import child_env
 
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
@@ -130,9 +136,6 @@ def run_point(spec: EmulateSpec, n: int, opts: EmulateOptions, log_dir: str,
     """One N: a fresh hub process, N emulated targets, a measured window between two STATS
     readings after a warm-up; returns the benchmark row with the model's prediction.
     ``depth`` (a number or ``auto``) overrides the spec's."""
-    from starhub.hub.metrics import derive
-    from starhub.launch.status import observer_client
-    from starhub.wire.messages import Stats
 
     depth = spec.depth if depth is None else depth
     if depth != "auto":
@@ -287,11 +290,56 @@ def run_emulated(spec: EmulateSpec, ns: list[int], opts: EmulateOptions,
     return rows
 
 
+def model_check(rows: list[dict], model: StarModel) -> list[str]:
+    """The bounds an emulated run at the spec's depth meets when the hub behaves as the
+    analytical model says, loose enough for a busy 2-core machine: one line per bound a row
+    misses, none when the run follows the model. Below N_full the idle gap shrinks by S per
+    added target (and agrees with the model fed the measured S and Z); from N_full on the
+    hub saturates, r_q reaches 1/S(d) and r_p falls as N grows."""
+    z, s = model.Z * 1e3, model.S * 1e3
+    by_n = {r["targets"]: r for r in rows}
+    missed = []
+
+    def check(ok: bool, n: int, what: str) -> None:
+        if not ok:
+            missed.append(f"N={n}: {what}")
+
+    for n, row in sorted(by_n.items()):
+        idle = row["t_idle_ms"]
+        if n < model.n_full:
+            want = 1e3 * model.t_idle(n)
+            check(abs(idle - want) < 0.15 * z, n, f"t_idle_ms {idle:.2f}, model {want:.2f}")
+            own = row["model_measured_sz"]["t_idle_ms"]
+            check(abs(idle - own) < 0.1 * z, n,
+                  f"t_idle_ms {idle:.2f}, model with measured S and Z {own:.2f}")
+        else:
+            check(row["load"] >= 0.9, n, f"load {row['load']:.2f} < 0.9 past N_full")
+            check(idle < 0.2 * s, n, f"t_idle_ms {idle:.2f} >= 0.2 S past N_full")
+        check(abs(row["mean_accept_len"] - model.tau) <= 0.15 * model.tau, n,
+              f"tau {row['mean_accept_len']:.2f}, model {model.tau:.2f}")
+        check(row["overhead_ms"] < 5, n, f"overhead_ms {row['overhead_ms']:.2f} >= 5")
+        check(abs(row["z_ms"] - z) <= 0.2 * z, n, f"z_ms {row['z_ms']:.2f}, spec {z:.2f}")
+    saturated = [n for n in sorted(by_n) if n >= model.n_full]
+    if saturated:
+        top = by_n[saturated[-1]]
+        check(abs(top["r_q"] * model.S - 1) <= 0.2, saturated[-1],
+              f"r_q {top['r_q']:.1f}, 1/S {1 / model.S:.1f}")
+        want = model.predict(saturated[-1])["r_p"]
+        check(abs(top["r_p"] - want) <= 0.25 * want, saturated[-1],
+              f"r_p {top['r_p']:.2f}, model {want:.2f}")
+        below = [n for n in sorted(by_n) if n < model.n_full]
+        for lower, higher in pairwise(below[-1:] + saturated):
+            slack = 1.05 if lower < model.n_full else 1.0
+            check(by_n[higher]["r_p"] < slack * by_n[lower]["r_p"], higher,
+                  f"r_p {by_n[higher]['r_p']:.2f} does not fall below N={lower}'s")
+    return missed
+
+
 def emulated_doc(spec: EmulateSpec, ns: list[int], opts: EmulateOptions,
                  progress: bool = True, depths: list[int | str] | None = None,
                  max_targets: list[int | str] | None = None) -> dict:
     """The benchmark JSON for an emulated run: rows with the model's prediction beside."""
-    from bench.notes import METRIC_NOTES
+    # deferred: torch and transformers load only when this runs
     from bench.run import machine_info
 
     model = spec.model()
@@ -320,12 +368,13 @@ def emulated_doc(spec: EmulateSpec, ns: list[int], opts: EmulateOptions,
                          "model_measured_sz": "the model again with the measured round "
                                               "time and return time in place of S and Z"},
     }
-    return {"machine": machine_info(), "config": config, "rows": rows}
+    doc = {"machine": machine_info(), "config": config, "rows": rows}
+    if config["depth"] == [spec.depth] and config["max_targets"] == [0]:
+        doc["model_check"] = model_check(rows, model)
+    return doc
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.emulate_targets import targets_main
-
     parser = argparse.ArgumentParser(prog="python -m bench.emulate")
     sub = parser.add_subparsers(dest="role", required=True)
     hub = sub.add_parser("hub", help="a real hub whose drafter sleeps depth·t_s")

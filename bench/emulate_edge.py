@@ -24,11 +24,20 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from bench.edge import EDGE_NOTES, batch_flag, edge_row, jain
+from bench.emulate import _spawn_ready, _stop
 from bench.emulate_spec import VOCAB, _seconds
+from bench.run import machine_info
 from starhub.drafters.base import DraftContext, Drafter, TreeShape
 from starhub.drafters.emulated import CalibratedSleep
+from starhub.edge.drafter import EdgeDrafter
+from starhub.launch import READY
+from starhub.launch.status import observer_client
+from starhub.options import max_batch_arg
+from starhub.wire.messages import Hello, Stats
 from starhub.wire.tree import DraftTree, chain_tree, children
 from targets.engine import BatchStats
+from targets.verifier import Verifier, VerifierConfig
 from targets.verify import Verdict
 
 KEYS = ("t_v", "t_tok", "t_attn", "t_d", "beta", "slo", "prompt")
@@ -184,15 +193,10 @@ class EmulatedChainDrafter(Drafter):
 # --- the verifier process -------------------------------------------------------------
 
 def verifier_main(argv: list[str]) -> int:
-    from starhub.cli.edge import batch_arg
-    from starhub.launch import READY
-    from starhub.wire.messages import Hello
-    from targets.verifier import Verifier, VerifierConfig
-
     p = argparse.ArgumentParser(prog="python -m bench.emulate_edge verifier")
     p.add_argument("--spec", required=True)
     p.add_argument("--schedule", default="fifo")
-    p.add_argument("--max-batch", type=batch_arg, default=0)
+    p.add_argument("--max-batch", type=max_batch_arg, default=0)
     p.add_argument("--budget", type=int, default=0)
     p.add_argument("--nodes", type=int, default=10)
     args = p.parse_args(argv)
@@ -219,11 +223,6 @@ def run_point(spec: EdgeSpec, n: int, schedule: str, max_batch: int | str, budge
               nodes: int, warmup_s: float, duration_s: float, log_dir: str,
               seed: int = 0) -> dict:
     """One row: a fresh verifier, N drafter threads, a measured window after a warm-up."""
-    from bench.edge import batch_flag, edge_row, jain
-    from bench.emulate import _spawn_ready, _stop
-    from starhub.edge.drafter import EdgeDrafter
-    from starhub.launch.status import observer_client
-    from starhub.wire.messages import Stats
 
     name = f"n{n}-{schedule}-b{batch_flag(max_batch)}"
     cmd = [sys.executable, "-m", "bench.emulate_edge", "verifier", "--spec", spec.text(),
@@ -302,9 +301,6 @@ def _waits(edges: list) -> tuple[float, float]:
 def run_edge_emulated(cfg, spec: EdgeSpec, warmup_s: float, duration_s: float,
                       progress: bool = True) -> dict:
     from tqdm import tqdm
-
-    from bench.edge import EDGE_NOTES, batch_flag
-    from bench.run import machine_info
 
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="starhub-edge-emulated-")
     rows = []

@@ -23,12 +23,14 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from bench.emulate_spec import PROMPT_LEN, VOCAB, EmulateSpec
+from starhub.wire.messages import Close, Commit, Hello, Open, Ping, Propose, Reject, Stats, Welcome
 
 
 def dealer(ctx, hub: str, name: str):
     """A DEALER socket to ``hub`` whose identity is ``name`` plus this process's id."""
     import zmq
 
+    # deferred: torch load only when this runs
     from starhub.wire.codec import Limits, configure_socket
 
     sock = ctx.socket(zmq.DEALER)
@@ -40,6 +42,7 @@ def dealer(ctx, hub: str, name: str):
 
 async def ask(sock, msg):
     """Send one message and wait for the reply."""
+    # deferred: torch load only when this runs
     from starhub.wire.codec import decode, encode
 
     await sock.send_multipart(encode(msg), copy=False)
@@ -110,14 +113,11 @@ class EmulatedTargets:
         self.stop = asyncio.Event()
 
     def hello(self, index: int):
-        from starhub.wire.messages import Hello
-
         return Hello(name=f"emu{index}", vocab_size=VOCAB, step_ms=1e3 * self.spec.step)
 
     async def connect(self) -> list:
         """Sockets for every target, each greeted once (admitted or not), and the link's
         own round trip measured so that the emulated ``t_c`` includes it."""
-        from starhub.wire.messages import Ping, Reject, Welcome
 
         socks = [dealer(self.ctx, self.hub, f"emu{self.first + i}") for i in range(self.count)]
         replies = await asyncio.gather(*(ask(s, self.hello(self.first + i))
@@ -143,7 +143,6 @@ class EmulatedTargets:
         real sockets' latency is part of t_c, never added on top of it. Where hundreds of
         targets crowd a few cores their wake-ups alone can exceed t_c; the delay then goes
         negative (shortening the emulated verification), and the row reports it."""
-        from starhub.wire.messages import Stats
 
         await self.go.wait()
         sock = dealer(self.ctx, self.hub, "emu-1")
@@ -166,15 +165,12 @@ class EmulatedTargets:
     def open_message(self, index: int):
         import numpy as np
 
-        from starhub.wire.messages import Open
-
         tokens = (np.arange(PROMPT_LEN + 1, dtype=np.int32) * 7 + index) % VOCAB
         return Open(ref=next(self.refs), prompt_len=PROMPT_LEN, tokens=tokens,
                     step_ms=1e3 * self.spec.step)
 
     async def run_one(self, i: int, sock) -> None:
         """Target ``first + i``: sessions while admitted; alone, and asking again, while not."""
-        from starhub.wire.messages import Welcome
 
         await self.go.wait()
         while not self.stop.is_set():
@@ -204,8 +200,8 @@ class EmulatedTargets:
         """One session of ``max_new_tokens``: OPEN, then verify or decode as proposed."""
         import numpy as np
 
+        # deferred: torch load only when this runs
         from starhub.wire.codec import decode, encode
-        from starhub.wire.messages import Close, Commit, Propose
 
         index = self.first + i
         await sock.send_multipart(encode(self.open_message(index)), copy=False)

@@ -25,6 +25,7 @@ import zmq
 
 from bench.malformed import Malformed, Target
 from starhub.launch import spawn_hub
+from starhub.models.prompts import encode_prompt
 from starhub.wire.codec import decode, encode
 from starhub.wire.messages import Error, ErrorCode, Hello, Open, Ping, Pong, Propose, Stats, Welcome
 
@@ -175,8 +176,8 @@ def run(messages: int, model_spec: str = "default", drafter: str = "eagle",
     prompts through it, over and over, until the blast is over."""
     import torch
 
+    # deferred: transformers load only when this runs
     from starhub.models.loading import load_model
-    from starhub.models.prompts import encode_prompt
     from targets import attach
 
     torch.set_num_threads(1)

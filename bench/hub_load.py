@@ -17,9 +17,15 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.replay import DEFAULT_REPLAY_PROMPTS, Recording, ensure_recording
-from bench.run import StarConfig, StarVariant, hub_flags, on_off, variants
-from starhub.hub.metrics import DRAFT_KEYS
+from bench.defaults import DEFAULT_REPLAY_PROMPTS
+from bench.emulate_spec import EmulateSpec
+from bench.replay import Recording, ensure_recording
+from bench.replay_targets import measure
+from bench.run import StarConfig, StarVariant, hub_flags, machine_info, on_off, variants
+from starhub.client.connection import HubClient
+from starhub.hub.metrics import DRAFT_KEYS, derive
+from starhub.launch import spawn_hub
+from starhub.wire.messages import Hello, Welcome
 
 WINDOW_KEYS = ("r_q", "t_s_ms", "t_draft_ms", "load", "system_tok_s", "per_target_tok_s",
                "mean_accept_len", "t_wait_ms", "t_idle_ms", "z_ms", "rounds", "commits",
@@ -67,7 +73,6 @@ def parse_t_v(spec: str | None) -> float | None:
     """``--emulate`` in hub-load mode: only ``t_v=`` (how long a client 'verifies')."""
     if not spec:
         return None
-    from bench.emulate_spec import EmulateSpec
 
     keys = {item.partition("=")[0].strip() for item in spec.split(",") if item.strip()}
     if keys != {"t_v"}:
@@ -77,8 +82,6 @@ def parse_t_v(spec: str | None) -> float | None:
 
 def feature_layers_of(address: str) -> tuple[list[int], str]:
     """The features the hub's WELCOME asks targets for, and its drafter's name."""
-    from starhub.client.connection import HubClient
-    from starhub.wire.messages import Hello, Welcome
 
     client = HubClient(address, timeout_s=30)
     try:
@@ -92,7 +95,6 @@ def feature_layers_of(address: str) -> tuple[list[int], str]:
 
 def load_row(cfg: HubLoadConfig, n: int, variant: StarVariant, c0: dict, c1: dict,
              replay: dict, drafter: str) -> dict:
-    from starhub.hub.metrics import derive
 
     window = derive(c0["counters"], c1["counters"], targets=n)
     return {
@@ -113,8 +115,6 @@ def run_point(cfg: HubLoadConfig, n: int, variant: StarVariant, log_dir: str,
     """One row: a fresh hub, N replay clients, a warm-up, then the measured window. The
     recording is made (or read from the cache) once the first hub says which features
     it wants."""
-    from bench.replay_targets import measure
-    from starhub.launch import spawn_hub
 
     name = f"n{n}-{variant.name}" + (f"-run{run + 1}" if cfg.repeat > 1 else "")
     with open(f"{log_dir}/hub-{name}.log", "w") as hub_log, \
@@ -155,7 +155,6 @@ def run_hub_load(cfg: HubLoadConfig, progress: bool = True) -> dict:
     """Rows for every N and combination of control values, in that order. With
     ``repeat`` > 1 all rows run, then all again, so that a machine's slow spell falls on
     every row rather than on one; each row keeps its median run."""
-    from bench.run import machine_info
 
     if cfg.repeat < 1:
         raise ValueError("--repeat must be at least 1")

@@ -27,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from starhub.launch import child_env, spawn_hub, target_command
+
 HUB_IP, TARGET_IP = "10.77.0.1", "10.77.0.2"
 INSIDE = "--inside-namespaces"
 DELAY_BY = ("auto", "netem", "relay")
@@ -164,8 +166,6 @@ class Relay:
 
 
 def _run_delay(link: Link, args: argparse.Namespace, delay: float, tmp: Path) -> LinkRow:
-    from starhub.launch import child_env, spawn_hub, target_command
-
     by = args.delay_by if delay else "none"
     link.delay(delay if by == "netem" else 0.0)
     hub_args = ["--bind", f"tcp://{HUB_IP}:0", "--insecure", "--drafter", args.drafter,

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.cli import DEFAULT_REPLAY_PROMPTS  # noqa: F401  (re-exported)
-from starhub.wire.tree import accepted_path  # noqa: F401  (re-exported)
+from starhub.models.prompts import encode_prompt, read_prompts
+from starhub.wire.tree import DraftTree
 
 FORMAT = 1
 """Bumped whenever what a recording holds changes, so old caches are never misread."""
@@ -112,8 +112,8 @@ def ensure_recording(model: str, prompts: str | Path, count: int, max_new_tokens
                      feature_layers: list[int], threads: int = 1, dtype: str = "auto",
                      cache: Path | None = None, progress: bool = True) -> Recording:
     """The cached recording for these settings, made now if there is none."""
+    # deferred: transformers load only when this runs
     from starhub.models.loading import resolve
-    from starhub.models.prompts import read_prompts
 
     items = read_prompts(prompts)[:count]
     if not items:
@@ -144,8 +144,8 @@ def record(model_spec: str, prompts: str, items: list[tuple[object, str]],
     """Decode each prompt greedily with plain steps, keeping every position's features."""
     import torch
 
+    # deferred: transformers load only when this runs
     from starhub.models.loading import load_model, set_threads, tokenizer_fingerprint
-    from starhub.models.prompts import encode_prompt
     from targets.verify import TargetModel
 
     started = time.perf_counter()
@@ -191,8 +191,8 @@ def _time_verify(model, prompt: np.ndarray, output: np.ndarray, layers: list[int
                  nodes: int = VERIFY_NODES, reps: int = 6) -> float:
     """Milliseconds of one tree verification after a recorded context: a chain of
     recorded tokens (its cost depends on the node count, not on which are accepted)."""
+    # deferred: transformers load only when this runs
     from starhub.models.kvcache import crop_to
-    from starhub.wire.tree import DraftTree
     from targets.verify import TargetModel
 
     target = TargetModel(model, feature_layers=layers)

@@ -19,7 +19,21 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bench.emulate_targets import CalibratedWait, ask, dealer
-from bench.replay import Recording, accepted_path
+from bench.replay import Recording
+from starhub.wire.codec import decode, encode
+from starhub.wire.messages import (
+    Close,
+    Commit,
+    Error,
+    ErrorCode,
+    Hello,
+    Open,
+    Propose,
+    Reject,
+    Stats,
+    Welcome,
+)
+from starhub.wire.tree import accepted_path
 
 log = logging.getLogger("starhub.bench.replay")
 
@@ -72,8 +86,6 @@ class ReplayTargets:
         self.socks: list = []
 
     def hello(self, index: int):
-        from starhub.wire.messages import Hello
-
         meta = self.rec.meta
         return Hello(name=f"replay{index}", vocab_size=meta.vocab_size,
                      tokenizer_fp=meta.tokenizer_fp, hidden_size=meta.hidden_size,
@@ -81,13 +93,10 @@ class ReplayTargets:
 
     async def stats(self, sock) -> dict:
         """The hub's raw counters, asked on an observer socket (``sock``)."""
-        from starhub.wire.messages import Stats
 
         return (await ask(sock, Stats(body={"counters": True}))).body
 
     async def observer(self):
-        from starhub.wire.messages import Hello
-
         sock = dealer(self.ctx, self.hub, "replay-observer")
         await ask(sock, Hello(name="bench", observer=True))
         return sock
@@ -105,8 +114,6 @@ class ReplayTargets:
         self.ctx.term()
 
     async def client(self, i: int, sock) -> None:
-        from starhub.wire.messages import Reject, Welcome
-
         prompts = itertools.cycle(range(i % len(self.rec), i % len(self.rec) + len(self.rec)))
         admitted = False
         while not self.stop.is_set():
@@ -126,8 +133,6 @@ class ReplayTargets:
 
     async def session(self, i: int, sock, index: int) -> bool:
         """One recorded prompt from OPEN to CLOSE; False when the hub forgot our HELLO."""
-        from starhub.wire.codec import decode, encode
-        from starhub.wire.messages import Close, Commit, Error, ErrorCode, Open, Propose
 
         prompt, out = self.rec.prompts[index], self.rec.outputs[index]
         feats = self.rec.features[index]

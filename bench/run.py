@@ -15,10 +15,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.baselines import PromptRun, colocated, hf_generate
-from bench.cli import BASELINES
+from bench.defaults import BASELINES
 from bench.notes import METRIC_NOTES, THREADS_NOTE
+from starhub.drafters import make_drafter
 from starhub.drafters.base import TreeShape
 from starhub.hub.metrics import DRAFT_KEYS
+from starhub.launch import child_env, spawn_hub, target_command
+from starhub.launch.status import observer_client
+from starhub.models.loading import linear_kernel, load_model, set_threads
 from starhub.options import (
     AUTO,
     DEFAULT_DRAFT_PROCESS,
@@ -27,6 +31,9 @@ from starhub.options import (
     resolve_threads,
     usable_cores,
 )
+from starhub.wire.messages import Stats
+from targets.generate import encode_prompt
+from targets.runner import iter_results, read_prompts
 
 METRICS = ("system_tok_s", "per_target_tok_s", "t_s_ms", "t_wait_ms", "t_idle_ms", "r_q",
            "r_p", "load", "mean_accept_len")
@@ -318,10 +325,6 @@ def add_speedups(rows: list[dict]) -> None:
 
 def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
              tick=lambda k: None, variant: StarVariant | None = None) -> dict:
-    from starhub.launch import child_env, spawn_hub, target_command
-    from starhub.launch.status import observer_client
-    from starhub.wire.messages import Stats
-    from targets.runner import iter_results
 
     variant = variant or first_variant(cfg)
     name = f"n{n}-{variant.name}"
@@ -376,7 +379,6 @@ def _lines(path: str) -> int:
 def run_real(cfg: BenchConfig, progress: bool = True) -> dict:
     """Baselines in this process, then a hub and N target processes per star row. This
     process's torch threads are set for the baselines and restored afterwards."""
-    from starhub.models.loading import set_threads
 
     previous = set_threads(None)
     try:
@@ -387,11 +389,6 @@ def run_real(cfg: BenchConfig, progress: bool = True) -> dict:
 
 def _run_real(cfg: BenchConfig, threads: int, progress: bool) -> dict:
     from tqdm import tqdm
-
-    from starhub.drafters import make_drafter
-    from starhub.models.loading import linear_kernel, load_model
-    from targets.generate import encode_prompt
-    from targets.runner import read_prompts
 
     items = read_prompts(cfg.prompts)
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="starhub-bench-")

@@ -50,9 +50,10 @@ from starhub.drafters.eagle_head import (
     EagleHead,
     default_feature_layers,
     head_config,
+    load_eagle_head,
     save_eagle_head,
 )
-from starhub.models.loading import DTYPES, load_model, native_bf16_cpu
+from starhub.models.loading import DTYPES, cache_dir, load_model, native_bf16_cpu
 from targets.runner import read_prompts
 
 PROMPTS = Path(__file__).resolve().parent / "prompts"
@@ -303,8 +304,6 @@ def main(argv: list[str] | None = None) -> dict:
         args.bf16 = args.device != "cpu" or native_bf16_cpu()
     torch.manual_seed(args.seed)
     if args.work_dir is None:
-        from starhub.models.loading import cache_dir
-
         args.work_dir = str(cache_dir() / "train-eagle" / slug(args.target))
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -363,8 +362,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.data_only:
         return {"train_tokens": len(data.ids), "train_answer_tokens": answer_tokens, **times}
     if args.eval_only:
-        from starhub.drafters.eagle_head import load_eagle_head
-
         head = load_eagle_head(args.out, model.config, model.get_input_embeddings().weight,
                                model.get_output_embeddings().weight).to(args.device)
         metrics = evaluate(head, eval_data, args.depth)
@@ -372,8 +369,6 @@ def main(argv: list[str] | None = None) -> dict:
         return metrics
     draft_ids, head = None, None
     if args.init_from:
-        from starhub.drafters.eagle_head import load_eagle_head
-
         head = load_eagle_head(args.init_from, model.config, model.get_input_embeddings().weight,
                                model.get_output_embeddings().weight)
         if head.kind != args.kind:

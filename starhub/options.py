@@ -12,8 +12,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from starhub.control.plane import AUTO, MAX_AUTO_DEPTH
-
+AUTO = "auto"
+"""The value of every option that leaves the choice to starhub."""
+MAX_AUTO_DEPTH = 8
+"""Deepest tree ``--depth auto`` may choose, and how deep the hub tracks acceptance."""
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LINEARS = ("auto", "onednn", "torch")
 DRAFTERS = ("eagle", "ngram", "model")
@@ -67,6 +69,30 @@ DEFAULT_LOOKUP = True
 """Greedy sessions' trees also get the continuation of the latest earlier occurrence of
 their last few tokens (prompt lookup), grafted on as one more branch: answers that copy
 from their prompt (extraction, code fixes, summaries) accept long runs no head guesses."""
+
+
+SCHEDULES = ("fifo", "goodspeed", "slo", "random")
+"""How the edge verifier sizes and orders the trees of one forward pass."""
+
+
+def auto_as_zero(minimum: int, what: str):
+    """``auto_or_count`` with ``auto`` read as 0, which the verifier's settings use for
+    "choose for me"."""
+    parse = auto_or_count(minimum, what)
+
+    def convert(text: str) -> int:
+        value = parse(text)
+        return 0 if value == AUTO else value
+
+    convert.__name__ = what
+    return convert
+
+
+max_batch_arg = auto_as_zero(1, "max-batch")
+"""The verifier's ``--max-batch``: ``auto`` (0: as many rows as the token budget holds) or a
+row count >= 1."""
+budget_arg = auto_as_zero(2, "budget")
+"""The verifier's ``--budget``: ``auto`` (0: measured at start) or a token count >= 2."""
 
 
 def on_off_arg(text: str) -> bool:
@@ -171,6 +197,10 @@ on a 2-core machine one target with 2 threads ran plain decoding 1.38x faster th
 while two targets with 2 threads each would only fight over the cores."""
 
 
+CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+"""The cgroup (v2) CPU quota: "QUOTA PERIOD" in microseconds, or "max PERIOD"."""
+
+
 def usable_cores() -> int:
     """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota (as
     containers set), at least 1."""
@@ -179,7 +209,7 @@ def usable_cores() -> int:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        quota, period = CPU_MAX.read_text().split()[:2]
         if quota != "max":
             cores = min(cores, math.ceil(int(quota) / int(period)))
     except (OSError, ValueError):

@@ -14,12 +14,13 @@ import torch
 from starhub.drafters.base import DraftContext, TreeShape
 from starhub.drafters.eagle import EagleDrafter
 from starhub.drafters.eagle_head import EAGLE, EAGLE3
+from starhub.drafters.growing import grow_greedy, grow_together
 from starhub.drafters.outcomes import likely_outcomes, path_to
 from starhub.hub.config import Request
 from starhub.hub.metrics import HubMetrics, derive
 from starhub.hub.sessions import Session
 from starhub.hub.worker import DraftWorker
-from starhub.wire.tree import DraftTree, children, grow_greedy, grow_together
+from starhub.wire.tree import DraftTree, children
 from targets import attach
 from tests.conftest import HubThread
 from tests.test_eagle_drafter import random_head

@@ -14,6 +14,7 @@ from bench.report import markdown_table, text_table
 from bench.run import METRICS, BenchConfig, baseline_row, run_real
 from starhub.cli.main import build_parser
 from starhub.drafters.base import TreeShape
+from starhub.drafters.model import ModelDrafter
 from starhub.drafters.ngram import NgramDrafter
 from starhub.options import AUTO, resolve_threads, usable_cores
 
@@ -44,7 +45,12 @@ def test_baselines_are_lossless_and_fill_every_metric(tiny_model):
     assert rows[0]["mean_accept_len"] == 1.0 and rows[0]["lossless"] is None
     assert rows[1]["lossless"] and rows[2]["lossless"]
     assert rows[2]["t_s_ms"] is not None and 0 <= rows[2]["load"] <= 1
-    assert rows[2]["mean_accept_len"] >= 1.0
+    accepted = sum(rows[2]["accept_rate_by_depth"])  # drafted tokens accepted per round
+    assert rows[2]["mean_accept_len"] == pytest.approx(1 + accepted)
+    own = colocated(model, ModelDrafter(model), TreeShape(4, 1, 4), prompts, 10)
+    row = baseline_row("colocated", own, "model", 4, 1, reference)
+    assert row["lossless"] and row["mean_accept_len"] > 4.5, \
+        "a drafter that is the target has (almost) every 4-token chain accepted"
 
 
 def synthetic_doc(emulated: bool) -> dict:
@@ -136,7 +142,24 @@ def test_auto_threads_split_the_usable_cores_between_the_processes(monkeypatch):
     assert build_parser().parse_args(["bench"]).threads == AUTO
 
 
-def test_usable_cores_follow_this_process_affinity():
+@pytest.mark.parametrize("cpu_max, cores", [
+    (None, 8),  # no cgroup quota: the affinity
+    ("max 100000", 8),  # a cgroup without a limit
+    ("150000 100000", 2),  # 1.5 cores of quota: two cores may run at once
+    ("400000 100000", 4),
+    ("50000 100000", 1),  # less than a core still runs
+    ("1600000 100000", 8),  # a quota beyond the affinity: the affinity
+    ("garbage", 8),
+])
+def test_usable_cores_are_the_affinity_capped_by_the_cgroup_quota(monkeypatch, tmp_path,
+                                                                   cpu_max, cores):
     import os
 
-    assert 1 <= usable_cores() <= len(os.sched_getaffinity(0))
+    import starhub.options as options
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max + "\n")
+    monkeypatch.setattr(options, "CPU_MAX", path)
+    assert usable_cores() == cores

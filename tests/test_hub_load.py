@@ -12,10 +12,11 @@ from bench import replay
 from bench.cli import main as bench_main
 from bench.cli import tree_options
 from bench.hub_load import median_run, parse_t_v
-from bench.replay import accepted_path, ensure_recording
+from bench.replay import ensure_recording
 from bench.report import markdown_table, text_table
 from bench.run import BenchConfig, StarVariant, hub_flags, variants
 from starhub.cli.main import build_parser
+from starhub.wire.tree import accepted_path
 
 # root -> 0:5 -> 2:9
 #           \-> 3:7 -> 5:8

@@ -17,8 +17,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from starhub.drafters.base import DraftContext
+from starhub.drafters.growing import build_greedy_tree, build_sampled_tree
 from starhub.models.coupling import sample_at
-from starhub.wire.tree import build_greedy_tree, build_sampled_tree
 from targets.acceptance import Sampling, accept_sampled, target_probs, walk
 from tests.conftest import tiny_config
 

@@ -2,19 +2,14 @@ import numpy as np
 import pytest
 import torch
 
-from starhub.wire.tree import (
-    DraftTree,
-    accepted_path,
-    ancestor_mask,
+from starhub.drafters.growing import (
     build_greedy_tree,
     build_sampled_tree,
-    children,
-    depths,
-    graft,
     rank,
     sample_without_replacement,
     top_k,
 )
+from starhub.wire.tree import DraftTree, accepted_path, ancestor_mask, children, depths, graft
 
 
 def random_expand(vocab: int, seed: int = 0):
@@ -52,7 +47,7 @@ def path_expand(vocab: int, seed: int, scale: float, fed: list[int]):
 
 
 def test_greedy_tree_expands_only_nodes_whose_children_could_still_be_chosen(monkeypatch):
-    import starhub.wire.tree
+    import starhub.drafters.growing
 
     def build(seed: int, scale: float) -> tuple[list, list, list]:
         fed: list[int] = []
@@ -63,7 +58,8 @@ def test_greedy_tree_expands_only_nodes_whose_children_could_still_be_chosen(mon
 
     runs = [(seed, scale) for seed in range(12) for scale in (0.3, 1.0, 3.0)]
     pruned = [build(*run) for run in runs]
-    monkeypatch.setattr(starhub.wire.tree, "_useful", lambda frontier, scores, max_nodes: frontier)
+    monkeypatch.setattr(starhub.drafters.growing, "_useful",
+                        lambda frontier, scores, max_nodes: frontier)
     full = [build(*run) for run in runs]
     assert [p[:2] for p in pruned] == [f[:2] for f in full]
     assert all(f[2] == [3] * 5 for f in full)

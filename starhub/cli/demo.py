@@ -14,6 +14,7 @@ from starhub.options import resolve_threads, usable_cores
 
 
 def run_demo(args: argparse.Namespace, hub_flags: list[str]) -> int:
+    # deferred: torch and transformers load only when this runs
     from targets.runner import iter_results
 
     quiet = ["--log-level", "warning"]
@@ -52,6 +53,7 @@ def generate_alone(args: argparse.Namespace, rows: list[dict]) -> dict[str, tupl
     """Each prompt's greedy ``generate()`` output and wall time, by prompt id."""
     import torch
 
+    # deferred: torch and transformers load only when this runs
     from bench.baselines import hf_generate
     from starhub.models.loading import load_model
 

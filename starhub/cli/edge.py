@@ -8,42 +8,24 @@ import logging
 import sys
 
 from starhub.launch import READY
+from starhub.models.prompts import encode_prompt, read_prompts
 from starhub.options import (
-    AUTO,
     DEFAULT_THREADS,
     DRAFTERS,
     DTYPES,
     LINEARS,
+    SCHEDULES,
     TreeShape,
     add_device_args,
-    auto_or_count,
+    budget_arg,
+    max_batch_arg,
     resolve_threads,
     threads_arg,
 )
 from starhub.server.limits import VERIFIER_LIMITS, add_limit_args, limits_from_args
 from starhub.wire import security
 
-SCHEDULES = ("fifo", "goodspeed", "slo", "random")
 DEFAULT_SHAPE = TreeShape()
-
-
-def auto_as_zero(minimum: int, what: str):
-    """``options.auto_or_count`` with ``auto`` read as 0, which the verifier's settings use
-    for "choose for me"."""
-    parse = auto_or_count(minimum, what)
-
-    def convert(text: str) -> int:
-        value = parse(text)
-        return 0 if value == AUTO else value
-
-    convert.__name__ = what
-    return convert
-
-
-batch_arg = auto_as_zero(1, "max-batch")
-"""``auto`` (0: as many rows as the token budget holds) or a row count >= 1."""
-budget_arg = auto_as_zero(2, "budget")
-"""``auto`` (0: measured at start) or a token count >= 2."""
 
 
 def add_parsers(sub) -> None:
@@ -63,7 +45,7 @@ def add_parsers(sub) -> None:
                           "each session's tree nodes plus one. auto (default): the most a "
                           "pass feeds for about the price of one token, measured at start "
                           "(about 16 on a small CPU, hundreds on a GPU)")
-    ver.add_argument("--max-batch", type=batch_arg, default=0,
+    ver.add_argument("--max-batch", type=max_batch_arg, default=0,
                      help="sessions per forward pass. auto (default): as many as the budget "
                           "holds; 1 verifies one session at a time")
     ver.add_argument("--schedule", choices=SCHEDULES, default="goodspeed",
@@ -138,6 +120,7 @@ def add_parsers(sub) -> None:
 
 
 def cmd_verifier(args: argparse.Namespace) -> int:
+    # deferred: torch and transformers load only when this runs
     from starhub.models.loading import load_model, set_threads
     from targets.verifier import Verifier, VerifierConfig
 
@@ -164,10 +147,10 @@ def cmd_verifier(args: argparse.Namespace) -> int:
 def cmd_drafter(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    # deferred: torch and transformers load only when this runs
     from starhub.drafters import make_drafter
     from starhub.edge.drafter import EdgeDrafter, VerifierUnavailable, result_json
     from starhub.models.loading import eos_ids, load_tokenizer, set_threads
-    from starhub.models.prompts import encode_prompt, read_prompts
 
     curve = security.client_curve_from_args(args)
     threads = set_threads(resolve_threads(args.threads))

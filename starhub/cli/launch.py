@@ -7,6 +7,12 @@ import json
 import sys
 from pathlib import Path
 
+from starhub.launch.config import load_config, schema_text
+from starhub.launch.plan import build_plan, check_commands, describe
+from starhub.launch.ray_backend import RayBackend, ray_address
+from starhub.launch.runner import Launcher, LocalBackend
+from starhub.launch.status import query_stats, report
+from starhub.models.prompts import read_prompts
 from starhub.wire.security import add_client_args, client_curve_from_args
 
 LAUNCH_EPILOG = """\
@@ -69,10 +75,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from starhub.launch.config import load_config, schema_text
-    from starhub.launch.plan import build_plan, check_commands, describe
-    from starhub.launch.ray_backend import ray_address
-
     if args.schema:
         print(schema_text())
         return 0
@@ -90,11 +92,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.dry_run:
         return 0
     out_dir.mkdir(parents=True, exist_ok=True)
-    from starhub.launch.runner import Launcher, LocalBackend
 
     if dep.backend == "ray":
-        from starhub.launch.ray_backend import RayBackend
-
         backend = RayBackend(address, dep.ray.namespace, dep.name, plan.prompts,
                              dep.ready_timeout_s)
     else:
@@ -103,16 +102,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _check_prompts(path: str) -> None:
-    from starhub.models.prompts import read_prompts
-
     if not Path(path).is_file():
         raise FileNotFoundError(f"prompts file {path} not found")
     read_prompts(path)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    # deferred: torch load only when this runs
     from starhub.client.connection import HubUnavailable
-    from starhub.launch.status import query_stats, report
 
     curve = client_curve_from_args(args)
     try:

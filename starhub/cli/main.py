@@ -14,6 +14,8 @@ from pathlib import Path
 from bench import cli as bench_cli
 from starhub.cli import edge as edge_cli
 from starhub.cli import launch as launch_cli
+from starhub.cli.demo import run_demo
+from starhub.hub.shutdown import drain
 from starhub.launch import READY, spawn_hub
 from starhub.options import (  # noqa: F401  (re-exported: earlier homes of these names)
     AUTO,
@@ -221,6 +223,7 @@ def _tree_flags(args: argparse.Namespace) -> list[str]:
 def cmd_hub(args: argparse.Namespace) -> int:
     import asyncio
 
+    # deferred: torch and transformers load only when this runs
     from starhub.drafters import TreeShape, make_drafter
     from starhub.hub.server import Hub, HubConfig
     from starhub.models.loading import set_threads
@@ -230,6 +233,7 @@ def cmd_hub(args: argparse.Namespace) -> int:
     threads = args.threads or set_threads(None)
     set_threads(1)
     if draft_process_for(args.draft_process, args.drafter):
+        # deferred: torch load only when this runs
         from starhub.hub.drafting_process import RemoteDrafter
 
         draft = ["--draft", args.draft] if args.draft else []
@@ -256,8 +260,6 @@ def cmd_hub(args: argparse.Namespace) -> int:
         import contextlib
         import signal
 
-        from starhub.hub.shutdown import drain
-
         task = asyncio.create_task(hub.serve())
         await hub.ready.wait()
         asyncio.get_running_loop().add_signal_handler(
@@ -279,6 +281,7 @@ def cmd_hub(args: argparse.Namespace) -> int:
 
 
 def cmd_target(args: argparse.Namespace) -> int:
+    # deferred: torch and transformers load only when this runs
     from targets.runner import run
 
     security.use_client_curve(security.client_curve_from_args(args))
@@ -291,6 +294,7 @@ def cmd_target(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    # deferred: torch and transformers load only when this runs
     from starhub.models.loading import load_model, set_threads
     from targets.api import attach
 
@@ -315,8 +319,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from starhub.cli.demo import run_demo
-
     return run_demo(args, _tree_flags(args))
 
 
@@ -328,6 +330,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_train_eagle(args: argparse.Namespace) -> int:
+    # deferred: torch and transformers load only when this runs
     from scripts.train_eagle import main as train_main
 
     train_main(args.train_args)

@@ -7,8 +7,7 @@ import operator
 from dataclasses import dataclass
 from itertools import accumulate
 
-MAX_AUTO_DEPTH = 8
-"""Deepest tree ``--depth auto`` may choose, and how deep acceptance is tracked."""
+from starhub.options import MAX_AUTO_DEPTH
 
 
 @dataclass

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from starhub.control.estimators import MAX_AUTO_DEPTH, Acceptance, Ema, LinearFit
+from starhub.control.estimators import Acceptance, Ema, LinearFit
+from starhub.options import AUTO, MAX_AUTO_DEPTH
 
-AUTO = "auto"
 PLAIN_TOKENS = 16
 """Tokens a target decodes on its own per plain round: the round trip is paid once."""
 MAX_PROBE_GAP = 8
@@ -74,7 +74,7 @@ class ControlConfig:
         return [(d, self.nodes_for(d)) for d in depths]
 
 
-class TargetModel:
+class TargetProfile:
     """What the hub knows of one target process: its plain step, verify curve and link."""
 
     def __init__(self, name: str, step_s: float, hub: Acceptance, config: ControlConfig):
@@ -114,7 +114,7 @@ class TargetModel:
 
 @dataclass
 class SessionModel:
-    target: TargetModel
+    target: TargetProfile
     acceptance: Acceptance
     choice: Choice = Choice()
     s: float = 0.0
@@ -133,7 +133,7 @@ class Controller:
         """Seconds to draft as ``c0 + c1·depth + c2·nodes``."""
         self.overhead = Ema(0.0, alpha=0.05)
         """Hub time per round outside drafting (codec, event loop, thread hand-off)."""
-        self.targets: dict[bytes, TargetModel] = {}
+        self.targets: dict[bytes, TargetProfile] = {}
         self.sessions: dict[int, SessionModel] = {}
         self.rejections = 0
         self.rejected_recently: dict[bytes, float] = {}
@@ -184,7 +184,7 @@ class Controller:
             self.targets[identity].report_step(step_s)
             return None
         limit = self.config.max_targets
-        candidate = TargetModel(name, step_s, self.hub_acceptance, self.config)
+        candidate = TargetProfile(name, step_s, self.hub_acceptance, self.config)
         reason = None
         if limit == AUTO:
             if not self._fits(candidate):
@@ -207,7 +207,7 @@ class Controller:
             for tag in list(target.sessions):
                 self.close(tag)
 
-    def _fits(self, new: TargetModel) -> bool:
+    def _fits(self, new: TargetProfile) -> bool:
         """Whether, with ``new`` speculating at its best shape, every speculating session
         (and ``new``) still decodes at least as fast as its target alone."""
         if new.step_s() <= 0:
@@ -224,7 +224,7 @@ class Controller:
                     best = s
         return best is not None
 
-    def _typical_s(self, target: TargetModel) -> float:
+    def _typical_s(self, target: TargetProfile) -> float:
         """Hub time of an admitted target between sessions, at its best shape."""
         sm = SessionModel(target, Acceptance(parent=target.acceptance))
         return min((s for _, _, s, _, _ in self._rounds(sm, self.config.shapes())), default=0.0)
@@ -241,7 +241,7 @@ class Controller:
     def open(self, tag: int, identity: bytes, step_s: float = 0.0) -> None:
         target = self.targets.get(identity)
         if target is None:
-            target = self.targets[identity] = TargetModel(
+            target = self.targets[identity] = TargetProfile(
                 identity.hex()[:8], step_s, self.hub_acceptance, self.config)
         else:
             target.report_step(step_s)
@@ -372,6 +372,7 @@ class Controller:
                 "predicted_tok_s": sum(rates) if rates else None,
                 "t_c_ms": 1e3 * target.t_c.get(self.config.t_c_prior_s),
                 "verify_ms_fit": [1e3 * w for w in target.verify.weights],
+                "verify_samples": target.verify.samples,
             })
         return {
             "depth": self.config.depth, "max_targets": self.config.max_targets,

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 from starhub.drafters.base import DraftContext, Drafter, TreeShape
+from starhub.drafters.ngram import NgramDrafter
+from starhub.models.devices import resolve_device
 from starhub.options import DRAFTERS
 
 __all__ = ["DRAFTERS", "DraftContext", "Drafter", "TreeShape", "make_drafter", "parse_draft"]
@@ -31,17 +33,16 @@ def make_drafter(kind: str, draft: str | None = None, model: str = "default",
     is cpu, cuda, cuda:N or auto (``starhub.models.devices``).
     """
     if kind == "eagle":
+        # deferred: transformers load only when this runs
         from starhub.drafters.eagle import EagleDrafter
-        from starhub.models.devices import resolve_device
         from starhub.models.loading import draft_dtype
 
         device = resolve_device(device)
         return EagleDrafter.load(draft, model, dtype=draft_dtype(dtype, device), device=device)
     if kind == "ngram":
-        from starhub.drafters.ngram import NgramDrafter
-
         return NgramDrafter()
     if kind == "model":
+        # deferred: transformers load only when this runs
         from starhub.drafters.model import ModelDrafter
         from starhub.models.loading import load_model
 

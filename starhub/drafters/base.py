@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 
+from starhub.drafters.growing import Score
 from starhub.models.coupling import coupled_scores
 from starhub.options import TreeShape
 from starhub.wire.messages import Hello
-from starhub.wire.tree import DraftTree, Score
+from starhub.wire.tree import DraftTree
 
 
 @dataclass

@@ -11,10 +11,11 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from starhub.drafters.base import DraftContext, Drafter, TargetNeeds, TreeShape
+from starhub.drafters.growing import TreeFeed, build_greedy_tree, build_sampled_tree
 from starhub.models.devices import model_device
 from starhub.models.kvcache import crop_to
 from starhub.models.loading import tokenizer_fingerprint
-from starhub.wire.tree import DraftTree, TreeFeed, build_greedy_tree, build_sampled_tree
+from starhub.wire.tree import DraftTree
 
 
 @dataclass

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from starhub.drafters import make_drafter
 from starhub.drafters.base import DraftContext, Drafter, TreeShape
 from starhub.hub.drafting_process import POLL_MS, Job, pack, tree_in, tree_out, unpack
 from starhub.wire.tree import DraftTree
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         datefmt="%H:%M:%S")
-    from starhub.drafters import make_drafter
+    # deferred: transformers load only when this runs
     from starhub.models.loading import set_threads
 
     set_threads(args.threads)

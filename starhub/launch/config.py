@@ -1,20 +1,22 @@
 """The deployment file: a TOML schema, checked in full before any process starts.
 
-Every table is a dataclass; its fields are the keys a user may write, with their types,
-defaults and allowed values. A typo, an unknown key, a wrong type or a missing field is a
+Every table is a ``msgspec.Struct``; its fields are the keys a user may write, with their
+types, defaults, bounds and allowed values, and ``msgspec.convert`` checks a file against
+them. A typo, an unknown key, a wrong type, a value out of range or a missing field is a
 ``ConfigError`` that names the file, the key and what is allowed.
 """
 
-from __future__ import annotations
-
 import difflib
-import types
-import typing
-from dataclasses import MISSING, dataclass, field, fields
+import math
+import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from starhub.options import AUTO, DEFAULT_SHAPE, DRAFTERS, DTYPES, LINEARS
+import msgspec
+import msgspec.inspect as mi
+from msgspec import Meta, Struct
+
+from starhub.options import AUTO, DEFAULT_SHAPE, DRAFTERS, DTYPES, LINEARS, SCHEDULES
 
 try:
     import tomllib
@@ -23,165 +25,160 @@ except ModuleNotFoundError:  # Python 3.10
 
 BACKENDS = ("local", "ray")
 TOPOLOGIES = ("star", "edge")
-SCHEDULES = ("fifo", "goodspeed", "slo", "random")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
+Count = Annotated[int, Meta(ge=0)]
+Positive = Annotated[int, Meta(ge=1)]
+Amount = Annotated[float, Meta(ge=0)]
+"""A number >= 0; every number in a deployment must also be finite."""
+Auto = Literal["auto"]
+Drafter = Literal[DRAFTERS]
+Dtype = Literal[DTYPES]
+Linear = Literal[LINEARS]
 
-AUTO_THREADS = ("torch threads; auto: on the local backend, the usable cores shared evenly by "
-                "every process of the deployment; on Ray, num_cpus (or 1)")
+
+def doc(text: str) -> Meta:
+    """A key's help, shown by ``starhub launch --schema`` and in errors about the key."""
+    return Meta(description=text)
+
+
+AUTO_THREADS = doc("torch threads; auto: on the local backend, the usable cores shared "
+                   "evenly by every process of the deployment; on Ray, num_cpus (or 1)")
+DEVICE_MAP = doc("--device-map: 'auto' spreads the model over every GPU the process sees "
+                 "(on Ray, the num_gpus it reserved), or GPU indices such as '0,1'")
 
 
 class ConfigError(ValueError):
     """A deployment file that cannot run as written."""
 
 
-def _opt(default: Any = MISSING, *, choices: tuple | None = None, minimum: float | None = None,
-         auto: bool = False, doc: str = "") -> Any:
-    """A schema field: ``choices`` for strings, ``minimum`` for numbers, ``auto`` where the
-    string 'auto' may stand for a number."""
-    meta = {"choices": choices, "minimum": minimum, "auto": auto, "doc": doc}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
-    return field(default=default, metadata=meta)
+class Table(Struct, kw_only=True, forbid_unknown_fields=True):
+    """A table of the deployment file: unknown keys are errors."""
 
 
-@dataclass(kw_only=True)
-class Placement:
+class Placement(Table, kw_only=True):
     """Where a process may run. Ray places by the first four; the local backend pins GPUs."""
 
-    num_cpus: float | None = _opt(None, minimum=0, doc="Ray CPUs reserved (default: threads)")
-    num_gpus: float = _opt(0.0, minimum=0, doc="Ray GPUs reserved; Ray sets "
-                                               "CUDA_VISIBLE_DEVICES")
-    resources: dict[str, float] = _opt({}, doc="Ray custom resources, e.g. {gpu_host = 1}")
-    labels: dict[str, str] = _opt({}, doc="Ray node labels to match (ray start --labels)")
-    device: str | None = _opt(None, doc="passed as --device (cpu, cuda, cuda:N, auto)")
+    num_cpus: Annotated[Amount | None, doc("Ray CPUs reserved (default: threads)")] = None
+    num_gpus: Annotated[Amount, doc("Ray GPUs reserved; Ray sets CUDA_VISIBLE_DEVICES")] = 0.0
+    resources: Annotated[dict[str, float],
+                         doc("Ray custom resources, e.g. {gpu_host = 1}")] = {}
+    labels: Annotated[dict[str, str], doc("Ray node labels to match (ray start --labels)")] = {}
+    device: Annotated[str | None, doc("passed as --device (cpu, cuda, cuda:N, auto)")] = None
 
 
-@dataclass(kw_only=True)
-class ServerKeys:
-    """``starhub hub`` and ``starhub verifier``'s security options (README, "Security")."""
+class ServerSection(Placement, kw_only=True):
+    """What the hub and the verifier share: placement and ``starhub hub`` and ``starhub
+    verifier``'s security options (README, "Security")."""
 
-    curve_secret: str | None = _opt(None, doc="--curve-secret: the server's secret "
-                                              "certificate")
-    curve_allow: str | None = _opt(None, doc="--curve-allow: folder of allowed clients' "
-                                             "public certificates")
-    insecure: bool = _opt(False, doc="--insecure: serve a non-loopback address without CURVE")
-
-
-@dataclass(kw_only=True)
-class ClientKeys:
-    curve_secret: str | None = _opt(None, doc="--curve-secret: the processes' secret "
-                                              "certificate")
-    curve_server: str | None = _opt(None, doc="--curve-server: the server's public "
-                                              "certificate")
+    curve_secret: Annotated[str | None,
+                            doc("--curve-secret: the server's secret certificate")] = None
+    curve_allow: Annotated[str | None, doc("--curve-allow: folder of allowed clients' public "
+                                           "certificates")] = None
+    insecure: Annotated[bool, doc("--insecure: serve a non-loopback address without "
+                                  "CURVE")] = False
 
 
-@dataclass(kw_only=True)
-class HubSection(ServerKeys, Placement):
-    model: str | None = _opt(None, doc="the targets' model, for --draft self "
-                                       "(default: targets.model)")
-    drafter: str = _opt("eagle", choices=DRAFTERS)
-    draft: str | None = None
-    depth: int | str = _opt(AUTO, minimum=1, auto=True)
-    topk: int = _opt(DEFAULT_SHAPE.topk, minimum=1)
-    max_nodes: int = _opt(DEFAULT_SHAPE.max_nodes, minimum=1)
-    draft_dtype: str = _opt("auto", choices=DTYPES)
-    max_targets: int | str = _opt(0, minimum=0, auto=True)
-    bind: str | None = _opt(None, doc="ZeroMQ address (default: loopback locally, every "
-                                      "interface on Ray, port 0 = free)")
-    port: int | None = _opt(None, minimum=0, doc="shorthand for bind on the default host")
-    metrics_port: int = _opt(0, minimum=0)
-    threads: int | str = _opt(1, minimum=1, auto=True, doc=AUTO_THREADS)
-    ttl: float = _opt(120.0, minimum=0)
-    max_message_mb: float = _opt(64.0, minimum=0)
-    gpu: int | None = _opt(None, minimum=0, doc="local backend: CUDA_VISIBLE_DEVICES")
+class WorkerSection(Placement, kw_only=True):
+    """What targets and drafters share: how many, their prompts, sampling and keys."""
 
-
-@dataclass(kw_only=True)
-class WorkerSection(Placement):
-    """What targets and drafters share: how many, their prompts and sampling."""
-
-    count: int = _opt(1, minimum=0)
-    threads: int | str = _opt(AUTO, minimum=1, auto=True, doc=AUTO_THREADS)
-    prompts: str | None = _opt(None, doc="JSONL prompts (--prompts overrides)")
-    max_new_tokens: int = _opt(128, minimum=1)
-    temperature: float = _opt(0.0, minimum=0)
-    top_p: float = _opt(1.0, minimum=0)
+    count: Count = 1
+    threads: Annotated[Positive | Auto, AUTO_THREADS] = AUTO
+    prompts: Annotated[str | None, doc("JSONL prompts (--prompts overrides)")] = None
+    max_new_tokens: Positive = 128
+    temperature: Amount = 0.0
+    top_p: Amount = 1.0
     seed: int = 0
     chat_template: bool = True
-    gpus: list[int] = _opt([], doc="local backend: one GPU index per process, in order")
+    gpus: Annotated[list[Count], doc("local backend: one GPU index per process, in order")] = []
+    curve_secret: Annotated[str | None,
+                            doc("--curve-secret: the processes' secret certificate")] = None
+    curve_server: Annotated[str | None,
+                            doc("--curve-server: the server's public certificate")] = None
 
 
-@dataclass(kw_only=True)
-class TargetsSection(ClientKeys, WorkerSection):
-    model: str = _opt(doc="'default', a model folder, a .gguf file or a cached model id")
-    name: str = _opt("target", doc="process names are NAME0, NAME1, ...")
-    dtype: str = _opt("auto", choices=DTYPES)
-    linear: str = _opt("auto", choices=LINEARS)
-    device_map: str | None = _opt(None, doc="--device-map: 'auto' spreads the model over every "
-                                            "GPU the process sees (on Ray, the num_gpus it "
-                                            "reserved), or GPU indices such as '0,1'")
-
-
-@dataclass(kw_only=True)
-class VerifierSection(ServerKeys, Placement):
-    model: str = _opt(doc="the target model the verifier holds")
-    bind: str | None = None
-    port: int | None = _opt(None, minimum=0)
-    budget: int | str = _opt(AUTO, minimum=1, auto=True,
-                             doc="tokens one pass may feed; auto: measured at start")
-    max_batch: int | str = _opt(AUTO, minimum=1, auto=True)
-    schedule: str = _opt("fifo", choices=SCHEDULES)
-    nodes: int = _opt(DEFAULT_SHAPE.max_nodes, minimum=1)
-    max_nodes: int = _opt(32, minimum=1)
-    ttl: float = _opt(120.0, minimum=0)
-    dtype: str = _opt("auto", choices=DTYPES)
-    linear: str = _opt("auto", choices=LINEARS)
-    device_map: str | None = _opt(None, doc="--device-map: 'auto' spreads the model over every "
-                                            "GPU the process sees (on Ray, the num_gpus it "
-                                            "reserved), or GPU indices such as '0,1'")
-    threads: int | str = _opt(AUTO, minimum=1, auto=True, doc=AUTO_THREADS)
-    gpu: int | None = _opt(None, minimum=0)
-
-
-@dataclass(kw_only=True)
-class DraftersSection(ClientKeys, WorkerSection):
-    model: str | None = _opt(None, doc="the verifier's model (default: verifier.model)")
-    name: str = "drafter"
-    drafter: str = _opt("eagle", choices=DRAFTERS)
+class HubSection(ServerSection, kw_only=True):
+    model: Annotated[str | None, doc("the targets' model, for --draft self (default: "
+                                     "targets.model)")] = None
+    drafter: Drafter = "eagle"
     draft: str | None = None
-    draft_dtype: str = _opt("auto", choices=DTYPES)
-    depth: int = _opt(DEFAULT_SHAPE.depth, minimum=1)
-    topk: int = _opt(DEFAULT_SHAPE.topk, minimum=1)
-    max_nodes: int = _opt(DEFAULT_SHAPE.max_nodes, minimum=1)
-    target_tok_s: float = _opt(0.0, minimum=0)
-    timeout: float = _opt(30.0, minimum=0)
-    retries: int = _opt(3, minimum=0)
+    depth: Positive | Auto = AUTO
+    topk: Positive = DEFAULT_SHAPE.topk
+    max_nodes: Positive = DEFAULT_SHAPE.max_nodes
+    draft_dtype: Dtype = "auto"
+    max_targets: Count | Auto = 0
+    bind: Annotated[str | None, doc("ZeroMQ address (default: loopback locally, every "
+                                    "interface on Ray, port 0 = free)")] = None
+    port: Annotated[Count | None, doc("shorthand for bind on the default host")] = None
+    metrics_port: Count = 0
+    threads: Annotated[Positive | Auto, AUTO_THREADS] = 1
+    ttl: Amount = 120.0
+    max_message_mb: Amount = 64.0
+    gpu: Annotated[Count | None, doc("local backend: CUDA_VISIBLE_DEVICES")] = None
 
 
-@dataclass(kw_only=True)
-class RaySection:
-    address: str | None = _opt(None, doc="the cluster to attach to; RAY_ADDRESS wins")
+class TargetsSection(WorkerSection, kw_only=True):
+    model: Annotated[str, doc("'default', a model folder, a .gguf file or a cached model id")]
+    name: Annotated[str, doc("process names are NAME0, NAME1, ...")] = "target"
+    dtype: Dtype = "auto"
+    linear: Linear = "auto"
+    device_map: Annotated[str | None, DEVICE_MAP] = None
+
+
+class VerifierSection(ServerSection, kw_only=True):
+    model: Annotated[str, doc("the target model the verifier holds")]
+    bind: str | None = None
+    port: Count | None = None
+    budget: Annotated[Positive | Auto, doc("tokens one pass may feed; auto: measured at "
+                                           "start")] = AUTO
+    max_batch: Positive | Auto = AUTO
+    schedule: Literal[SCHEDULES] = "fifo"
+    nodes: Positive = DEFAULT_SHAPE.max_nodes
+    max_nodes: Positive = 32
+    ttl: Amount = 120.0
+    dtype: Dtype = "auto"
+    linear: Linear = "auto"
+    device_map: Annotated[str | None, DEVICE_MAP] = None
+    threads: Annotated[Positive | Auto, AUTO_THREADS] = AUTO
+    gpu: Count | None = None
+
+
+class DraftersSection(WorkerSection, kw_only=True):
+    model: Annotated[str | None, doc("the verifier's model (default: verifier.model)")] = None
+    name: str = "drafter"
+    drafter: Drafter = "eagle"
+    draft: str | None = None
+    draft_dtype: Dtype = "auto"
+    depth: Positive = DEFAULT_SHAPE.depth
+    topk: Positive = DEFAULT_SHAPE.topk
+    max_nodes: Positive = DEFAULT_SHAPE.max_nodes
+    target_tok_s: Amount = 0.0
+    timeout: Amount = 30.0
+    retries: Count = 3
+
+
+class RaySection(Table, kw_only=True):
+    address: Annotated[str | None, doc("the cluster to attach to; RAY_ADDRESS wins")] = None
     namespace: str = "starhub"
 
 
-@dataclass(kw_only=True)
-class Deployment:
-    backend: str = _opt("local", choices=BACKENDS)
-    topology: str | None = _opt(None, choices=TOPOLOGIES,
-                                doc="star (hub + targets) or edge (verifier + drafters); "
-                                    "default: from the tables present")
-    name: str = _opt("starhub", doc="prefix of Ray actor names")
-    out_dir: str = _opt("out/launch", doc="outputs and logs (--out-dir overrides)")
-    log_level: str = _opt("info", choices=LOG_LEVELS)
-    ready_timeout_s: float = _opt(600.0, minimum=1)
-    status_interval_s: float = _opt(2.0, minimum=0, doc="live status line (0: off)")
+class Deployment(Table, kw_only=True):
+    backend: Literal[BACKENDS] = "local"
+    topology: Annotated[Literal[TOPOLOGIES] | None,
+                        doc("star (hub + targets) or edge (verifier + drafters); default: "
+                            "from the tables present")] = None
+    name: Annotated[str, doc("prefix of Ray actor names")] = "starhub"
+    out_dir: Annotated[str, doc("outputs and logs (--out-dir overrides)")] = "out/launch"
+    log_level: Literal[LOG_LEVELS] = "info"
+    ready_timeout_s: Annotated[float, Meta(ge=1)] = 600.0
+    status_interval_s: Annotated[Amount, doc("live status line (0: off)")] = 2.0
     hub: HubSection | None = None
     targets: TargetsSection | None = None
     verifier: VerifierSection | None = None
     drafters: DraftersSection | None = None
-    ray: RaySection = field(default_factory=RaySection)
-    source: str = field(default="<config>", metadata={"internal": True})
+    ray: RaySection = msgspec.field(default_factory=RaySection)
+    source: str = "<config>"
+    """The file it was read from (not a key of the file)."""
 
     @property
     def server(self) -> HubSection | VerifierSection:
@@ -190,6 +187,10 @@ class Deployment:
     @property
     def workers(self) -> TargetsSection | DraftersSection:
         return self.targets if self.topology == "star" else self.drafters
+
+
+INTERNAL = ("source",)
+"""Deployment fields that are not keys of the file."""
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple = ()) -> Deployment:
@@ -230,103 +231,130 @@ def apply_override(raw: dict, item: str, source: str) -> None:
 
 
 def parse_config(raw: dict, source: str = "<config>") -> Deployment:
-    dep = _build(Deployment, raw, "", source)
+    for key in INTERNAL:
+        if key in raw:
+            raise ConfigError(_unknown_key(source, [], key))
+    try:
+        dep = msgspec.convert(_auto_spelled(raw, Deployment), Deployment)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(str(exc), raw, source)) from None
     dep.source = source
+    _check_finite(dep, "", source)
     _check_topology(dep, raw, source)
     _check_placement(dep, source)
     return dep
 
 
-# --- generic checks, driven by the dataclasses' fields ---------------------------------
+# --- msgspec's findings, told in the file's terms ------------------------------------------
 
-def _keys(cls: type) -> list[str]:
-    return [f.name for f in fields(cls) if not f.metadata.get("internal")]
-
-
-def _build(cls: type, table: Any, where: str, source: str):
-    if not isinstance(table, dict):
-        raise ConfigError(f"{source}: {where}: expected a table, got {_kind(table)}")
-    allowed = _keys(cls)
-    for key in table:
-        if key not in allowed:
-            near = difflib.get_close_matches(key, allowed, n=1)
-            hint = f" (did you mean '{near[0]}'?)" if near else ""
-            raise ConfigError(f"{source}: {_join(where, key)}: unknown key{hint}; allowed "
-                              f"here: {', '.join(allowed)}")
-    hints = typing.get_type_hints(cls)
-    values = {}
-    for f in fields(cls):
-        if f.metadata.get("internal"):
-            continue
-        key = _join(where, f.name)
-        if f.name not in table:
-            if f.default is MISSING and f.default_factory is MISSING:
-                raise ConfigError(f"{source}: {key}: missing; {_describe(hints[f.name], f)} "
-                                  f"is required")
-            continue
-        values[f.name] = _value(hints[f.name], f, table[f.name], key, source)
-    return cls(**values)
+ERROR = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$")
+PART = re.compile(r"\.(\w+)|\[([^\]]*)\]")
 
 
-def _value(hint: Any, f, value: Any, key: str, source: str) -> Any:
-    meta = f.metadata
-    args = set(typing.get_args(hint)) if _is_union(hint) else {hint}
-    args.discard(type(None))
-    if meta.get("auto") and isinstance(value, str):
-        if value.strip().lower() != AUTO:
-            raise ConfigError(f"{source}: {key}: expected 'auto' or a whole number, "
-                              f"got '{value}'")
-        return AUTO
-    base = next(iter(args)) if len(args) == 1 else int
-    if isinstance(base, type) and hasattr(base, "__dataclass_fields__"):
-        return _build(base, value, key, source)
-    if not _matches(base, value):
-        raise ConfigError(f"{source}: {key}: expected {_describe(hint, f)}, got "
-                          f"{_kind(value)} {value!r}")
-    if meta.get("choices") and value not in meta["choices"]:
-        raise ConfigError(f"{source}: {key}: '{value}' is not allowed; choose from "
-                          f"{', '.join(meta['choices'])}")
-    if meta.get("minimum") is not None and isinstance(value, (int, float)) \
-            and value < meta["minimum"]:
-        raise ConfigError(f"{source}: {key}: must be at least {meta['minimum']}, got {value}")
-    return float(value) if base is float else value
+def _explain(message: str, raw: dict, source: str) -> str:
+    """A ``msgspec.ValidationError`` message as a ``ConfigError`` message: the key as the
+    file spells it, what it may hold, and what it holds."""
+    found = ERROR.match(message)
+    what = found["what"]
+    parts = PART.findall(found["path"] or "")
+    tables = [name for name, _ in parts if name]
+    index = any(not name for name, _ in parts)
+    if m := re.match(r"Object contains unknown field `(.+)`", what):
+        return _unknown_key(source, tables, m[1])
+    if m := re.match(r"Object missing required field `(.+)`", what):
+        key = _join(tables + [m[1]])
+        return f"{source}: {key}: missing; {_describe(_field(tables + [m[1]]))} is required"
+    key = _join(tables)
+    field = _field(tables)
+    value = _lookup(raw, tables)
+    if (field is not None and _auto(field.type) and isinstance(value, str)
+            and not index):
+        return f"{source}: {key}: expected 'auto' or a whole number, got '{value}'"
+    if m := re.match(r"Invalid enum value (.+)", what):
+        return (f"{source}: {key}: {m[1]} is not allowed; choose from "
+                f"{', '.join(_choices(field.type))}")
+    if m := re.match(r"Expected `.+` (>=|>) (\S+)", what):
+        return f"{source}: {key}: must be at least {m[2]}, got {value}"
+    if what.startswith("Expected"):
+        return f"{source}: {key}: expected {_describe(field)}, got {_kind(value)} {value!r}"
+    return f"{source}: {key}: {what}"
 
 
-def _matches(base: Any, value: Any) -> bool:
-    origin = typing.get_origin(base)
-    if origin is list:
-        (item,) = typing.get_args(base)
-        return isinstance(value, list) and all(_matches(item, v) for v in value)
-    if origin is dict:
-        _, item = typing.get_args(base)
-        return isinstance(value, dict) and all(_matches(item, v) for v in value.values())
-    if base is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if base is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, base)
+def _unknown_key(source: str, tables: list[str], key: str) -> str:
+    allowed = [f.name for f in _struct(tables).fields if f.name not in INTERNAL]
+    near = difflib.get_close_matches(key, allowed, n=1)
+    hint = f" (did you mean '{near[0]}'?)" if near else ""
+    return (f"{source}: {_join(tables + [key])}: unknown key{hint}; allowed here: "
+            f"{', '.join(allowed)}")
 
 
-def _describe(hint: Any, f) -> str:
-    meta = f.metadata
-    if meta.get("choices"):
-        return "one of " + ", ".join(f"'{c}'" for c in meta["choices"])
-    args = [a for a in (typing.get_args(hint) if _is_union(hint) else (hint,))
-            if a is not type(None)]
-    base = args[0]
-    names = {int: "a whole number", float: "a number", str: "a string", bool: "true or false",
-             list[int]: "a list of whole numbers", dict[str, float]: "a table of numbers",
-             dict[str, str]: "a table of strings"}
-    text = names.get(base, getattr(base, "__name__", str(base)))
-    if meta.get("auto"):
-        text = "'auto' or " + text
-    if meta.get("doc"):
-        text += f" ({meta['doc']})"
-    return text
+def _struct(tables: list[str]) -> mi.StructType:
+    """The table at ``tables`` (a path of keys from the top)."""
+    struct = mi.type_info(Deployment)
+    for name in tables:
+        field = next(f for f in struct.fields if f.name == name)
+        struct = next(t for t in _options(field.type) if isinstance(t, mi.StructType))
+    return struct
 
 
-def _is_union(hint: Any) -> bool:
-    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+def _field(keys: list[str]) -> mi.Field | None:
+    if not keys:
+        return None
+    try:
+        return next(f for f in _struct(keys[:-1]).fields if f.name == keys[-1])
+    except StopIteration:
+        return None
+
+
+def _lookup(raw: dict, keys: list[str]) -> Any:
+    for key in keys:
+        raw = raw.get(key) if isinstance(raw, dict) else None
+    return raw
+
+
+def _options(tp: mi.Type) -> list[mi.Type]:
+    """The types a value of ``tp`` may have (its union's members, without metadata)."""
+    if isinstance(tp, mi.Metadata):
+        return _options(tp.type)
+    if isinstance(tp, mi.UnionType):
+        return [t for member in tp.types for t in _options(member)]
+    return [tp]
+
+
+def _auto(tp: mi.Type) -> bool:
+    """Whether ``tp`` is a number that 'auto' may stand for."""
+    options = _options(tp)
+    return (any(isinstance(t, mi.LiteralType) and AUTO in t.values for t in options)
+            and any(isinstance(t, (mi.IntType, mi.FloatType)) for t in options))
+
+
+def _choices(tp: mi.Type) -> list[str]:
+    return [v for t in _options(tp) if isinstance(t, mi.LiteralType) for v in t.values]
+
+
+def _describe(field: mi.Field | None) -> str:
+    """What a key may hold, in words: 'one of ...', 'a whole number', ..."""
+    if field is None:
+        return "a table"
+    options = [t for t in _options(field.type) if not isinstance(t, mi.NoneType)]
+    literal = [t for t in options if isinstance(t, mi.LiteralType)]
+    if literal and not _auto(field.type):
+        text = "one of " + ", ".join(f"'{c}'" for c in _choices(field.type))
+    else:
+        text = " or ".join(["'auto'"] * bool(literal) + [
+            _name(t) for t in options if not isinstance(t, mi.LiteralType)])
+    description = (field.type.extra_json_schema or {}).get("description") \
+        if isinstance(field.type, mi.Metadata) else None
+    return f"{text} ({description})" if description else text
+
+
+def _name(tp: mi.Type) -> str:
+    if isinstance(tp, mi.ListType):
+        return "a list of " + _name(tp.item_type).removeprefix("a ") + "s"
+    if isinstance(tp, mi.DictType):
+        return "a table of " + _name(tp.value_type).removeprefix("a ") + "s"
+    return {mi.IntType: "a whole number", mi.FloatType: "a number", mi.StrType: "a string",
+            mi.BoolType: "true or false", mi.StructType: "a table"}.get(type(tp), str(tp))
 
 
 def _kind(value: Any) -> str:
@@ -334,8 +362,38 @@ def _kind(value: Any) -> str:
             list: "a list", dict: "a table"}.get(type(value), type(value).__name__)
 
 
-def _join(where: str, key: str) -> str:
-    return f"{where}.{key}" if where else key
+def _join(keys: list[str]) -> str:
+    return ".".join(keys)
+
+
+def _auto_spelled(table: Any, cls: type) -> Any:
+    """``table`` with 'auto' spelled as ``starhub`` spells it ('Auto', ' auto ') in the keys
+    that take it, as the command line reads it."""
+    if not isinstance(table, dict):
+        return table
+    out = dict(table)
+    for field in mi.type_info(cls).fields:
+        value = out.get(field.name)
+        if isinstance(value, str) and _auto(field.type) and value.strip().lower() == AUTO:
+            out[field.name] = AUTO
+        for t in _options(field.type):
+            if isinstance(t, mi.StructType) and isinstance(value, dict):
+                out[field.name] = _auto_spelled(value, t.cls)
+    return out
+
+
+def _check_finite(table: Struct, where: str, source: str) -> None:
+    """No infinity or NaN anywhere (TOML can write both)."""
+    for name in table.__struct_fields__:
+        value = getattr(table, name)
+        key = f"{where}.{name}" if where else name
+        if isinstance(value, Struct):
+            _check_finite(value, key, source)
+        numbers = value.values() if isinstance(value, dict) else \
+            value if isinstance(value, list) else [value]
+        for number in numbers:
+            if isinstance(number, float) and not math.isfinite(number):
+                raise ConfigError(f"{source}: {key}: must be a finite number, got {number}")
 
 
 # --- checks across tables ---------------------------------------------------------------
@@ -391,16 +449,15 @@ def schema_text() -> str:
                        ("[targets]", TargetsSection), ("[verifier]", VerifierSection),
                        ("[drafters]", DraftersSection), ("[ray]", RaySection)):
         lines.append(title)
-        hints = typing.get_type_hints(cls)
-        for f in fields(cls):
-            if f.metadata.get("internal") or f.name in ("hub", "targets", "verifier",
+        for field in mi.type_info(cls).fields:
+            if field.name in INTERNAL or field.name in ("hub", "targets", "verifier",
                                                         "drafters", "ray"):
                 continue
-            if f.default is not MISSING:
-                default = f" = {f.default!r}"
-            elif f.default_factory is not MISSING:
-                default = f" = {f.default_factory()!r}"
-            else:
+            if field.required:
                 default = "  (required)"
-            lines.append(f"  {f.name}: {_describe(hints[f.name], f)}{default}")
+            elif field.default_factory is not msgspec.NODEFAULT:
+                default = f" = {field.default_factory()!r}"
+            else:
+                default = f" = {field.default!r}"
+            lines.append(f"  {field.name}: {_describe(field)}{default}")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from starhub.wire.messages import Hello, Stats
 from starhub.wire.security import ClientCurve, SecurityError, client_curve
 
 if TYPE_CHECKING:
@@ -20,8 +21,8 @@ def observer_client(address: str, timeout_s: float = 5.0, curve: ClientCurve | N
     """A client that has said HELLO as an observer, so that the server's STATS include
     each target's (or edge session's) entries; a plain client gets aggregates only. It
     takes no admission slot. ``curve``: a ``ClientCurve`` for a server that uses CURVE."""
+    # deferred: torch load only when this runs
     from starhub.client.connection import HubClient
-    from starhub.wire.messages import Hello
 
     client = HubClient(address, timeout_s=timeout_s, curve=curve)
     try:
@@ -45,8 +46,8 @@ def query_stats(address: str, timeout_s: float = 5.0, peers: bool = False,
                 curve: ClientCurve | None = None, observe: bool = True) -> dict:
     """One ``STATS`` request; ``peers`` adds each peer's totals (``counters.peers``).
     ``observe`` says HELLO as an observer first, for per-target entries."""
+    # deferred: torch load only when this runs
     from starhub.client.connection import HubClient
-    from starhub.wire.messages import Stats
 
     client = (observer_client(address, timeout_s, curve) if observe
               else HubClient(address, timeout_s=timeout_s, curve=curve))
