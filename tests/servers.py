@@ -101,8 +101,8 @@ class VerifierHarness:
     def state(self) -> tuple:
         v = self.verifier
         sessions = {t: (s.owner, s.greedy, s.rounds, s.committed, s.last_seen)
-                    for t, s in v.sessions.items()}
+                    for t, s in v.table.sessions.items()}
         pending = {t: (p.seq, tuple(p.tree.tokens.tolist())) for t, p in v.pending.items()}
-        cached = {t: v.engine.cached(t) for t in v.sessions}
-        return (sessions, pending, sorted(v.peers), cached, v.budget.snapshot(),
+        cached = {t: v.engine.cached(t) for t in v.table.sessions}
+        return (sessions, pending, sorted(v.table.peers), cached, v.budget.snapshot(),
                 sorted(v.scheduler.sessions))

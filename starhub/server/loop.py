@@ -105,16 +105,20 @@ class Server:
         while True:
             frames = await sock.recv_multipart(copy=False)
             self.on_frames(frames[0].bytes, frames[1:])
-            for _ in range(self.receive_batch - 1):
-                try:
-                    frames = await sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self.on_frames(frames[0].bytes, frames[1:])
+            await self.receive_ready(sock, self.receive_batch - 1)
             self.arrived.set()
             # A ready message completes the await without yielding: without this, a peer
             # that keeps the socket full would starve the other tasks.
             await asyncio.sleep(0)
+
+    async def receive_ready(self, sock: zmq.asyncio.Socket, most: int) -> None:
+        """Handle up to ``most`` messages that are already there, without waiting."""
+        for _ in range(most):
+            try:
+                frames = await sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.on_frames(frames[0].bytes, frames[1:])
 
     async def sender(self, sock: zmq.asyncio.Socket) -> None:
         while True:
