@@ -94,7 +94,6 @@ class Verifier(Server):
         self.observers = Observers()
         self.table: SessionTable[EdgeSession, DrafterPeer] = SessionTable(config.ttl_s,
                                                                           config.limits)
-        self.budget = self.table.budget
         self.pending: dict[int, Pending] = {}
         self.pass_started = 0.0
 
@@ -241,7 +240,7 @@ class Verifier(Server):
             raise ProtocolError(ErrorCode.BAD_FIELD, "a verifier takes trees, not plain rounds",
                                 tag=msg.tag)
         check_tree(msg.parents, self.config.max_nodes, self.config.max_depth, msg.tag)
-        self.budget.check_grow(msg.tag, len(msg.tokens) + 1)
+        self.table.check_grow(msg.tag, len(msg.tokens) + 1)
         check_ids(msg.tokens, self.hello.vocab_size, msg)
         if msg.dist_ids is not None:
             check_ids(msg.dist_ids.reshape(-1), self.hello.vocab_size, msg)
@@ -342,7 +341,7 @@ class Verifier(Server):
             "role": "verifier", "schedule": self.config.schedule,
             "budget": self.config.budget, "max_batch": self.config.max_batch,
             "sessions": len(self.table), "drafters": len(self.table.peers),
-            "cached_tokens": self.budget.cached,
+            "cached_tokens": self.table.budget.cached,
             "steps": st.steps, "rounds": st.rounds, "committed": st.committed,
             "accepted": st.accepted, "opened": st.opened, "closed": st.closed,
             "expired": st.expired, "wall_s": wall, "verify_s": st.verify_s,

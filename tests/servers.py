@@ -54,7 +54,7 @@ class HubHarness:
                     for t, s in hub.table.sessions.items()}
         peers = {i: (p.name, p.vocab_size, frozenset(p.sessions))
                  for i, p in hub.table.peers.items()}
-        return (sessions, peers, len(hub.worker.buffer), hub.budget.snapshot(),
+        return (sessions, peers, len(hub.worker.buffer), hub.table.budget.snapshot(),
                 sorted(hub.control.sessions), sorted(hub.control.targets))
 
     def close(self) -> None:
@@ -104,5 +104,5 @@ class VerifierHarness:
                     for t, s in v.table.sessions.items()}
         pending = {t: (p.seq, tuple(p.tree.tokens.tolist())) for t, p in v.pending.items()}
         cached = {t: v.engine.cached(t) for t in v.table.sessions}
-        return (sessions, pending, sorted(v.table.peers), cached, v.budget.snapshot(),
+        return (sessions, pending, sorted(v.table.peers), cached, v.table.budget.snapshot(),
                 sorted(v.scheduler.sessions))

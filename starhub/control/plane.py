@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from starhub.control.estimators import MAX_AUTO_DEPTH, Acceptance, Ema, LinearFit
+from starhub.control.estimators import MAX_AUTO_DEPTH, Acceptance, Ema
+from starhub.fit import LinearFit
 
 AUTO = "auto"
 PLAIN_TOKENS = 16

@@ -59,7 +59,6 @@ class Hub(Server):
         self.sweep_s = min(1.0, self.config.ttl_s / 4)
         self.table: SessionTable[DraftSession, TargetPeer] = SessionTable(
             self.config.ttl_s, self.config.limits)
-        self.budget = self.table.budget
         self.observers = Observers()
         self.control = Controller(self.config.control())
         self.worker = DraftWorker(drafter, self.config, self.table, self.metrics, self.control,
@@ -219,7 +218,7 @@ class Hub(Server):
                                 f"{session.last_tree_size}-node tree with {len(msg.tokens)} "
                                 f"tokens", tag=msg.tag)
         self._check_ids(peer, msg)
-        self.budget.check_grow(session.tag, len(msg.tokens))
+        self.table.check_grow(session.tag, len(msg.tokens))
         now = time.monotonic()
         session.ctx.tokens.extend(msg.tokens.tolist())
         self.table.grew(session.tag, len(msg.tokens))
@@ -289,7 +288,7 @@ class Hub(Server):
                     threads=self.config.threads or torch.get_num_threads(),
                     max_targets=self.config.max_targets, admitted=control["admitted"],
                     n_max=control["n_max"], n_full=control["n_full"],
-                    cached_tokens=self.budget.cached,
+                    cached_tokens=self.table.budget.cached,
                     rejections=control["rejections"], control=control)
         return snap
 

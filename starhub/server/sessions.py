@@ -117,6 +117,10 @@ class SessionTable(Generic[S, P]):
         session.last_seen = time.monotonic()
         return session
 
+    def check_grow(self, tag: int, tokens: int) -> None:
+        """Refuse, changing nothing, ``tokens`` more for a session past its budget."""
+        self.budget.check_grow(tag, tokens)
+
     def grew(self, tag: int, tokens: int) -> None:
         self.budget.grew(tag, tokens)
 
