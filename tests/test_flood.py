@@ -3,8 +3,8 @@ malformed messages is still being answered, a real session's round goes through.
 
 The server is held still while the whole flood and the round queue up in its socket, so
 the socket is full when it reads on: only the server's own limit on what it takes before
-its other work runs (one message at a time on the hub, ``RECEIVE_BATCH`` between two of the
-verifier's passes) lets the round through before the flood is done."""
+its other work runs (one message between the hub's other tasks, at most ``RECEIVE_BATCH``
+between two of the verifier's passes) lets the round through before the flood is done."""
 
 from __future__ import annotations
 

@@ -46,6 +46,7 @@ class VerifierUnavailable(LinkDown):
 
 class VerifierConnection(Connection):
     server = "verifier"
+    down = VerifierUnavailable
 
 
 @dataclass

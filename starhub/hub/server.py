@@ -137,7 +137,6 @@ class Hub(Server):
             return
         reason = self.drafter.check_target(msg)
         retry = 0.0
-        peers = self.table.peers
         if reason is None:
             reason = self.control.join(identity, msg.name, msg.step_ms / 1e3, time.monotonic())
             retry = self.config.retry_after_s
@@ -151,7 +150,7 @@ class Hub(Server):
         self.table.join(TargetPeer(identity=identity, name=msg.name, vocab_size=msg.vocab_size,
                                    hidden_size=msg.hidden_size, num_layers=msg.num_layers))
         log.info("target %s (%s) joined; %d admitted", msg.name, peer_name(identity),
-                 len(peers))
+                 len(self.table.peers))
         self.reply(identity, self.welcome())
 
     def welcome(self) -> Welcome:
@@ -174,7 +173,8 @@ class Hub(Server):
             log.info("target %s (%s) left; %d admitted", peer.name, peer_name(identity),
                      len(self.table.peers))
 
-    def _check_ids(self, peer: TargetPeer, msg: Open | Commit) -> None:
+    def _check_payload(self, peer: TargetPeer, msg: Open | Commit) -> None:
+        """Token ids in the target's vocabulary; features where the drafter needs them."""
         check_ids(msg.tokens, peer.vocab_size, msg)
         if self.drafter.feature_layers and msg.features is None:
             raise ProtocolError(ErrorCode.BAD_FIELD,
@@ -189,7 +189,7 @@ class Hub(Server):
     def handle_open(self, identity: bytes, msg: Open) -> None:
         peer = self.table.peer(identity, msg, "HELLO")
         self.table.check_open(identity, len(msg.tokens), msg.ref)
-        self._check_ids(peer, msg)
+        self._check_payload(peer, msg)
         keep = msg.features is not None and self.drafter.feature_layers
         ctx = DraftContext(tokens=msg.tokens.tolist(), temperature=msg.temperature,
                            features=[msg.features] if keep else [], seed=msg.seed)
@@ -217,7 +217,7 @@ class Hub(Server):
                                 f"COMMIT accepts {msg.accepted} nodes of a "
                                 f"{session.last_tree_size}-node tree with {len(msg.tokens)} "
                                 f"tokens", tag=msg.tag)
-        self._check_ids(peer, msg)
+        self._check_payload(peer, msg)
         self.table.check_grow(session.tag, len(msg.tokens))
         now = time.monotonic()
         session.ctx.tokens.extend(msg.tokens.tolist())

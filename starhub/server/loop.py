@@ -23,7 +23,7 @@ from starhub.wire.messages import Error, ErrorCode, Message, ProtocolError
 from starhub.wire.security import ServerSecurity, bind_server
 
 STOP_POLL_S = 0.1
-"""How often ``serve``'s ``stop`` callable is asked."""
+"""How often ``run``'s ``stop`` callable is asked."""
 
 
 class Server:
@@ -32,8 +32,6 @@ class Server:
 
     role = "server"
     log = logging.getLogger("starhub.server")
-    receive_batch = 1
-    """Messages taken before the other tasks get a turn."""
     sweep_s = 1.0
 
     def __init__(self, limits: Limits, errors: Counter):
@@ -43,7 +41,7 @@ class Server:
         self.outbox: collections.deque[tuple[bytes, Message]] = collections.deque()
         self._outgoing = asyncio.Event()
         self.arrived = asyncio.Event()
-        """Set after each batch of received messages."""
+        """Set after each message the receiver takes."""
         self.bound = ""
         self.linger_ms = 0
 
@@ -105,7 +103,6 @@ class Server:
         while True:
             frames = await sock.recv_multipart(copy=False)
             self.on_frames(frames[0].bytes, frames[1:])
-            await self.receive_ready(sock, self.receive_batch - 1)
             self.arrived.set()
             # A ready message completes the await without yielding: without this, a peer
             # that keeps the socket full would starve the other tasks.
