@@ -85,15 +85,15 @@ class Verifier(Server):
         self.feature_dtype = feature_dtype
         self.config = config
         self.stats = VerifierStats()
-        super().__init__(Limits(config.max_message_bytes), self.stats.errors)
+        self.table: SessionTable[EdgeSession, DrafterPeer] = SessionTable(config.ttl_s,
+                                                                          config.limits)
+        super().__init__(self.table, Limits(config.max_message_bytes), self.stats.errors)
         # no grant larger than a chain the tree checks would pass: a chain drafter's tree
         # of S nodes is S deep
         self.scheduler = Scheduler(config.schedule, config.budget, config.max_batch,
                                    config.nodes, cap=min(config.max_nodes, config.max_depth),
                                    seed=config.seed)
         self.observers = Observers()
-        self.table: SessionTable[EdgeSession, DrafterPeer] = SessionTable(config.ttl_s,
-                                                                          config.limits)
         self.pending: dict[int, Pending] = {}
         self.pass_started = 0.0
 
@@ -169,7 +169,7 @@ class Verifier(Server):
                 return
 
     def housekeeping(self) -> None:
-        self.expire()
+        self.stats.expired += self.expire()
 
     # -- messages ---------------------------------------------------------------------
     def handle(self, identity: bytes, msg: Message) -> None:
@@ -265,12 +265,6 @@ class Verifier(Server):
         self.pending.pop(tag, None)
         self.engine.close(tag)
         self.scheduler.close(tag)
-
-    def expire(self) -> None:
-        for tag in self.table.expired():
-            log.info("session %x expired after %.0fs of silence", tag, self.config.ttl_s)
-            self.stats.expired += 1
-            self.close(tag)
 
     # -- verification -----------------------------------------------------------------
     def step(self) -> None:

@@ -55,10 +55,11 @@ class Hub(Server):
         self.drafter = drafter
         self.config = config or HubConfig()
         self.metrics = HubMetrics()
-        super().__init__(Limits(self.config.max_message_bytes), self.metrics.errors)
-        self.sweep_s = min(1.0, self.config.ttl_s / 4)
         self.table: SessionTable[DraftSession, TargetPeer] = SessionTable(
             self.config.ttl_s, self.config.limits)
+        super().__init__(self.table, Limits(self.config.max_message_bytes),
+                         self.metrics.errors)
+        self.sweep_s = min(1.0, self.config.ttl_s / 4)
         self.observers = Observers()
         self.control = Controller(self.config.control())
         self.worker = DraftWorker(drafter, self.config, self.table, self.metrics, self.control,
@@ -265,10 +266,7 @@ class Hub(Server):
 
     def housekeeping(self) -> None:
         """Release sessions idle past their TTL; log a one-line summary now and then."""
-        for tag in self.table.expired():
-            self.close(tag)
-            self.metrics.sessions_expired += 1
-            log.info("session %d expired after %.0fs without messages", tag, self.config.ttl_s)
+        self.metrics.sessions_expired += self.expire()
         self.free_idle_slots()
         now = time.monotonic()
         if self.config.log_every_s and now - self._last_log >= self.config.log_every_s:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Coroutine
 import zmq
 import zmq.asyncio
 
+from starhub.server.sessions import SessionTable
 from starhub.wire.codec import Limits, configure_socket, decode, encode, error_for
 from starhub.wire.messages import Error, ErrorCode, Message, ProtocolError
 from starhub.wire.security import ServerSecurity, bind_server
@@ -27,14 +28,16 @@ STOP_POLL_S = 0.1
 
 
 class Server:
-    """One ROUTER socket's loop. Subclasses set ``role`` and ``log`` and implement ``handle``;
-    ``housekeeping`` runs every ``sweep_s``."""
+    """One ROUTER socket's loop over one session ``table``. Subclasses set ``role`` and
+    ``log`` and implement ``handle`` and ``close``; ``housekeeping`` runs every
+    ``sweep_s``."""
 
     role = "server"
     log = logging.getLogger("starhub.server")
     sweep_s = 1.0
 
-    def __init__(self, limits: Limits, errors: Counter):
+    def __init__(self, table: SessionTable, limits: Limits, errors: Counter):
+        self.table = table
         self.limits = limits
         self.errors = errors
         """ERROR replies by code, where the server counts them."""
@@ -49,8 +52,22 @@ class Server:
     def handle(self, identity: bytes, msg: Message) -> None:
         raise NotImplementedError
 
+    def close(self, tag: int) -> None:
+        """Forget session ``tag`` (the table's entry and whatever the server holds for it)."""
+        raise NotImplementedError
+
     def housekeeping(self) -> None:
         """Every ``sweep_s``: expire sessions, free slots, log."""
+        self.expire()
+
+    def expire(self) -> int:
+        """Close the sessions silent past the TTL; how many there were."""
+        tags = self.table.expired()
+        for tag in tags:
+            self.log.info("session %x expired after %.0fs without messages", tag,
+                          self.table.ttl_s)
+            self.close(tag)
+        return len(tags)
 
     # -- messages -----------------------------------------------------------------------
     def on_frames(self, identity: bytes, frames: list) -> None:
