@@ -19,7 +19,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -31,6 +30,7 @@ from bench.model import StarModel
 from bench.notes import METRIC_NOTES
 from starhub.hub.metrics import derive
 from starhub.launch import READY, child_env
+from starhub.launch.spawn import wait_ready
 from starhub.launch.status import observer_client
 from starhub.options import AUTO, MAX_AUTO_DEPTH, max_targets_arg
 from starhub.wire.messages import Stats
@@ -102,22 +102,13 @@ def _spawn_ready(cmd: list[str], log_path: str, timeout_s: float = 120.0,
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
                                 stdin=subprocess.PIPE if stdin else None, env=child_env(1))
-    found: list[str] = []
-
-    def read() -> None:
-        for line in proc.stdout:
-            if line.startswith(("READY", "STARHUB READY")) and not found:
-                found.append(line.split(" ", 2 if line.startswith("STARHUB") else 1)[-1])
-                break
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    if not found:
+    try:
+        found = wait_ready(proc, cmd[2], timeout_s, prefixes=(READY, "READY "), drain=False)
+    except (RuntimeError, TimeoutError):
         proc.kill()
         raise RuntimeError(f"{' '.join(cmd[:4])} did not start (exit {proc.poll()}); "
-                           f"see {log_path}")
-    return proc, found[0].strip()
+                           f"see {log_path}") from None
+    return proc, found
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from starhub.client.connection import HubClient, HubError, HubUnavailable
-from starhub.client.link import HubLink
+from starhub.client.link import Link
 from starhub.client.round_stats import clip_output, count_round, mean_accept_len
 from starhub.models.loading import tokenizer_fingerprint
 from starhub.models.prompts import encode_prompt  # noqa: F401  (re-exported)
-from starhub.wire.messages import Close, Commit, ErrorCode, Hello, Open, Propose, Stats
+from starhub.wire.messages import Close, Commit, ErrorCode, Hello, Open, Propose, Stats, Welcome
 from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.verify import TargetModel
@@ -107,8 +107,8 @@ class SpeculativeGenerator:
         eos = model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.step_s = measure_step(model) if hub else 0.0
-        self.link = HubLink(hub, self.hello, name, floor_s=timeout_s,
-                            client_options=client_options) if hub else None
+        self.client_options = client_options or {}
+        self.link = Link(hub, self._greet, name, floor_s=timeout_s) if hub else None
         """The hub connection; ``timeout_s`` is the floor of its reply deadline."""
         if self.link is not None:
             self.connect()
@@ -122,12 +122,22 @@ class SpeculativeGenerator:
         """Why this generator decodes without a hub, if it does."""
         return self.link.note if self.link is not None else ""
 
+    def _greet(self) -> tuple[HubClient, Welcome]:
+        """A new connection to the hub, and its WELCOME (``HubUnavailable`` if none)."""
+        client = HubClient(self.hub, timeout_s=max(self.link.floor_s, 5.0),
+                           **self.client_options)
+        try:
+            return client, client.hello(self.hello())
+        except HubUnavailable:
+            client.close()
+            raise
+
     def connect(self) -> bool:
         """HELLO to the hub. A REJECT is quiet: we decode alone and ask again after the
         hub's ``retry_after_s``."""
         if not self.link.connect():
             return False
-        welcome = self.link.welcome
+        welcome = self.link.card
         log.info("%s: hub %s drafts with '%s' (depth %s, topk %d, %d nodes)", self.name,
                  self.hub, welcome.drafter, welcome.depth or "auto", welcome.topk,
                  welcome.max_nodes)
@@ -155,7 +165,7 @@ class SpeculativeGenerator:
         """Yield each round's newly committed ids; ``stats`` is filled in as it goes."""
         stats = stats if stats is not None else GenerationStats()
         client = self.link.current() if self.link is not None else None
-        layers = list(self.link.welcome.feature_layers) if client is not None else []
+        layers = list(self.link.card.feature_layers) if client is not None else []
         stats.started_at, stats.threads = time.time(), torch.get_num_threads()
         start = time.perf_counter()
         target = TargetModel(self.model, Sampling(temperature, top_p), seed, layers)

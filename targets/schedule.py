@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from starhub.fit import LinearFit
+
 POLICIES = ("fifo", "random", "goodspeed", "slo")
 
 
@@ -74,33 +76,32 @@ class DrafterState:
 
 class VerifyTimeModel:
     """``T = a·N_new + b·sum(L_cached·L_new) + c·N_cached + d``, fitted online by least
-    squares over the last ``window`` passes. Each pass is predicted before it joins the
-    fit, so ``mape`` is the error on passes the model had not seen."""
+    squares (``starhub.fit``) whose passes weigh as if it kept the last ``window`` (their
+    mean age is ``window / 2``); the prior ``d`` stands until 4 passes are in. Each pass is
+    predicted before it joins the fit, so ``mape`` is the error on passes the model had
+    not seen."""
 
     def __init__(self, window: int = 256, prior_ms: float = 20.0):
-        self.rows: deque[tuple[list[float], float]] = deque(maxlen=window)
-        self.coef = np.array([0.0, 0.0, 0.0, prior_ms * 1e-3])
+        self.fit = LinearFit([0.0, 0.0, 0.0, prior_ms * 1e-3], forget=1.0 - 2.0 / window,
+                             strength=1e-9)
         self.errors: deque[float] = deque(maxlen=window)
+
+    @property
+    def coef(self) -> list[float]:
+        return self.fit.weights if self.fit.samples >= 4 else self.fit.prior
 
     @staticmethod
     def features(new: int, cached_x_new: int, cached: int) -> list[float]:
         return [float(new), float(cached_x_new), float(cached), 1.0]
 
     def predict(self, new: int, cached_x_new: int, cached: int) -> float:
-        return max(float(np.dot(self.coef, self.features(new, cached_x_new, cached))), 0.0)
+        x = self.features(new, cached_x_new, cached)
+        return max(sum(c * v for c, v in zip(self.coef, x, strict=True)), 0.0)
 
     def observe(self, new: int, cached_x_new: int, cached: int, seconds: float) -> None:
-        x = self.features(new, cached_x_new, cached)
-        if len(self.rows) >= 8 and seconds > 0:
+        if self.fit.samples >= 8 and seconds > 0:
             self.errors.append(abs(self.predict(new, cached_x_new, cached) - seconds) / seconds)
-        self.rows.append((x, seconds))
-        if len(self.rows) >= 4:
-            a = np.array([r[0] for r in self.rows])
-            y = np.array([r[1] for r in self.rows])
-            scale = np.maximum(np.abs(a).max(0), 1e-9)
-            ridge = 1e-6 * np.eye(4)
-            coef = np.linalg.solve((a / scale).T @ (a / scale) + ridge, (a / scale).T @ y)
-            self.coef = coef / scale
+        self.fit.update(self.features(new, cached_x_new, cached), seconds)
 
     @property
     def mape(self) -> float | None:

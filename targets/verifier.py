@@ -10,26 +10,30 @@ first token and the prompt's features: what a star target sends its hub. Each PR
 answered by a COMMIT with the accepted tokens, the bonus token, their features and the
 next draft budget ``S_i``. CLOSE ends a session; silence past ``ttl_s`` does too.
 
-The loop takes every message that has arrived, then verifies what the scheduler picks in
-one pass: it never waits for a slow drafter, and drafters draft while others verify.
+The loop (``starhub.server.loop``, the hub's too) takes every message that has arrived,
+then verifies what the scheduler picks in one pass: it never waits for a slow drafter, and
+drafters draft while others verify. Sessions live in the servers' shared table
+(``starhub.server.sessions``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import replace
 
 import torch
-import zmq
+import zmq.asyncio
 
 from starhub.models.loading import tokenizer_fingerprint
 from starhub.server.isolation import Observers, verifier_view
-from starhub.server.limits import SessionBudget, check_tree
-from starhub.wire.codec import Limits, configure_socket, decode, encode, error_for
+from starhub.server.limits import check_tree
+from starhub.server.loop import Server, peer_name
+from starhub.server.sessions import SessionTable, check_ids
+from starhub.wire.codec import Limits
 from starhub.wire.messages import (
     Close,
     Commit,
@@ -46,13 +50,18 @@ from starhub.wire.messages import (
     Stats,
     Welcome,
 )
-from starhub.wire.security import bind_server
 from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.engine import VerifyEngine, measure_budget
 from targets.generate import feature_dtype, measure_step
 from targets.schedule import Scheduler, Waiting
-from targets.verifier_state import EdgeSession, Pending, VerifierConfig, VerifierStats
+from targets.verifier_state import (
+    DrafterPeer,
+    EdgeSession,
+    Pending,
+    VerifierConfig,
+    VerifierStats,
+)
 
 log = logging.getLogger("starhub.verifier")
 
@@ -61,9 +70,12 @@ RECEIVE_BATCH = 1024
 hold verification up."""
 
 
-class Verifier:
+class Verifier(Server):
     """The server loop around an engine: ``VerifyEngine`` for a real model (``for_model``),
     or any object with its methods (the benchmark's emulated engine)."""
+
+    role = "verifier"
+    log = log
 
     def __init__(self, engine, hello: Hello, config: VerifierConfig,
                  feature_dtype: torch.dtype = torch.float16):
@@ -72,21 +84,18 @@ class Verifier:
         self.step_s = hello.step_ms / 1e3
         self.feature_dtype = feature_dtype
         self.config = config
-        self.limits = Limits(config.max_message_bytes)
+        self.stats = VerifierStats()
+        self.table: SessionTable[EdgeSession, DrafterPeer] = SessionTable(config.ttl_s,
+                                                                          config.limits)
+        super().__init__(self.table, Limits(config.max_message_bytes), self.stats.errors)
         # no grant larger than a chain the tree checks would pass: a chain drafter's tree
         # of S nodes is S deep
         self.scheduler = Scheduler(config.schedule, config.budget, config.max_batch,
                                    config.nodes, cap=min(config.max_nodes, config.max_depth),
                                    seed=config.seed)
-        self.peers: dict[bytes, Welcome] = {}
         self.observers = Observers()
-        self.sessions: dict[int, EdgeSession] = {}
         self.pending: dict[int, Pending] = {}
-        self.budget = SessionBudget(config.limits)
-        self.stats = VerifierStats()
-        self.outbox: list[tuple[bytes, Message]] = []
         self.pass_started = 0.0
-        self.bound = ""
 
     @classmethod
     def for_model(cls, model, tokenizer, config: VerifierConfig,
@@ -103,37 +112,37 @@ class Verifier:
     # -- the loop ---------------------------------------------------------------------
     def serve(self, ready: Callable[[str], None] = lambda address: None,
               stop: Callable[[], bool] = lambda: False) -> None:
-        sock = zmq.Context.instance().socket(zmq.ROUTER)
-        configure_socket(sock, self.limits)
-        release = bind_server(sock, self.config.bind, self.config.security)
-        self.bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        """Serve until ``stop()`` is true; ``ready`` is told the bound address."""
+        asyncio.run(self._serve(ready, stop))
+
+    async def _serve(self, ready: Callable[[str], None], stop: Callable[[], bool]) -> None:
+        sock, release = self.bind(self.config.bind, self.config.security)
         log.info("verifier on %s: schedule %s, budget %d tokens, max batch %s, step %.1f ms",
                  self.bound, self.config.schedule, self.config.budget,
                  self.config.max_batch or "auto", 1e3 * self.step_s)
         ready(self.bound)
-        last_sweep = time.monotonic()
         try:
-            while not stop():
-                timeout = 0 if self.pending else 100
-                for _ in range(RECEIVE_BATCH):
-                    if not sock.poll(timeout):
-                        break
-                    self.receive(sock)
-                    timeout = 0
-                if self.pending:
-                    waited = time.perf_counter()
-                    self.gather(sock)
-                    self.stats.gather_s += time.perf_counter() - waited
-                    self.step()
-                self.flush(sock)
-                if time.monotonic() - last_sweep > 1.0:
-                    self.expire()
-                    last_sweep = time.monotonic()
+            await self.run(sock, self.passes(sock), stop=stop)
         finally:
             sock.close(0)
             release()
 
-    def gather(self, sock: zmq.Socket) -> None:
+    async def passes(self, sock: zmq.asyncio.Socket) -> None:
+        """Verify what is waiting, one pass at a time; each pass starts with every message
+        that arrived during the last one."""
+        while True:
+            await self.receive_ready(sock, RECEIVE_BATCH)
+            if not self.pending:
+                self.arrived.clear()
+                await self.arrived.wait()
+                continue
+            waited = time.perf_counter()
+            await self.gather()
+            self.stats.gather_s += time.perf_counter() - waited
+            self.step()
+            await asyncio.sleep(0)  # the sender sends the pass's COMMITs
+
+    async def gather(self) -> None:
         """Wait briefly for proposals about to arrive, so that they share this pass.
 
         A pass over a few rows costs far less than a pass per row; without this, drafters
@@ -146,42 +155,25 @@ class Verifier:
         while not self.scheduler.full([p.waiting for p in self.pending.values()]):
             now = time.monotonic()
             # expected by the cap, and not overdue by a whole pass (that one is stalled)
-            soon = [s.committed_at + s.turnaround for t, s in self.sessions.items()
+            soon = [s.committed_at + s.turnaround for t, s in self.table.sessions.items()
                     if t not in self.pending and s.committed_at and s.turnaround
                     and start - pass_s < s.committed_at + s.turnaround <= start + cap]
             # an estimate already past still means "any moment": wait on, within the cap
             until = min(max(soon, default=0.0) + 0.2 * pass_s, start + cap)
-            if not soon or until <= now or not sock.poll(1e3 * (until - now)):
+            if not soon or until <= now:
                 return
-            self.receive(sock)
-            while sock.poll(0):
-                self.receive(sock)
+            self.arrived.clear()
+            try:
+                await asyncio.wait_for(self.arrived.wait(), until - now)
+            except TimeoutError:
+                return
 
-    def receive(self, sock: zmq.Socket) -> None:
-        frames = sock.recv_multipart(copy=False)
-        self.on_frames(frames[0].bytes, frames[1:])
-
-    def on_frames(self, identity: bytes, frames: list) -> None:
-        """Decode and route one message; whatever is wrong with it becomes an ERROR reply."""
-        try:
-            self.handle(identity, decode(frames, self.limits))
-        except ProtocolError as exc:
-            self.stats.errors[exc.code.name] += 1
-            log.warning("drafter %s: %s", _name(identity), exc.message)
-            self.outbox.append((identity, error_for(exc)))
-        except Exception:
-            log.exception("internal error on a message from %s", _name(identity))
-            self.stats.errors["INTERNAL"] += 1
-            self.outbox.append((identity, Error(code=int(ErrorCode.INTERNAL),
-                                                message="internal error; see the verifier log")))
-
-    def flush(self, sock: zmq.Socket) -> None:
-        for identity, msg in self.outbox:
-            sock.send_multipart([identity, *encode(msg)], copy=False)
-        self.outbox.clear()
+    def housekeeping(self) -> None:
+        self.stats.expired += self.expire()
 
     # -- messages ---------------------------------------------------------------------
     def handle(self, identity: bytes, msg: Message) -> None:
+        """Route one valid message; a PROPOSE waits for a pass (``step``)."""
         if isinstance(msg, Welcome):
             self.handle_welcome(identity, msg)
         elif isinstance(msg, Open):
@@ -189,16 +181,16 @@ class Verifier:
         elif isinstance(msg, Propose):
             self.handle_propose(identity, msg)
         elif isinstance(msg, Close):
-            self._session(identity, msg.tag)
+            self.table.get(msg.tag, identity)
             self.close(msg.tag)
         elif isinstance(msg, Ping):
-            self.outbox.append((identity, Pong(nonce=msg.nonce)))
+            self.reply(identity, Pong(nonce=msg.nonce))
         elif isinstance(msg, Hello) and msg.observer:  # `starhub status`, the benchmark
             self.observers.add(identity)
-            self.outbox.append((identity, self.hello))
+            self.reply(identity, self.hello)
         elif isinstance(msg, Stats):
-            detail = identity in self.peers or identity in self.observers
-            self.outbox.append((identity, Stats(body=verifier_view(self.snapshot(), detail))))
+            detail = identity in self.table.peers or identity in self.observers
+            self.reply(identity, Stats(body=verifier_view(self.snapshot(), detail)))
         else:
             raise ProtocolError(ErrorCode.BAD_TYPE,
                                 f"a verifier does not accept {msg.TYPE}: drafters send WELCOME, "
@@ -209,42 +201,38 @@ class Verifier:
         layers = self.hello.num_layers
         bad = [i for i in msg.feature_layers if not -(layers + 1) <= i <= layers]
         if bad:
-            self.outbox.append((identity, Reject(
+            self.reply(identity, Reject(
                 code=int(ErrorCode.BAD_FIELD),
-                reason=f"feature layers {bad} do not exist in a {layers}-layer target")))
+                reason=f"feature layers {bad} do not exist in a {layers}-layer target"))
             return
-        self.peers[identity] = msg
-        log.info("drafter %s (%s) joined", _name(identity), msg.drafter or "?")
-        self.outbox.append((identity, self.hello))
+        self.table.join(DrafterPeer(identity=identity, card=msg))
+        log.info("drafter %s (%s) joined", peer_name(identity), msg.drafter or "?")
+        self.reply(identity, self.hello)
 
     def handle_open(self, identity: bytes, msg: Open) -> None:
-        peer = self.peers.get(identity)
-        if peer is None:
-            raise ProtocolError(ErrorCode.NO_HELLO, "send WELCOME before OPEN", ref=msg.ref)
-        self.budget.check_open(identity, len(msg.tokens), msg.ref)
+        peer = self.table.peer(identity, msg, "WELCOME")
+        self.table.check_open(identity, len(msg.tokens), msg.ref)
+        check_ids(msg.tokens, self.hello.vocab_size, msg)
         prompt = msg.tokens.tolist()
-        self._check_ids(prompt, msg)
-        tag = secrets.randbits(62) or 1
-        while tag in self.sessions:
-            tag = secrets.randbits(62) or 1
+        tag = self.table.new_tag()
         started = time.perf_counter()
         first, feats = self.engine.open(tag, prompt, Sampling(msg.temperature, msg.top_p),
-                                        msg.seed, list(peer.feature_layers))
+                                        msg.seed, list(peer.card.feature_layers))
         self.stats.prefill_s += time.perf_counter() - started
         now = time.monotonic()
-        self.sessions[tag] = EdgeSession(tag, identity, msg.temperature <= 0, now, now)
-        self.budget.opened(tag, identity, len(prompt) + 1)
+        self.table.add(EdgeSession(tag=tag, owner=identity, greedy=msg.temperature <= 0,
+                                   opened_at=now, last_seen=now), len(prompt) + 1)
         self.scheduler.open(tag, now, msg.target_tok_s)
         self.stats.opened += 1
-        self.outbox.append((identity, Open(
+        self.reply(identity, Open(
             tag=tag, ref=msg.ref, prompt_len=msg.prompt_len, temperature=msg.temperature,
             top_p=msg.top_p, seed=msg.seed, step_ms=1e3 * self.step_s,
             target_tok_s=msg.target_tok_s, budget=self.scheduler.nodes_for(tag),
             tokens=torch.tensor([*prompt, first], dtype=torch.int32),
-            features=self._half(feats))))
+            features=self._half(feats)))
 
     def handle_propose(self, identity: bytes, msg: Propose) -> None:
-        session = self._session(identity, msg.tag)
+        session = self.table.get(msg.tag, identity)
         if msg.tag in self.pending:
             raise ProtocolError(ErrorCode.STALE, "a PROPOSE for this session is already waiting",
                                 tag=msg.tag)
@@ -252,10 +240,10 @@ class Verifier:
             raise ProtocolError(ErrorCode.BAD_FIELD, "a verifier takes trees, not plain rounds",
                                 tag=msg.tag)
         check_tree(msg.parents, self.config.max_nodes, self.config.max_depth, msg.tag)
-        self.budget.check_grow(msg.tag, len(msg.tokens) + 1)
-        self._check_ids(msg.tokens.tolist(), msg)
+        self.table.check_grow(msg.tag, len(msg.tokens) + 1)
+        check_ids(msg.tokens, self.hello.vocab_size, msg)
         if msg.dist_ids is not None:
-            self._check_ids(msg.dist_ids.reshape(-1).tolist(), msg)
+            check_ids(msg.dist_ids.reshape(-1), self.hello.vocab_size, msg)
         now = time.monotonic()
         session.last_seen = now
         if session.committed_at:
@@ -271,37 +259,12 @@ class Verifier:
                           self.scheduler.deadline(msg.tag, now))
         self.pending[msg.tag] = Pending(waiting, tree, msg.seq)
 
-    def _session(self, identity: bytes, tag: int) -> EdgeSession:
-        session = self.sessions.get(tag)
-        if session is None:
-            raise ProtocolError(ErrorCode.UNKNOWN_TAG, f"no session {tag} (closed or expired)",
-                                tag=tag)
-        if session.owner != identity:
-            raise ProtocolError(ErrorCode.NOT_OWNER, "this session belongs to another drafter",
-                                tag=tag)
-        return session
-
-    def _check_ids(self, ids: list[int], msg: Message) -> None:
-        vocab = self.hello.vocab_size
-        if ids and not 0 <= min(ids) <= max(ids) < vocab:
-            raise ProtocolError(ErrorCode.BAD_FIELD,
-                                f"{msg.TYPE}: token ids must lie in [0, {vocab})", tag=msg.tag,
-                                ref=getattr(msg, "ref", 0))
-
     def close(self, tag: int) -> None:
-        if self.sessions.pop(tag, None) is not None:
+        if self.table.close(tag) is not None:
             self.stats.closed += 1
         self.pending.pop(tag, None)
-        self.budget.closed(tag)
         self.engine.close(tag)
         self.scheduler.close(tag)
-
-    def expire(self) -> None:
-        cutoff = time.monotonic() - self.config.ttl_s
-        for tag in [t for t, s in self.sessions.items() if s.last_seen < cutoff]:
-            log.info("session %x expired after %.0fs of silence", tag, self.config.ttl_s)
-            self.stats.expired += 1
-            self.close(tag)
 
     # -- verification -----------------------------------------------------------------
     def step(self) -> None:
@@ -318,9 +281,9 @@ class Verifier:
         except Exception:
             log.exception("verification failed; closing the batch's sessions")
             for p in batch:
-                self.outbox.append((self.sessions[p.waiting.sid].owner, Error(
+                self.reply(self.table.sessions[p.waiting.sid].owner, Error(
                     tag=p.waiting.sid, code=int(ErrorCode.INTERNAL),
-                    message="verification failed; see the verifier log")))
+                    message="verification failed; see the verifier log"))
                 self.close(p.waiting.sid)
             return
         took = time.perf_counter() - start
@@ -338,13 +301,13 @@ class Verifier:
         st.batch_hist[len(batch)] += 1
         for p, verdict in zip(batch, verdicts, strict=True):
             sid = p.waiting.sid
-            session = self.sessions[sid]
+            session = self.table.sessions[sid]
             accepted = len(verdict.path)
             self.scheduler.observe(sid, p.tree.depth, accepted, len(verdict.tokens), done,
                                    p.waiting.deadline)
             session.rounds += 1
             session.committed += len(verdict.tokens)
-            self.budget.grew(sid, len(verdict.tokens))
+            self.table.grew(sid, len(verdict.tokens))
             session.committed_at = done
             st.rounds += 1
             st.accepted += accepted
@@ -356,11 +319,11 @@ class Verifier:
         # from one split, so their next trees fit one pass together
         for p, verdict in zip(batch, verdicts, strict=True):
             sid = p.waiting.sid
-            self.outbox.append((self.sessions[sid].owner, Commit(
+            self.reply(self.table.sessions[sid].owner, Commit(
                 tag=sid, seq=p.seq, accepted=len(verdict.path), verify_ms=1e3 * took,
                 step_ms=1e3 * self.step_s, budget=self.scheduler.nodes_for(sid),
                 tokens=torch.tensor(verdict.tokens, dtype=torch.int32),
-                features=self._half(verdict.features))))
+                features=self._half(verdict.features)))
 
     def _half(self, feats: torch.Tensor | None) -> torch.Tensor | None:
         return None if feats is None else feats.to(self.feature_dtype)
@@ -371,8 +334,8 @@ class Verifier:
         return {
             "role": "verifier", "schedule": self.config.schedule,
             "budget": self.config.budget, "max_batch": self.config.max_batch,
-            "sessions": len(self.sessions), "drafters": len(self.peers),
-            "cached_tokens": self.budget.cached,
+            "sessions": len(self.table), "drafters": len(self.table.peers),
+            "cached_tokens": self.table.budget.cached,
             "steps": st.steps, "rounds": st.rounds, "committed": st.committed,
             "accepted": st.accepted, "opened": st.opened, "closed": st.closed,
             "expired": st.expired, "wall_s": wall, "verify_s": st.verify_s,
@@ -386,6 +349,3 @@ class Verifier:
             "step_ms": 1e3 * self.step_s, "scheduler": self.scheduler.snapshot(),
         }
 
-
-def _name(identity: bytes) -> str:
-    return identity.decode("ascii", "replace")[:32]

@@ -1,5 +1,5 @@
-"""The edge verifier's settings and state: its configuration, each session as the verifier
-sees it, the proposals waiting for a pass, and the counters STATS reports."""
+"""The edge verifier's settings and state: its configuration, each session and drafter as
+the verifier sees it, the proposals waiting for a pass, and the counters STATS reports."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from starhub.server.limits import VERIFIER_LIMITS, SessionLimits
+from starhub.server.sessions import Peer, Session
+from starhub.wire.messages import Welcome
 from starhub.wire.security import ServerSecurity
 from starhub.wire.tree import DraftTree
 from targets.schedule import Waiting
@@ -36,19 +38,22 @@ class VerifierConfig:
     security: ServerSecurity = field(default_factory=ServerSecurity)
 
 
-@dataclass
-class EdgeSession:
-    tag: int
-    owner: bytes
+@dataclass(kw_only=True)
+class EdgeSession(Session):
     greedy: bool
     opened_at: float
-    last_seen: float
     rounds: int = 0
     committed: int = 0
     committed_at: float = 0.0
     """When its last COMMIT left: the drafter is drafting since then."""
     turnaround: float = 0.0
     """EMA of COMMIT out to next PROPOSE in: the drafter's draft time plus the link."""
+
+
+@dataclass(kw_only=True)
+class DrafterPeer(Peer):
+    card: Welcome
+    """What the drafter's WELCOME said it drafts: the feature layers it needs, its shape."""
 
 
 @dataclass

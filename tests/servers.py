@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 
 from starhub.hub.server import Hub, HubConfig
-from starhub.hub.worker import DraftWorker
 from starhub.wire.codec import decode, encode
 from starhub.wire.messages import Message
 
@@ -25,15 +24,15 @@ class HubHarness:
     def __init__(self, drafter, **config):
         self.loop = asyncio.new_event_loop()
         self.hub = Hub(drafter, HubConfig(**config))
-        self.worker = self.loop.create_task(DraftWorker(self.hub).run())
+        self.worker = self.loop.create_task(self.hub.worker.run())
 
     def send(self, identity: bytes, msg: Message | list[bytes]) -> list[Message]:
         frames = msg if isinstance(msg, list) else wire(msg)
         self.hub.on_frames(identity, frames)
         self.loop.run_until_complete(self._settle())
         replies = []
-        while not self.hub.outbox.empty():
-            to, reply = self.hub.outbox.get_nowait()
+        while self.hub.outbox:
+            to, reply = self.hub.outbox.popleft()
             assert to == identity
             replies.append(decode(wire(reply)))
         return replies
@@ -44,7 +43,7 @@ class HubHarness:
 
     async def _settle(self) -> None:
         await asyncio.sleep(0)
-        while self.hub.buffer or any(s.busy for s in self.hub.table.sessions.values()):
+        while self.hub.worker.buffer or any(s.busy for s in self.hub.table.sessions.values()):
             await asyncio.sleep(0.001)
 
     def state(self) -> tuple:
@@ -55,14 +54,14 @@ class HubHarness:
                     for t, s in hub.table.sessions.items()}
         peers = {i: (p.name, p.vocab_size, frozenset(p.sessions))
                  for i, p in hub.table.peers.items()}
-        return (sessions, peers, len(hub.buffer), hub.budget.snapshot(),
+        return (sessions, peers, len(hub.worker.buffer), hub.table.budget.snapshot(),
                 sorted(hub.control.sessions), sorted(hub.control.targets))
 
     def close(self) -> None:
         self.worker.cancel()
         self.loop.run_until_complete(asyncio.gather(self.worker, return_exceptions=True))
         self.loop.close()
-        self.hub._executor.shutdown(wait=True)
+        self.hub.worker.shutdown(wait=True)
 
 
 def _rows(state) -> tuple[int, int]:
@@ -102,8 +101,8 @@ class VerifierHarness:
     def state(self) -> tuple:
         v = self.verifier
         sessions = {t: (s.owner, s.greedy, s.rounds, s.committed, s.last_seen)
-                    for t, s in v.sessions.items()}
+                    for t, s in v.table.sessions.items()}
         pending = {t: (p.seq, tuple(p.tree.tokens.tolist())) for t, p in v.pending.items()}
-        cached = {t: v.engine.cached(t) for t in v.sessions}
-        return (sessions, pending, sorted(v.peers), cached, v.budget.snapshot(),
+        cached = {t: v.engine.cached(t) for t in v.table.sessions}
+        return (sessions, pending, sorted(v.table.peers), cached, v.table.budget.snapshot(),
                 sorted(v.scheduler.sessions))

@@ -16,10 +16,9 @@ from starhub.drafters.eagle import EagleDrafter
 from starhub.drafters.eagle_head import EAGLE, EAGLE3
 from starhub.drafters.growing import grow_greedy, grow_together
 from starhub.drafters.outcomes import likely_outcomes, path_to
-from starhub.hub.config import Request
 from starhub.hub.metrics import HubMetrics, derive
-from starhub.hub.sessions import Session
-from starhub.hub.worker import DraftWorker
+from starhub.hub.sessions import DraftSession
+from starhub.hub.worker import DraftWorker, Request
 from starhub.wire.tree import DraftTree, children
 from targets import attach
 from tests.conftest import HubThread
@@ -187,17 +186,21 @@ class _Hub:
         self.drafter = EagleDrafter.__new__(EagleDrafter)
 
 
+def _worker(hub: _Hub) -> DraftWorker:
+    return DraftWorker(hub.drafter, hub.config, None, hub.metrics, None, None, None)
+
+
 def test_a_commit_gets_the_tree_predrafted_for_exactly_its_tokens():
-    worker = DraftWorker(_Hub())
+    worker = _worker(_Hub())
     tree = DraftTree(np.array([5, 6], np.int32), np.array([-1, 0], np.int32))
-    session = Session(tag=1, owner=b"t", ctx=DraftContext(tokens=[1]), prompt_len=1, seq=4)
+    session = DraftSession(tag=1, owner=b"t", ctx=DraftContext(tokens=[1]), prompt_len=1, seq=4)
     session.predraft_for, session.predrafts = 3, {(8, 9): tree}
     assert worker.predrafted(session, Request(b"t", session, 0, 0.0, (8, 9))) is tree
     session.predraft_for, session.predrafts = 3, {(8, 9): tree}
     assert worker.predrafted(session, Request(b"t", session, 0, 0.0, (8, 7))) is None
     session.predraft_for, session.predrafts = 2, {(8, 9): tree}  # made for an older round
     assert worker.predrafted(session, Request(b"t", session, 0, 0.0, (8, 9))) is None
-    stats = derive(None, worker.hub.metrics.counters())
+    stats = derive(None, worker.metrics.counters())
     assert stats["predraft_hits"] == 1 and stats["predraft_hit_rate"] == pytest.approx(0.5)
 
 
@@ -238,11 +241,11 @@ def test_only_a_drafter_that_shares_work_gets_batches():
     from starhub.hub.worker import MAX_AUTO_BATCH
 
     hub = _Hub()
-    assert DraftWorker(hub).max_batch == MAX_AUTO_BATCH
+    assert _worker(hub).max_batch == MAX_AUTO_BATCH
     hub.config.batch = 3
-    assert DraftWorker(hub).max_batch == 3
+    assert _worker(hub).max_batch == 3
     hub.drafter = NgramDrafter()
-    assert DraftWorker(hub).max_batch == 1
+    assert _worker(hub).max_batch == 1
 
 
 def test_a_drafter_that_raises_fails_its_rounds_and_the_hub_serves_on():
@@ -278,8 +281,8 @@ def test_pre_drafting_runs_only_for_a_drafter_that_can_guess():
 
     hub = _Hub()
     hub.config.predraft = True
-    assert DraftWorker(hub).predrafting
+    assert _worker(hub).predrafting
     hub.drafter = NgramDrafter()
-    assert not DraftWorker(hub).predrafting
+    assert not _worker(hub).predrafting
     hub.config.predraft, hub.drafter = False, EagleDrafter.__new__(EagleDrafter)
-    assert not DraftWorker(hub).predrafting
+    assert not _worker(hub).predrafting

@@ -96,28 +96,28 @@ def test_a_session_cannot_grow_past_its_limit(make_hub):
     refused(commit_plainly(hub, A, prop), ErrorCode.TOO_LARGE, "--max-session-tokens")
     assert hub.state() == before
     hub.send(A, Close(tag=prop.tag))
-    assert hub.hub.budget.cached == 0
+    assert hub.hub.table.budget.cached == 0
 
 
 def test_the_cache_bound_holds_over_all_sessions_and_frees_on_close(make_hub):
     hub = make_hub(max_cache_tokens=20)
     first = hub.ask(A, opening(10))
     second = hub.ask(B, opening(10, ref=2))
-    assert hub.hub.budget.cached == 20
+    assert hub.hub.table.budget.cached == 20
     before = hub.state()
     refused(hub.ask(A, opening(2, ref=3)), ErrorCode.REJECTED, "--max-cache-tokens")
     refused(commit_plainly(hub, B, second), ErrorCode.REJECTED, "--max-cache-tokens")
     assert hub.state() == before
     hub.send(A, Close(tag=first.tag))
     assert isinstance(commit_plainly(hub, B, second), Propose)
-    assert hub.hub.budget.cached == 11
+    assert hub.hub.table.budget.cached == 11
 
 
 def test_expired_sessions_give_their_budget_back(make_hub):
     hub = make_hub(max_sessions=1)
     prop = hub.ask(A, opening(4))
     hub.hub.close(prop.tag)  # what housekeeping does at the TTL
-    assert hub.hub.budget.snapshot() == {"sessions": 0, "peers": 0, "cached_tokens": 0}
+    assert hub.hub.table.budget.snapshot() == {"sessions": 0, "peers": 0, "cached_tokens": 0}
     assert isinstance(hub.ask(B, opening(4, ref=2)), Propose)
 
 
@@ -178,7 +178,7 @@ def test_the_verifier_bounds_prompts_and_sessions(verifier):
 
 def test_the_verifier_bounds_a_sessions_length(verifier):
     tag = verifier.session.tag
-    held = verifier.verifier.budget.tokens[tag]
+    held = verifier.verifier.table.budget.tokens[tag]
     room = 20 - held
     before = verifier.state()
     wide = Propose(tag=tag, seq=2, tokens=ids(room), parents=np.full(room, -1, np.int32))

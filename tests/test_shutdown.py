@@ -24,8 +24,8 @@ def _shut_down(harness: HubHarness) -> list:
     harness.loop.run_until_complete(drain(harness.hub, task, timeout_s=0.05))
     harness.loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
     sent = []
-    while not harness.hub.outbox.empty():
-        sent.append(harness.hub.outbox.get_nowait()[1])
+    while harness.hub.outbox:
+        sent.append(harness.hub.outbox.popleft()[1])
     return sent
 
 

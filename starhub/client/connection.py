@@ -1,11 +1,14 @@
-"""A target's connection to a hub: one DEALER socket, handshake, and request/reply with
-timeouts. A hub that rejects us or goes silent is reported as HubUnavailable, and the
-caller decodes on its own."""
+"""A client's connection to a server (a hub, or an edge verifier): one DEALER socket, sends
+that never block, and replies awaited with a timeout, stale ones dropped. A server that
+refuses us, goes silent or sends nonsense is reported as ``LinkDown``.
+
+``HubClient`` is the star target's: the HELLO handshake and request/reply by tag or ref."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -16,14 +19,18 @@ from starhub.wire.security import ClientCurve, prepare_client
 log = logging.getLogger("starhub.target")
 
 
-class HubUnavailable(RuntimeError):
-    """No drafts from this hub for now; ``retry_after_s`` > 0 when it said to ask again.
-    ``rejected``: the hub answered REJECT (with ``retry_after_s`` 0: for good)."""
+class LinkDown(RuntimeError):
+    """No answers from this server for now; ``retry_after_s`` > 0 when it said to ask again.
+    ``rejected``: it turned us away (with ``retry_after_s`` 0: for good)."""
 
     def __init__(self, message: str, retry_after_s: float = 0.0, rejected: bool = False):
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.rejected = rejected
+
+
+class HubUnavailable(LinkDown):
+    """No drafts from this hub for now."""
 
 
 class HubError(RuntimeError):
@@ -34,35 +41,71 @@ class HubError(RuntimeError):
         self.error = err
 
 
-class HubClient:
-    def __init__(self, address: str, timeout_s: float = 30.0,
-                 limits: Limits = Limits(), curve: ClientCurve | None = None):
+class Connection:
+    """One DEALER socket connected to ``address``. ``server`` names the far side and
+    ``prefix`` starts our random identity ("t" a target, "d" a drafter)."""
+
+    server = "server"
+    down = LinkDown
+    """What ``send`` and ``recv`` raise."""
+
+    def __init__(self, address: str, timeout_s: float = 30.0, limits: Limits = Limits(),
+                 curve: ClientCurve | None = None, prefix: str = "t", role: str = "client"):
         self.address = address
         self.timeout_s = timeout_s
         self.limits = limits
-        self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
+        self.role = role
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
         configure_socket(self.sock, limits)
-        prepare_client(self.sock, "t", curve)  # random identity; CURVE keys if any
+        prepare_client(self.sock, prefix, curve)  # random identity; CURVE keys if any
         self.sock.connect(address)
-        self.welcome: Welcome | None = None
 
     def send(self, msg: Message) -> None:
-        try:  # never block: a connection the hub refused (CURVE) leaves no pipe to queue on
+        try:  # never block: a connection the server refused (CURVE) leaves no pipe to queue on
             self.sock.send_multipart(encode(msg), copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:
-            raise HubUnavailable(f"cannot send to the hub at {self.address}: it refused the "
-                                 f"connection (are this target's CURVE keys allowed?)") from None
+            raise self.down(f"cannot send to the {self.server} at {self.address}: it refused "
+                            f"the connection (are this {self.role}'s CURVE keys allowed?)"
+                            ) from None
 
     def recv(self, timeout_s: float | None = None) -> Message:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if not self.sock.poll(int(timeout * 1000)):
-            raise HubUnavailable(f"no reply from the hub at {self.address} within {timeout:.0f}s")
+            raise self.down(f"no reply from the {self.server} at {self.address} within "
+                            f"{timeout:.3g}s")
         frames = self.sock.recv_multipart(copy=False)
         try:
             return decode(frames, self.limits)
         except ProtocolError as exc:
-            raise HubUnavailable(f"the hub sent an invalid message: {exc.message}") from None
+            raise self.down(f"the {self.server} sent an invalid message: {exc.message}") \
+                from None
+
+    def wait_for(self, wanted: Callable[[Message], bool]) -> Message:
+        """The next message ``wanted`` accepts within ``timeout_s``; others (stale replies)
+        are dropped."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self.down(f"no reply from the {self.server} at {self.address} within "
+                                f"{self.timeout_s:.3g}s")
+            msg = self.recv(left)
+            if wanted(msg):
+                return msg
+            log.debug("dropping an unrelated %s for tag %d", msg.TYPE, msg.tag)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class HubClient(Connection):
+    server = "hub"
+    down = HubUnavailable
+
+    def __init__(self, address: str, timeout_s: float = 30.0, limits: Limits = Limits(),
+                 curve: ClientCurve | None = None):
+        super().__init__(address, timeout_s, limits, curve, prefix="t", role="target")
+        self.welcome: Welcome | None = None
 
     def hello(self, hello: Hello) -> Welcome:
         self.send(hello)
@@ -84,20 +127,17 @@ class HubClient:
     def reply_for(self, tag: int = 0, ref: int = 0) -> Message:
         """Wait for the reply to an earlier request for ``tag`` or ``ref``, dropping stale
         ones."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise HubUnavailable(f"no reply from the hub at {self.address} within "
-                                     f"{self.timeout_s:.0f}s")
-            reply = self.recv(left)
-            if isinstance(reply, Error) and (reply.tag in (0, tag) or reply.ref == ref):
-                raise HubError(reply)
-            if (tag and reply.tag == tag) or (ref and getattr(reply, "ref", 0) == ref):
-                return reply
-            if not tag and not ref:
-                return reply
-            log.debug("dropping unrelated %s for tag %d", reply.TYPE, reply.tag)
+        def ours(reply: Message) -> bool:
+            return isinstance(reply, Error) and (reply.tag in (0, tag) or reply.ref == ref)
+
+        def wanted(reply: Message) -> bool:
+            return (ours(reply) or bool(tag and reply.tag == tag)
+                    or bool(ref and getattr(reply, "ref", 0) == ref) or (not tag and not ref))
+
+        reply = self.wait_for(wanted)
+        if ours(reply):
+            raise HubError(reply)
+        return reply
 
     def ping(self) -> float:
         start = time.monotonic()
@@ -105,6 +145,3 @@ class HubClient:
         if not isinstance(reply, Pong):
             raise HubUnavailable(f"expected PONG, got {reply.TYPE}")
         return time.monotonic() - start
-
-    def close(self) -> None:
-        self.sock.close(0)

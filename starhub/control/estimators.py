@@ -1,5 +1,5 @@
-"""Running estimates the control plane is built from: a weighted least-squares cost curve,
-an exponential moving average, and acceptance by tree depth with hierarchical priors."""
+"""Running estimates the control plane is built from: an exponential moving average and
+acceptance by tree depth with hierarchical priors (its cost curves are ``starhub.fit``)."""
 
 from __future__ import annotations
 
@@ -8,69 +8,6 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from starhub.options import MAX_AUTO_DEPTH
-
-
-@dataclass
-class LinearFit:
-    """``y ≈ w·x`` by exponentially weighted least squares, pulled toward a prior ``w0``.
-
-    ``forget`` sets the memory (about ``1 / (1 - forget)`` samples) so the fit follows a
-    machine whose speed drifts; the prior keeps directions the data never spans sane.
-    The hub updates and asks its fits every round on its event loop, so the sums are
-    plain floats and the weights are solved for only when asked after an update.
-    """
-
-    prior: list[float]
-    forget: float = 0.97
-    strength: float = 0.5
-    samples: int = 0
-
-    def __post_init__(self) -> None:
-        self.prior = [float(w) for w in self.prior]
-        n = len(self.prior)
-        self.a = [[0.0] * n for _ in range(n)]
-        self.b = [0.0] * n
-        self._w: list[float] | None = list(self.prior)
-
-    def update(self, x, y: float) -> None:
-        f = self.forget
-        for i, xi in enumerate(x):
-            self.b[i] = f * self.b[i] + xi * y
-            row = self.a[i]
-            for j, xj in enumerate(x):
-                row[j] = f * row[j] + xi * xj
-        self.samples += 1
-        self._w = None
-
-    def predict(self, x) -> float:
-        return sum(xi * wi for xi, wi in zip(x, self.weights, strict=True))
-
-    @property
-    def weights(self) -> list[float]:
-        if self._w is None:
-            s = self.strength
-            a = [[v + s * (i == j) for j, v in enumerate(row)] for i, row in enumerate(self.a)]
-            self._w = _solve(a, [b + s * w for b, w in zip(self.b, self.prior, strict=True)])
-        return self._w
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """``a⁻¹b`` for the 2- and 3-unknown systems above, by elimination with partial
-    pivoting: numpy's call overhead is some 20 times the arithmetic at this size, and the
-    hub solves on its event loop every round. ``a`` is positive definite (a ridge term is
-    added), so no pivot is zero."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for c in range(n):
-        p = max(range(c, n), key=lambda r: abs(m[r][c]))
-        m[c], m[p] = m[p], m[c]
-        for r in range(c + 1, n):
-            f = m[r][c] / m[c][c]
-            m[r] = [x - f * y for x, y in zip(m[r], m[c], strict=True)]
-    w = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        w[r] = (m[r][n] - sum(m[r][j] * w[j] for j in range(r + 1, n))) / m[r][r]
-    return w
 
 
 @dataclass

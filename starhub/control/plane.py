@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from starhub.control.estimators import Acceptance, Ema, LinearFit
+from starhub.control.estimators import Acceptance, Ema
+from starhub.fit import LinearFit
 from starhub.options import AUTO, MAX_AUTO_DEPTH
 
 PLAIN_TOKENS = 16

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
-import zmq
 
+from starhub.client.connection import Connection, LinkDown
+from starhub.client.link import Backoff, Link
 from starhub.client.round_stats import clip_output, count_round, mean_accept_len
 from starhub.drafters.base import DraftContext, Drafter, TreeShape
-from starhub.wire.codec import Limits, configure_socket, decode, encode, to_torch
+from starhub.wire.codec import Limits, to_torch
 from starhub.wire.messages import (
     Close,
     Commit,
@@ -30,17 +32,21 @@ from starhub.wire.messages import (
     Message,
     Open,
     Propose,
-    ProtocolError,
     Reject,
     Welcome,
 )
-from starhub.wire.security import ClientCurve, prepare_client
+from starhub.wire.security import ClientCurve
 
 log = logging.getLogger("starhub.drafter")
 
 
-class VerifierUnavailable(RuntimeError):
+class VerifierUnavailable(LinkDown):
     """The verifier could not be reached, refused us, or kept failing our session."""
+
+
+class VerifierConnection(Connection):
+    server = "verifier"
+    down = VerifierUnavailable
 
 
 @dataclass
@@ -66,7 +72,8 @@ class EdgeStats:
 
 
 class EdgeDrafter:
-    """One DEALER connection to a verifier, serving this process's requests one at a time."""
+    """One link to a verifier (``starhub.client.link``), serving this process's requests
+    one at a time."""
 
     _refs = itertools.count(1)
 
@@ -82,7 +89,6 @@ class EdgeDrafter:
         self.name = name
         self.timeout_s = timeout_s
         self.retries = retries
-        self.backoff_s = backoff_s
         self.limits = limits
         self.on_commit = on_commit
         self.curve = curve
@@ -90,64 +96,49 @@ class EdgeDrafter:
         self.draft_s = 0.0
         self.wait_s = 0.0
         """Totals over this drafter's life: drafting, and waiting for COMMITs."""
-        self.sock: zmq.Socket | None = None
-        self.target: Hello | None = None
+        self.link = Link(address, self._greet, name, backoff=Backoff(backoff_s, math.inf))
+
+    @property
+    def target(self) -> Hello | None:
+        """The verifier's HELLO: the target it verifies for."""
+        return self.link.card
 
     # -- connection -------------------------------------------------------------------
     def connect(self) -> Hello:
         """WELCOME the verifier with what we draft; its HELLO describes the target."""
-        self.close()
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        configure_socket(self.sock, self.limits)
-        prepare_client(self.sock, "d", self.curve)
-        self.sock.connect(self.address)
-        shape = self.shape
-        self._send(Welcome(drafter=self.drafter.name,
-                           feature_layers=list(self.drafter.feature_layers),
-                           depth=shape.depth, topk=shape.topk, max_nodes=shape.max_nodes))
-        reply = self._recv(lambda m: isinstance(m, Hello | Reject | Error))
-        if isinstance(reply, Reject):
-            raise VerifierUnavailable(f"the verifier refused this drafter: {reply.reason}")
-        if isinstance(reply, Error):
-            raise VerifierUnavailable(f"the verifier answered WELCOME with an error: "
-                                      f"{reply.message}")
-        reason = self.drafter.check_target(reply)
-        if reason:
-            raise VerifierUnavailable(f"cannot draft for the verifier's target: {reason}")
-        self.target = reply
+        reply = self.link.open()
         log.info("%s: verifier %s serves '%s' (%d-token vocabulary, step %.1f ms)", self.name,
                  self.address, reply.name, reply.vocab_size, reply.step_ms)
         return reply
 
+    def _greet(self) -> tuple[VerifierConnection, Hello]:
+        conn = VerifierConnection(self.address, self.timeout_s, self.limits, self.curve,
+                                  prefix="d", role="drafter")
+        try:
+            shape = self.shape
+            conn.send(Welcome(drafter=self.drafter.name,
+                              feature_layers=list(self.drafter.feature_layers),
+                              depth=shape.depth, topk=shape.topk, max_nodes=shape.max_nodes))
+            reply = conn.wait_for(lambda m: isinstance(m, Hello | Reject | Error))
+            if isinstance(reply, Reject):
+                raise VerifierUnavailable(f"the verifier refused this drafter: {reply.reason}")
+            if isinstance(reply, Error):
+                raise VerifierUnavailable(f"the verifier answered WELCOME with an error: "
+                                          f"{reply.message}")
+            reason = self.drafter.check_target(reply)
+            if reason:
+                raise VerifierUnavailable(f"cannot draft for the verifier's target: {reason}",
+                                          rejected=True)
+        except LinkDown:
+            conn.close()
+            raise
+        return conn, reply
+
     def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close(0)
-            self.sock = None
+        self.link.close_client()
 
     def _send(self, msg: Message) -> None:
-        try:  # never block: a connection the verifier refused (CURVE) leaves no pipe
-            self.sock.send_multipart(encode(msg), copy=False, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            raise TimeoutError(f"cannot send to the verifier at {self.address}: it refused "
-                               f"the connection (are this drafter's CURVE keys allowed?)") \
-                from None
-
-    def _recv(self, wanted) -> Message:
-        """The next message ``wanted`` accepts; others (stale replies) are dropped."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(int(left * 1000)):
-                raise TimeoutError(f"no reply from the verifier at {self.address} within "
-                                   f"{self.timeout_s:g}s")
-            try:
-                msg = decode(self.sock.recv_multipart(copy=False), self.limits)
-            except ProtocolError as exc:
-                raise TimeoutError(f"the verifier sent an invalid message: {exc.message}") \
-                    from None
-            if wanted(msg):
-                return msg
-            log.debug("%s: dropping a stale %s", self.name, msg.TYPE)
+        self.link.client.send(msg)
 
     # -- requests ---------------------------------------------------------------------
     def generate(self, prompt: list[int], max_new_tokens: int = 128, temperature: float = 0.0,
@@ -160,19 +151,19 @@ class EdgeDrafter:
         failures = 0
         while not self._done(out, max_new_tokens):
             try:
-                if self.sock is None:
+                if self.link.client is None:
                     self.connect()
                 self._session(prompt, out, max_new_tokens, temperature, top_p, seed,
                               target_tok_s, stats)
-            except (TimeoutError, VerifierUnavailable, _SessionLost) as exc:
+            except (LinkDown, _SessionLost) as exc:
                 failures += 1
-                if isinstance(exc, VerifierUnavailable) and "cannot draft" in str(exc):
+                if isinstance(exc, VerifierUnavailable) and exc.rejected:
                     raise
                 if failures > self.retries:
                     raise VerifierUnavailable(
                         f"lost the verifier at {self.address} after {failures} attempts "
                         f"({len(out)} tokens committed): {exc}") from None
-                delay = self.backoff_s * 2 ** (failures - 1)
+                delay = self.link.backoff.delay(failures - 1)
                 log.warning("%s: %s; reconnecting in %.1fs (attempt %d of %d)", self.name, exc,
                             delay, failures, self.retries)
                 self.close()
@@ -231,11 +222,11 @@ class EdgeDrafter:
                 self.on_commit(len(tokens))
                 nodes = max(1, commit.budget or self.shape.max_nodes)
         finally:
-            if self.sock is not None:
+            if self.link.client is not None:
                 self._send(Close(tag=tag))
 
     def _reply(self, wanted, tag: int = 0, ref: int = 0) -> Message:
-        msg = self._recv(lambda m: wanted(m) or isinstance(m, Error) and (
+        msg = self.link.client.wait_for(lambda m: wanted(m) or isinstance(m, Error) and (
             (tag and m.tag == tag) or (ref and m.ref == ref) or not (m.tag or m.ref)))
         if isinstance(msg, Error):
             if msg.code in (ErrorCode.UNKNOWN_TAG, ErrorCode.NO_HELLO, ErrorCode.REJECTED):

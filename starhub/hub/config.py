@@ -1,14 +1,11 @@
-"""What a hub is configured with, and the entries of its global request buffer."""
+"""What a hub is configured with."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from starhub.control.plane import AUTO, ControlConfig
 from starhub.drafters.base import TreeShape
-from starhub.hub.sessions import Session
 from starhub.options import DEFAULT_LOOKUP, DEFAULT_PREDRAFT
 from starhub.server.limits import SessionLimits
 from starhub.wire.codec import Limits
@@ -52,24 +49,3 @@ class HubConfig:
         return ControlConfig(depth=AUTO if self.adaptive else self.shape.depth,
                              topk=self.shape.topk, max_nodes=self.shape.max_nodes,
                              max_targets=self.max_targets, retry_after_s=self.retry_after_s)
-
-
-@dataclass
-class Request:
-    """An entry of the global buffer: a session that needs a draft, and since when."""
-
-    identity: bytes
-    session: Session
-    ref: int
-    arrival: float
-    committed: tuple[int, ...] = ()
-    """The tokens of the COMMIT that asked for this draft (a pre-drafted tree's key)."""
-
-
-def drafting_thread(threads: int) -> None:
-    """Drafting runs on this one thread. Where the event-loop thread has also run multithreaded
-    torch code (loading, say), the process holds two OpenMP teams, and once it has more
-    OpenMP threads than cores libgomp throttles its spin-waits: on 2 cores that made every
-    draft ~1.7x slower. ``starhub hub`` therefore loads with one thread."""
-    if threads:
-        torch.set_num_threads(threads)

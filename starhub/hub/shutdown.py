@@ -17,16 +17,17 @@ async def drain(hub, task: asyncio.Task, timeout_s: float = 10.0) -> None:
     once; a round a target is waiting for is drafted and sent; then each open session's
     target gets an ERROR, so it finishes without waiting out its reply deadline."""
     hub.accepting = False
-    log.info("shutting down: %d sessions, %d requests queued", len(hub.table), len(hub.buffer))
+    log.info("shutting down: %d sessions, %d requests queued", len(hub.table),
+             len(hub.worker.buffer))
     deadline = time.monotonic() + timeout_s
-    while (hub.buffer or any(s.busy for s in hub.table.sessions.values())) \
+    while (hub.worker.buffer or any(s.busy for s in hub.table.sessions.values())) \
             and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     for tag, session in list(hub.table.sessions.items()):
         hub.reply(session.owner, Error(tag=tag, code=int(ErrorCode.REJECTED),
                                        message="the hub is shutting down"))
         hub.close(tag)
-    while not hub.outbox.empty() and time.monotonic() < deadline:
+    while hub.outbox and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     hub.linger_ms = 1000
     task.cancel()

@@ -16,17 +16,21 @@ import asyncio
 import collections
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
-from starhub.drafters.base import TreeShape
+import torch
+
+from starhub.control.plane import Controller
+from starhub.drafters.base import Drafter, TreeShape
 from starhub.drafters.ngram import NgramIndex
-from starhub.hub.config import Request
-from starhub.hub.sessions import Session
-from starhub.wire.messages import Error, ErrorCode, Propose
+from starhub.hub.config import HubConfig
+from starhub.hub.metrics import HubMetrics
+from starhub.hub.sessions import DraftSession, TargetPeer
+from starhub.server.sessions import SessionTable
+from starhub.wire.messages import Error, ErrorCode, Message, Propose
 from starhub.wire.tree import DraftTree, graft
-
-if TYPE_CHECKING:
-    from starhub.hub.server import Hub
 
 log = logging.getLogger("starhub.hub")
 
@@ -39,66 +43,114 @@ MAX_AUTO_BATCH = 16
 about as much per session as drafting one by one, and the batch only delays its first."""
 
 
+@dataclass
+class Request:
+    """An entry of the global buffer: a session that needs a draft, and since when."""
+
+    identity: bytes
+    session: DraftSession
+    ref: int
+    arrival: float
+    committed: tuple[int, ...] = ()
+    """The tokens of the COMMIT that asked for this draft (a pre-drafted tree's key)."""
+
+
+def drafting_thread(threads: int) -> None:
+    """Drafting runs on this one thread. Where the event-loop thread has also run multithreaded
+    torch code (loading, say), the process holds two OpenMP teams, and once it has more
+    OpenMP threads than cores libgomp throttles its spin-waits: on 2 cores that made every
+    draft ~1.7x slower. ``starhub hub`` therefore loads with one thread."""
+    if threads:
+        torch.set_num_threads(threads)
+
+
 class DraftWorker:
-    def __init__(self, hub: Hub):
-        self.hub = hub
-        batch = hub.config.batch
+    """The global request buffer and the one drafting thread that empties it. The hub
+    ``submit``s requests; the worker answers each through ``reply`` (and ``close``s a
+    session whose drafting failed)."""
+
+    def __init__(self, drafter: Drafter, config: HubConfig,
+                 table: SessionTable[DraftSession, TargetPeer], metrics: HubMetrics,
+                 control: Controller, reply: Callable[[bytes, Message], None],
+                 close: Callable[[int], None]):
+        self.drafter = drafter
+        self.config = config
+        self.table = table
+        self.metrics = metrics
+        self.control = control
+        self.reply = reply
+        self.close = close
+        self.buffer: collections.deque[Request] = collections.deque()
+        self._work = asyncio.Event()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter",
+                                           initializer=drafting_thread,
+                                           initargs=(config.threads,))
+        batch = config.batch
         self.max_batch = MAX_AUTO_BATCH if batch == "auto" else int(batch)
-        if not hub.drafter.batches:
+        if not drafter.batches:
             self.max_batch = 1
-        self.predrafting = hub.config.predraft and hub.drafter.predrafts
+        self.predrafting = config.predraft and drafter.predrafts
         """Only for drafters that can guess; the others would return nothing every time."""
-        self.lookup = hub.config.lookup and hub.drafter.lookup_branches
+        self.lookup = config.lookup and drafter.lookup_branches
+
+    def submit(self, req: Request) -> None:
+        self.buffer.append(req)
+        self._work.set()
+
+    async def call(self, fn: Callable, *args):
+        """Run ``fn`` on the drafting thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def shutdown(self, wait: bool = False) -> None:
+        self.executor.shutdown(wait=wait, cancel_futures=True)
 
     async def run(self) -> None:
-        hub = self.hub
         backlog_since: float | None = None
         while True:
-            if not hub.buffer:
+            if not self.buffer:
                 backlog_since = None
                 if self.predrafting and await self.predraft():
                     continue
-                hub._work.clear()
-                await hub._work.wait()
+                self._work.clear()
+                await self._work.wait()
                 continue
             batch = self.take()
             if not batch:
                 continue
             started = time.monotonic()
             if backlog_since is not None:
-                hub.control.observe_overhead(started - backlog_since)
+                self.control.observe_overhead(started - backlog_since)
             await self.draft(batch, started)
-            backlog_since = time.monotonic() if hub.buffer else None
+            backlog_since = time.monotonic() if self.buffer else None
 
     def take(self, limit: int | None = None) -> list[Request]:
         """Pop up to a batch (or ``limit``) of live requests; answer those a pre-drafted
         tree fits."""
-        hub = self.hub
         batch: list[Request] = []
-        while hub.buffer and len(batch) < (self.max_batch if limit is None else limit):
-            req = hub.buffer.popleft()
+        while self.buffer and len(batch) < (self.max_batch if limit is None else limit):
+            req = self.buffer.popleft()
             session = req.session
-            if hub.table.sessions.get(session.tag) is not session:
+            if self.table.sessions.get(session.tag) is not session:
                 continue
             tree = self.predrafted(session, req)
             if tree is None:
                 batch.append(req)
                 continue
             now = time.monotonic()
-            hub.metrics.draft_started(req.arrival, now, len(hub.table), first=False)
-            hub.metrics.draft_finished(now, now, tree.depth, len(tree), req.arrival,
-                                       session.tag, req.identity)
+            self.metrics.draft_started(req.arrival, now, len(self.table), first=False)
+            self.metrics.draft_finished(now, now, tree.depth, len(tree), req.arrival,
+                                        session.tag, req.identity)
             session.busy = False
             self.send(req, tree, now)
         return batch
 
-    def predrafted(self, session: Session, req: Request) -> DraftTree | None:
+    def predrafted(self, session: DraftSession, req: Request) -> DraftTree | None:
         """The tree pre-drafted for what this COMMIT carried, if the guess was right."""
         if session.predraft_for != session.seq - 1:
             return None
         tree = session.predrafts.get(req.committed)
         session.predrafts = {}
-        self.hub.metrics.predraft(tree is not None)
+        self.metrics.predraft(tree is not None)
         return tree
 
     async def draft(self, batch: list[Request], started: float) -> None:
@@ -110,35 +162,34 @@ class DraftWorker:
         drafting thread takes what is there between layers, so neither waits on the
         other: a thread that asked the loop instead waited about a millisecond a layer
         while the loop was busy with the very COMMITs it was asking for."""
-        hub = self.hub
         loop = asyncio.get_running_loop()
         requests = list(batch)
         begun = [started] * len(requests)
         for i, req in enumerate(requests):
-            hub.metrics.draft_started(req.arrival, started, len(hub.table), first=i == 0)
+            self.metrics.draft_started(req.arrival, started, len(self.table), first=i == 0)
         delivered: set[int] = set()
         handed: collections.deque[tuple] = collections.deque()
         counts = {"admitted": len(requests), "finished": 0}  # written by the drafting thread
 
         def feed() -> None:  # on the event loop
             room = self.max_batch - (len(requests) - counts["finished"])
-            if room <= 0 or not hub.buffer:
+            if room <= 0 or not self.buffer:
                 return
             now = time.monotonic()
             more = self.take(room)
             for req in more:
-                hub.metrics.draft_started(req.arrival, now, len(hub.table), first=False)
+                self.metrics.draft_started(req.arrival, now, len(self.table), first=False)
             requests.extend(more)
             begun.extend([now] * len(more))
             handed.extend((req.session.ctx, self.shape(req.session)) for req in more)
             if more:
-                hub.drafter.wake()
+                self.drafter.wake()
 
         async def feeder() -> None:
             while True:
-                hub._work.clear()
+                self._work.clear()
                 feed()
-                await hub._work.wait()
+                await self._work.wait()
 
         def admit() -> list[tuple]:  # on the drafting thread, between tree layers
             jobs = []
@@ -161,7 +212,7 @@ class DraftWorker:
         jobs = [(req.session.ctx, self.shape(req.session)) for req in batch]
         feeding = loop.create_task(feeder()) if self.max_batch > 1 else None
         try:
-            await loop.run_in_executor(hub._executor, lambda: hub.drafter.propose_batch(
+            await loop.run_in_executor(self.executor, lambda: self.drafter.propose_batch(
                 jobs, admit=admit if feeding else None, finished=finished))
         except Exception as exc:  # a failing drafter fails this batch's rounds, not the hub
             log.exception("drafting a batch of %d failed", counts["admitted"])
@@ -173,33 +224,32 @@ class DraftWorker:
             if feeding is not None:
                 feeding.cancel()
         # handed over after the drafting thread last looked: back to the front of the line
-        hub.buffer.extendleft(reversed([req for k, req in enumerate(requests)
-                                        if k not in delivered]))
+        self.buffer.extendleft(reversed([req for k, req in enumerate(requests)
+                                         if k not in delivered]))
 
     def deliver(self, req: Request, result: DraftTree | Exception, begun: float,
                 seconds: float, shared: float) -> None:
         """Send a drafted tree (or the error that replaced it) to its target."""
-        hub = self.hub
         session = req.session
         session.busy = False
         if isinstance(result, Exception):
             log.error("drafting failed for tag %d: %s", session.tag, result)
-            hub.close(session.tag)
-            hub.reply(req.identity, Error(tag=session.tag, ref=req.ref,
-                                          code=int(ErrorCode.INTERNAL),
-                                          message=f"drafting failed: {result}"))
+            self.close(session.tag)
+            self.reply(req.identity, Error(tag=session.tag, ref=req.ref,
+                                           code=int(ErrorCode.INTERNAL),
+                                           message=f"drafting failed: {result}"))
             return
         now = time.monotonic()
-        hub.metrics.batch(shared, now - begun)
-        hub.metrics.draft_finished(begun, now, result.depth, len(result), req.arrival,
-                                   session.tag, req.identity,
-                                   share=max((now - begun) / max(seconds, 1e-9), 1.0))
-        hub.control.observe_draft(session.choice.depth, session.choice.nodes, seconds)
-        if hub.table.sessions.get(session.tag) is session:
+        self.metrics.batch(shared, now - begun)
+        self.metrics.draft_finished(begun, now, result.depth, len(result), req.arrival,
+                                    session.tag, req.identity,
+                                    share=max((now - begun) / max(seconds, 1e-9), 1.0))
+        self.control.observe_draft(session.choice.depth, session.choice.nodes, seconds)
+        if self.table.sessions.get(session.tag) is session:
             self.send(req, result, now)
 
-    def shape(self, session: Session) -> TreeShape:
-        config = self.hub.config.shape
+    def shape(self, session: DraftSession) -> TreeShape:
+        config = self.config.shape
         return TreeShape(session.choice.depth, config.topk, session.choice.nodes,
                          config.support)
 
@@ -216,15 +266,14 @@ class DraftWorker:
                 tree = grown
         session.proposed_at = now
         session.out_tree = tree
-        self.hub.reply(req.identity, Propose(
+        self.reply(req.identity, Propose(
             tag=session.tag, seq=session.seq, ref=req.ref, tokens=tree.tokens,
             parents=tree.parents, dist_ids=tree.dist_ids, dist_probs=tree.dist_probs))
 
     async def predraft(self) -> bool:
         """Pre-draft for the session whose proposal went out last; False if none needs it."""
-        hub = self.hub
         session = None
-        for s in hub.table.sessions.values():
+        for s in self.table.sessions.values():
             if (s.busy or s.out_tree is None or not s.ctx.greedy or s.predraft_for == s.seq
                     or (session is not None and s.proposed_at <= session.proposed_at)):
                 continue
@@ -235,13 +284,13 @@ class DraftWorker:
         started = time.monotonic()
         try:
             found = await asyncio.get_running_loop().run_in_executor(
-                hub._executor, hub.drafter.predraft, session.ctx, session.out_tree,
-                self.shape(session), lambda: bool(hub.buffer))
+                self.executor, self.drafter.predraft, session.ctx, session.out_tree,
+                self.shape(session), lambda: bool(self.buffer))
         except Exception:
             log.exception("pre-drafting failed for tag %d (its rounds go on as usual)",
                           session.tag)
             found = {}
-        hub.metrics.predraft(None, time.monotonic() - started)
+        self.metrics.predraft(None, time.monotonic() - started)
         session.predrafts = found
         return True
 

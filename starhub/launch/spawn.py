@@ -56,24 +56,36 @@ def spawn_hub(args: list[str], threads: int = 1, timeout_s: float = 180.0,
            "--threads", str(threads), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
                             env=child_env(threads))
+    return HubProcess(proc, wait_ready(proc, "hub", timeout_s))
+
+
+def wait_ready(proc: subprocess.Popen, what: str, timeout_s: float,
+               prefixes: tuple[str, ...] = (READY,), drain: bool = True) -> str:
+    """Wait for ``proc``'s first stdout line that starts with one of ``prefixes``; return
+    the rest of it. ``drain`` keeps reading (and dropping) its stdout afterwards, so the
+    child never blocks on a full pipe; without it the caller reads the rest. A child that
+    exits first raises RuntimeError; one still silent after ``timeout_s`` is killed and
+    raises TimeoutError."""
     found: list[str] = []
 
     def read() -> None:
         for line in proc.stdout:
-            if line.startswith(READY) and not found:
-                found.append(line[len(READY):].strip())
+            if not found and (prefix := next(filter(line.startswith, prefixes), None)):
+                found.append(line[len(prefix):].strip())
+                if not drain:
+                    return
 
     threading.Thread(target=read, daemon=True).start()
     deadline = time.monotonic() + timeout_s
     while not found:
         if proc.poll() is not None:
-            raise RuntimeError(f"hub exited with code {proc.returncode} before serving: "
-                               f"{' '.join(cmd)}")
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before it was "
+                               f"ready: {' '.join(proc.args)}")
         if time.monotonic() > deadline:
             proc.kill()
-            raise TimeoutError(f"hub did not start within {timeout_s:.0f}s")
+            raise TimeoutError(f"{what} did not start within {timeout_s:.0f}s")
         time.sleep(0.05)
-    return HubProcess(proc, found[0])
+    return found[0]
 
 
 def target_command(hub: str, prompts: str, out: str, threads: int = 1,

@@ -1,10 +1,11 @@
 """What a peer may make a server hold: sessions, their lengths, the tokens cached across
 all of them, and the size and depth of the trees it sends.
 
-Servers (the hub, the edge verifier) ask ``SessionBudget`` before they change anything, and
-tell it afterwards, so a message past a limit is refused with a reason and changes no
-state. Each limit is a command-line flag (``add_limit_args``); nothing here imports torch,
-so ``starhub --help`` stays fast.
+Servers (the hub, the edge verifier) ask ``SessionBudget``, through their session table
+(``starhub.server.sessions``), before they change anything, and tell it afterwards, so a
+message past a limit is refused with a reason and changes no state. Each limit is a
+command-line flag (``add_limit_args``); nothing here imports torch, so ``starhub --help``
+stays fast.
 """
 
 from __future__ import annotations

@@ -1,0 +1,164 @@
+"""The loop both servers run on one ROUTER socket: receive -> decode -> the server's handler,
+whatever is wrong with a message answered with ERROR; replies queued in an outbox and sent
+as they come; a housekeeping timer. The hub and the edge verifier subclass ``Server`` and
+keep only their handlers (``handle``), their housekeeping and their own tasks (the hub's
+drafting worker, the verifier's passes).
+
+Nothing a peer sends can stop the loop: bad input gets an ERROR and serving goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections import Counter
+from collections.abc import Callable, Coroutine
+
+import zmq
+import zmq.asyncio
+
+from starhub.server.sessions import SessionTable
+from starhub.wire.codec import Limits, configure_socket, decode, encode, error_for
+from starhub.wire.messages import Error, ErrorCode, Message, ProtocolError
+from starhub.wire.security import ServerSecurity, bind_server
+
+STOP_POLL_S = 0.1
+"""How often ``run``'s ``stop`` callable is asked."""
+
+
+class Server:
+    """One ROUTER socket's loop over one session ``table``. Subclasses set ``role`` and
+    ``log`` and implement ``handle`` and ``close``; ``housekeeping`` runs every
+    ``sweep_s``."""
+
+    role = "server"
+    log = logging.getLogger("starhub.server")
+    sweep_s = 1.0
+
+    def __init__(self, table: SessionTable, limits: Limits, errors: Counter):
+        self.table = table
+        self.limits = limits
+        self.errors = errors
+        """ERROR replies by code, where the server counts them."""
+        self.outbox: collections.deque[tuple[bytes, Message]] = collections.deque()
+        self._outgoing = asyncio.Event()
+        self.arrived = asyncio.Event()
+        """Set after each message the receiver takes."""
+        self.bound = ""
+        self.linger_ms = 0
+
+    # -- what a subclass provides -------------------------------------------------------
+    def handle(self, identity: bytes, msg: Message) -> None:
+        raise NotImplementedError
+
+    def close(self, tag: int) -> None:
+        """Forget session ``tag`` (the table's entry and whatever the server holds for it)."""
+        raise NotImplementedError
+
+    def housekeeping(self) -> None:
+        """Every ``sweep_s``: expire sessions, free slots, log."""
+        self.expire()
+
+    def expire(self) -> int:
+        """Close the sessions silent past the TTL; how many there were."""
+        tags = self.table.expired()
+        for tag in tags:
+            self.log.info("session %x expired after %.0fs without messages", tag,
+                          self.table.ttl_s)
+            self.close(tag)
+        return len(tags)
+
+    # -- messages -----------------------------------------------------------------------
+    def on_frames(self, identity: bytes, frames: list) -> None:
+        """Decode and route one message; whatever is wrong with it becomes an ERROR reply."""
+        try:
+            self.handle(identity, decode(frames, self.limits))
+        except ProtocolError as exc:
+            self.errors[exc.code.name] += 1
+            self.log.warning("peer %s: %s", peer_name(identity), exc.message)
+            self.reply(identity, error_for(exc))
+        except Exception:
+            self.log.exception("internal error handling a message from %s",
+                               peer_name(identity))
+            self.errors["INTERNAL"] += 1
+            self.reply(identity, Error(code=int(ErrorCode.INTERNAL),
+                                       message=f"internal error; see the {self.role}'s log"))
+
+    def reply(self, identity: bytes, msg: Message) -> None:
+        self.outbox.append((identity, msg))
+        self._outgoing.set()
+
+    # -- the loop -----------------------------------------------------------------------
+    def bind(self, address: str, security: ServerSecurity) -> tuple[zmq.asyncio.Socket,
+                                                                     Callable[[], None]]:
+        """The ROUTER socket, bound; the callable releases what binding it took."""
+        sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        configure_socket(sock, self.limits)
+        release = bind_server(sock, address, security)
+        self.bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return sock, release
+
+    async def run(self, sock: zmq.asyncio.Socket, *tasks: Coroutine,
+                  stop: Callable[[], bool] | None = None) -> None:
+        """Receive, send and sweep on ``sock`` beside ``tasks`` until cancelled, or until
+        ``stop()`` is true."""
+        coros = [self.receiver(sock), self.sender(sock), self.sweeper(), *tasks]
+        if stop is not None:
+            coros.append(_until(stop))
+        running = [asyncio.create_task(c) for c in coros]
+        try:
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # a task that failed fails the server
+        finally:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+
+    async def receiver(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            self.on_frames(frames[0].bytes, frames[1:])
+            self.arrived.set()
+            # A ready message completes the await without yielding: without this, a peer
+            # that keeps the socket full would starve the other tasks.
+            await asyncio.sleep(0)
+
+    async def receive_ready(self, sock: zmq.asyncio.Socket, most: int) -> None:
+        """Handle up to ``most`` messages that are already there, without waiting."""
+        for _ in range(most):
+            try:
+                frames = await sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.on_frames(frames[0].bytes, frames[1:])
+
+    async def sender(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            while not self.outbox:
+                self._outgoing.clear()
+                await self._outgoing.wait()
+            identity, msg = self.outbox.popleft()
+            try:
+                await sock.send_multipart([identity, *encode(msg)], copy=False)
+            except zmq.ZMQError as exc:
+                self.log.warning("could not send %s to %s: %s", msg.TYPE, peer_name(identity),
+                                 exc)
+
+    async def sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_s)
+            self.housekeeping()
+
+
+async def _until(stop: Callable[[], bool]) -> None:
+    while not stop():
+        await asyncio.sleep(STOP_POLL_S)
+
+
+def peer_name(identity: bytes) -> str:
+    """A peer's identity for a log line: printable ones as text, random ones in hex."""
+    if identity.isascii() and identity.decode("ascii").isprintable():
+        return identity.decode("ascii")[:32]
+    return identity.hex()[:8]
