@@ -162,7 +162,7 @@ def _run_variant(cfg: EdgeConfig, n: int, schedule: str, max_batch: int | str, l
     from bench.emulate import _spawn_ready, _stop
     from starhub.launch import child_env
     from starhub.launch.status import observer_client
-    from starhub.wire.messages import Stats
+    from starhub.wire.messages import StatsQuery
     from targets.runner import iter_results
 
     name = f"n{n}-{schedule}-b{batch_flag(max_batch)}"
@@ -187,7 +187,7 @@ def _run_variant(cfg: EdgeConfig, n: int, schedule: str, max_batch: int | str, l
                 for i, out in enumerate(outs)]
             wait_for_outputs(procs, outs, tick, f"a drafter failed; see {log.name}")
         client = observer_client(address, timeout_s=30, name="bench")
-        stats = client.request(Stats()).body
+        stats = client.request(StatsQuery()).body
         client.close()
     finally:
         _stop(verifier)

@@ -132,7 +132,7 @@ def run_point(spec: EmulateSpec, n: int, opts: EmulateOptions, log_dir: str,
     ``depth`` (a number or ``auto``) overrides the spec's."""
     from starhub.hub.metrics import derive
     from starhub.launch.status import observer_client
-    from starhub.wire.messages import Stats
+    from starhub.wire.messages import StatsQuery
 
     depth = spec.depth if depth is None else depth
     if depth != "auto":
@@ -160,10 +160,10 @@ def run_point(spec: EmulateSpec, n: int, opts: EmulateOptions, log_dir: str,
         iteration = model.iteration(n)
         _sleep(max(opts.warmup_s, 1.5 * iteration), tick)
         _command(procs, "mark")
-        c0 = client.request(Stats(body={"counters": True})).body
+        c0 = client.request(StatsQuery(counters=True)).body
         _sleep(max(opts.duration_s, opts.min_iterations * iteration), tick)
         _command(procs, "mark")
-        c1 = client.request(Stats(body={"counters": True})).body
+        c1 = client.request(StatsQuery(counters=True)).body
         client.close()
         totals = []
         for proc in procs:

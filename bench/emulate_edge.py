@@ -186,7 +186,7 @@ class EmulatedChainDrafter(Drafter):
 def verifier_main(argv: list[str]) -> int:
     from starhub.cli.edge import batch_arg
     from starhub.launch import READY
-    from starhub.wire.messages import Hello
+    from starhub.wire.messages import TargetCard
     from targets.verifier import Verifier, VerifierConfig
 
     p = argparse.ArgumentParser(prog="python -m bench.emulate_edge verifier")
@@ -198,7 +198,7 @@ def verifier_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     spec = EdgeSpec.parse(args.spec)
-    hello = Hello(name="emulated", vocab_size=VOCAB, step_ms=1e3 * (spec.t_v + spec.t_tok))
+    hello = TargetCard(name="emulated", vocab_size=VOCAB, step_ms=1e3 * (spec.t_v + spec.t_tok))
     config = VerifierConfig(bind="tcp://127.0.0.1:0", budget=args.budget or spec.budget,
                             max_batch=args.max_batch, schedule=args.schedule, nodes=args.nodes)
     try:
@@ -223,7 +223,7 @@ def run_point(spec: EdgeSpec, n: int, schedule: str, max_batch: int | str, budge
     from bench.emulate import _spawn_ready, _stop
     from starhub.edge.drafter import EdgeDrafter
     from starhub.launch.status import observer_client
-    from starhub.wire.messages import Stats
+    from starhub.wire.messages import StatsQuery
 
     name = f"n{n}-{schedule}-b{batch_flag(max_batch)}"
     cmd = [sys.executable, "-m", "bench.emulate_edge", "verifier", "--spec", spec.text(),
@@ -261,10 +261,10 @@ def run_point(spec: EdgeSpec, n: int, schedule: str, max_batch: int | str, budge
             t.start()
         client = observer_client(address, timeout_s=30, name="bench")
         time.sleep(warmup_s)
-        c0, s0, w0 = list(counts), client.request(Stats()).body, _waits(edges)
+        c0, s0, w0 = list(counts), client.request(StatsQuery()).body, _waits(edges)
         start = time.monotonic()
         time.sleep(duration_s)
-        c1, s1, w1 = list(counts), client.request(Stats()).body, _waits(edges)
+        c1, s1, w1 = list(counts), client.request(StatsQuery()).body, _waits(edges)
         window = time.monotonic() - start
         stop.set()
         for t in threads:

@@ -110,22 +110,22 @@ class EmulatedTargets:
         self.stop = asyncio.Event()
 
     def hello(self, index: int):
-        from starhub.wire.messages import Hello
+        from starhub.wire.messages import TargetCard
 
-        return Hello(name=f"emu{index}", vocab_size=VOCAB, step_ms=1e3 * self.spec.step)
+        return TargetCard(name=f"emu{index}", vocab_size=VOCAB, step_ms=1e3 * self.spec.step)
 
     async def connect(self) -> list:
         """Sockets for every target, each greeted once (admitted or not), and the link's
         own round trip measured so that the emulated ``t_c`` includes it."""
-        from starhub.wire.messages import Ping, Reject, Welcome
+        from starhub.wire.messages import DrafterCard, Ping, Reject
 
         socks = [dealer(self.ctx, self.hub, f"emu{self.first + i}") for i in range(self.count)]
         replies = await asyncio.gather(*(ask(s, self.hello(self.first + i))
                                          for i, s in enumerate(socks)))
         for i, reply in enumerate(replies):
-            if not isinstance(reply, Welcome | Reject):
-                raise RuntimeError(f"hub answered HELLO with {reply}")
-            self.totals.admitted[i] = isinstance(reply, Welcome)
+            if not isinstance(reply, DrafterCard | Reject):
+                raise RuntimeError(f"hub answered our card with {reply}")
+            self.totals.admitted[i] = isinstance(reply, DrafterCard)
         self.retry_after = [getattr(r, "retry_after_s", 0.0) for r in replies]
         rtts = []
         for nonce in range(30):
@@ -143,14 +143,14 @@ class EmulatedTargets:
         real sockets' latency is part of t_c, never added on top of it. Where hundreds of
         targets crowd a few cores their wake-ups alone can exceed t_c; the delay then goes
         negative (shortening the emulated verification), and the row reports it."""
-        from starhub.wire.messages import Stats
+        from starhub.wire.messages import StatsQuery
 
         await self.go.wait()
         sock = dealer(self.ctx, self.hub, "emu-1")
         before = None
         try:
             while True:
-                stats = await ask(sock, Stats(body={"counters": True}))
+                stats = await ask(sock, StatsQuery(counters=True))
                 now = stats.body["counters"]
                 if before is not None and now["returns"] - before["returns"] >= 4:
                     z = (now["return_s"] - before["return_s"]) / (now["returns"]
@@ -174,7 +174,7 @@ class EmulatedTargets:
 
     async def run_one(self, i: int, sock) -> None:
         """Target ``first + i``: sessions while admitted; alone, and asking again, while not."""
-        from starhub.wire.messages import Welcome
+        from starhub.wire.messages import DrafterCard
 
         await self.go.wait()
         while not self.stop.is_set():
@@ -187,7 +187,7 @@ class EmulatedTargets:
                 return
             await self.alone(i, time.monotonic() + retry)
             reply = await ask(sock, self.hello(self.first + i))
-            self.totals.admitted[i] = isinstance(reply, Welcome)
+            self.totals.admitted[i] = isinstance(reply, DrafterCard)
             self.retry_after[i] = getattr(reply, "retry_after_s", 0.0)
             self.totals.rejections += not self.totals.admitted[i]
 

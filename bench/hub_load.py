@@ -76,17 +76,17 @@ def parse_t_v(spec: str | None) -> float | None:
 
 
 def feature_layers_of(address: str) -> tuple[list[int], str]:
-    """The features the hub's WELCOME asks targets for, and its drafter's name."""
+    """The features the hub's DRAFTER_CARD asks targets for, and its drafter's name."""
     from starhub.client.connection import HubClient
-    from starhub.wire.messages import Hello, Welcome
+    from starhub.wire.messages import DrafterCard, ObserverCard
 
     client = HubClient(address, timeout_s=30)
     try:
-        welcome = client.request(Hello(name="bench", observer=True))
+        welcome = client.request(ObserverCard(name="bench"))
     finally:
         client.close()
-    if not isinstance(welcome, Welcome):
-        raise RuntimeError(f"the hub answered an observer's HELLO with {welcome}")
+    if not isinstance(welcome, DrafterCard):
+        raise RuntimeError(f"the hub answered an observer's card with {welcome}")
     return list(welcome.feature_layers), welcome.drafter
 
 

@@ -17,7 +17,17 @@ import msgpack
 import numpy as np
 
 from starhub.wire.codec import encode
-from starhub.wire.messages import VERSION, Close, Commit, Hello, Open, Ping, Pong, Propose, Welcome
+from starhub.wire.messages import (
+    VERSION,
+    Close,
+    Commit,
+    DrafterCard,
+    Open,
+    Ping,
+    Pong,
+    Propose,
+    TargetCard,
+)
 
 Frames = list[bytes]
 
@@ -74,7 +84,7 @@ class Malformed:
         n = r.randint(2, 30)
         return frames_of(r.choice([
             Ping(nonce=r.getrandbits(32)),
-            Hello(name="x" * r.randint(0, 20), vocab_size=self.t.vocab),
+            TargetCard(name="x" * r.randint(0, 20), vocab_size=self.t.vocab),
             Open(ref=1, prompt_len=n - 1, tokens=self._ids(n)),
             Commit(tag=r.getrandbits(62), accepted=0, tokens=self._ids(1)),
         ]))
@@ -214,6 +224,6 @@ class Malformed:
         return frames_of(r.choice([
             Propose(tag=r.getrandbits(62), tokens=self._ids(2),
                     parents=np.array([-1, 0], np.int32)),
-            Welcome(drafter="evil", feature_layers=[-1]),
+            DrafterCard(drafter="evil", feature_layers=[-1]),
             Pong(nonce=1),
         ]))

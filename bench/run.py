@@ -320,7 +320,7 @@ def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
              tick=lambda k: None, variant: StarVariant | None = None) -> dict:
     from starhub.launch import child_env, spawn_hub, target_command
     from starhub.launch.status import observer_client
-    from starhub.wire.messages import Stats
+    from starhub.wire.messages import StatsQuery
     from targets.runner import iter_results
 
     variant = variant or first_variant(cfg)
@@ -343,7 +343,7 @@ def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
                                           stdout=subprocess.DEVNULL))
         wait_for_outputs(procs, outs, tick, f"a target failed; see {target_log.name}")
         client = observer_client(hub.address, timeout_s=30, name="bench")
-        stats = client.request(Stats()).body
+        stats = client.request(StatsQuery()).body
         client.close()
     return star_row(cfg, n, [list(iter_results(out)) for out in outs], stats, reference,
                     variant)

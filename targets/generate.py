@@ -20,7 +20,16 @@ from starhub.client.link import HubLink
 from starhub.client.round_stats import clip_output, count_round, mean_accept_len
 from starhub.models.loading import tokenizer_fingerprint
 from starhub.models.prompts import encode_prompt  # noqa: F401  (re-exported)
-from starhub.wire.messages import Close, Commit, ErrorCode, Hello, Open, Propose, Stats
+from starhub.wire.messages import (
+    Close,
+    Commit,
+    ErrorCode,
+    Open,
+    Propose,
+    StatsQuery,
+    StatsReport,
+    TargetCard,
+)
 from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.verify import TargetModel
@@ -123,7 +132,7 @@ class SpeculativeGenerator:
         return self.link.note if self.link is not None else ""
 
     def connect(self) -> bool:
-        """HELLO to the hub. A REJECT is quiet: we decode alone and ask again after the
+        """Our TARGET_CARD to the hub. A REJECT is quiet: we decode alone and ask again after the
         hub's ``retry_after_s``."""
         if not self.link.connect():
             return False
@@ -133,12 +142,12 @@ class SpeculativeGenerator:
                  welcome.max_nodes)
         return True
 
-    def hello(self) -> Hello:
+    def hello(self) -> TargetCard:
         cfg = self.model.config
-        return Hello(name=self.name, vocab_size=cfg.vocab_size,
-                     tokenizer_fp=tokenizer_fingerprint(self.tokenizer),
-                     hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
-                     step_ms=1e3 * self.step_s)
+        return TargetCard(name=self.name, vocab_size=cfg.vocab_size,
+                          tokenizer_fp=tokenizer_fingerprint(self.tokenizer),
+                          hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
+                          step_ms=1e3 * self.step_s)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> GenerationResult:
@@ -194,10 +203,10 @@ class SpeculativeGenerator:
         if client is None or not stats.rounds or stats.note:
             return
         try:
-            reply = client.request(Stats(body={"peer": True}))
+            reply = client.request(StatsQuery(peer=True))
         except (HubUnavailable, HubError):
             return
-        totals = reply.body.get("peer") if isinstance(reply, Stats) else None
+        totals = reply.body.get("peer") if isinstance(reply, StatsReport) else None
         if not totals:
             return
         before = self._peer_totals or {"queue_s": 0.0, "draft_s": 0.0}
@@ -303,7 +312,7 @@ class SpeculativeGenerator:
     def _open(self, client: HubClient, msg: Open, stats: GenerationStats
               ) -> tuple[HubClient, Propose]:
         """OPEN a session. A hub that has forgotten us (it frees the slot of a target
-        that held no session for a while, or it restarted) gets a fresh HELLO first."""
+        that held no session for a while, or it restarted) gets our card again first."""
         for attempt in range(2):
             msg.ref = next(self._refs)
             try:
@@ -311,7 +320,7 @@ class SpeculativeGenerator:
                 client.send(msg)
                 return client, self._await(client, stats, t0, ref=msg.ref)
             except HubError as exc:
-                if attempt or exc.error.code != ErrorCode.NO_HELLO:
+                if attempt or exc.error.code != ErrorCode.NO_CARD:
                     raise
                 if not self.connect():
                     raise HubUnavailable(self.note) from None

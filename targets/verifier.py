@@ -1,11 +1,11 @@
 """The edge verifier: one process holding the target model, verifying many drafters' trees
 in batched forward passes (``targets.engine``), shared out by ``targets.schedule``.
 
-The handshake is the star's with the roles swapped, on the same messages: a drafter
-introduces itself with WELCOME (its drafter, the feature layers it needs, its tree shape),
-and the verifier answers with HELLO describing its target (vocabulary, tokenizer, sizes,
-step time), so the drafter checks the target exactly as a hub does. A drafter then OPENs a
-session with its prompt; the verifier prefills it and answers OPEN with the prompt, the
+The handshake uses the star's cards, each with its one meaning: a drafter introduces
+itself with its DRAFTER_CARD (its drafter, the feature layers it needs, its tree shape), and
+the verifier answers with the TARGET_CARD of its target (vocabulary, tokenizer, sizes, step
+time), so the drafter checks the target exactly as a hub does. A drafter then OPENs a
+session with its prompt; the verifier prefills it and answers OPENED with the prompt, the
 first token and the prompt's features: what a star target sends its hub. Each PROPOSE is
 answered by a COMMIT with the accepted tokens, the bonus token, their features and the
 next draft budget ``S_i``. CLOSE ends a session; silence past ``ttl_s`` does too.
@@ -33,18 +33,21 @@ from starhub.wire.codec import Limits, configure_socket, decode, encode, error_f
 from starhub.wire.messages import (
     Close,
     Commit,
+    DrafterCard,
     Error,
     ErrorCode,
-    Hello,
     Message,
+    ObserverCard,
     Open,
+    Opened,
     Ping,
     Pong,
     Propose,
     ProtocolError,
     Reject,
-    Stats,
-    Welcome,
+    StatsQuery,
+    StatsReport,
+    TargetCard,
 )
 from starhub.wire.security import bind_server
 from starhub.wire.tree import DraftTree
@@ -65,7 +68,7 @@ class Verifier:
     """The server loop around an engine: ``VerifyEngine`` for a real model (``for_model``),
     or any object with its methods (the benchmark's emulated engine)."""
 
-    def __init__(self, engine, hello: Hello, config: VerifierConfig,
+    def __init__(self, engine, hello: TargetCard, config: VerifierConfig,
                  feature_dtype: torch.dtype = torch.float16):
         self.engine = engine
         self.hello = hello
@@ -78,7 +81,7 @@ class Verifier:
         self.scheduler = Scheduler(config.schedule, config.budget, config.max_batch,
                                    config.nodes, cap=min(config.max_nodes, config.max_depth),
                                    seed=config.seed)
-        self.peers: dict[bytes, Welcome] = {}
+        self.peers: dict[bytes, DrafterCard] = {}
         self.observers = Observers()
         self.sessions: dict[int, EdgeSession] = {}
         self.pending: dict[int, Pending] = {}
@@ -92,10 +95,10 @@ class Verifier:
     def for_model(cls, model, tokenizer, config: VerifierConfig,
                   name: str = "verifier") -> Verifier:
         cfg = model.config
-        hello = Hello(name=name, vocab_size=cfg.vocab_size,
-                      tokenizer_fp=tokenizer_fingerprint(tokenizer),
-                      hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
-                      step_ms=1e3 * measure_step(model))
+        hello = TargetCard(name=name, vocab_size=cfg.vocab_size,
+                           tokenizer_fp=tokenizer_fingerprint(tokenizer),
+                           hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
+                           step_ms=1e3 * measure_step(model))
         if not config.budget:
             config = replace(config, budget=max(measure_budget(model), 2))
         return cls(VerifyEngine(model), hello, config, feature_dtype(model))
@@ -182,7 +185,7 @@ class Verifier:
 
     # -- messages ---------------------------------------------------------------------
     def handle(self, identity: bytes, msg: Message) -> None:
-        if isinstance(msg, Welcome):
+        if isinstance(msg, DrafterCard):
             self.handle_welcome(identity, msg)
         elif isinstance(msg, Open):
             self.handle_open(identity, msg)
@@ -193,19 +196,20 @@ class Verifier:
             self.close(msg.tag)
         elif isinstance(msg, Ping):
             self.outbox.append((identity, Pong(nonce=msg.nonce)))
-        elif isinstance(msg, Hello) and msg.observer:  # `starhub status`, the benchmark
+        elif isinstance(msg, ObserverCard):  # `starhub status`, the benchmark
             self.observers.add(identity)
             self.outbox.append((identity, self.hello))
-        elif isinstance(msg, Stats):
+        elif isinstance(msg, StatsQuery):
             detail = identity in self.peers or identity in self.observers
-            self.outbox.append((identity, Stats(body=verifier_view(self.snapshot(), detail))))
+            self.outbox.append((identity,
+                                StatsReport(body=verifier_view(self.snapshot(), detail))))
         else:
             raise ProtocolError(ErrorCode.BAD_TYPE,
-                                f"a verifier does not accept {msg.TYPE}: drafters send WELCOME, "
-                                f"OPEN, PROPOSE and CLOSE (is this a hub's address?)",
+                                f"a verifier does not accept {msg.TYPE}: drafters send "
+                                f"DRAFTER_CARD, OPEN, PROPOSE and CLOSE (is this a hub's address?)",
                                 tag=msg.tag)
 
-    def handle_welcome(self, identity: bytes, msg: Welcome) -> None:
+    def handle_welcome(self, identity: bytes, msg: DrafterCard) -> None:
         layers = self.hello.num_layers
         bad = [i for i in msg.feature_layers if not -(layers + 1) <= i <= layers]
         if bad:
@@ -220,7 +224,7 @@ class Verifier:
     def handle_open(self, identity: bytes, msg: Open) -> None:
         peer = self.peers.get(identity)
         if peer is None:
-            raise ProtocolError(ErrorCode.NO_HELLO, "send WELCOME before OPEN", ref=msg.ref)
+            raise ProtocolError(ErrorCode.NO_CARD, "send DRAFTER_CARD before OPEN", ref=msg.ref)
         self.budget.check_open(identity, len(msg.tokens), msg.ref)
         prompt = msg.tokens.tolist()
         self._check_ids(prompt, msg)
@@ -236,10 +240,8 @@ class Verifier:
         self.budget.opened(tag, identity, len(prompt) + 1)
         self.scheduler.open(tag, now, msg.target_tok_s)
         self.stats.opened += 1
-        self.outbox.append((identity, Open(
-            tag=tag, ref=msg.ref, prompt_len=msg.prompt_len, temperature=msg.temperature,
-            top_p=msg.top_p, seed=msg.seed, step_ms=1e3 * self.step_s,
-            target_tok_s=msg.target_tok_s, budget=self.scheduler.nodes_for(tag),
+        self.outbox.append((identity, Opened(
+            tag=tag, ref=msg.ref, step_ms=1e3 * self.step_s, budget=self.scheduler.nodes_for(tag),
             tokens=torch.tensor([*prompt, first], dtype=torch.int32),
             features=self._half(feats))))
 

@@ -9,7 +9,7 @@ import numpy as np
 import zmq
 
 from starhub.wire.codec import decode, encode
-from starhub.wire.messages import Commit, Hello, Open, Propose, Welcome
+from starhub.wire.messages import Commit, DrafterCard, Open, Propose, TargetCard
 from tests.test_edge import VerifierThread
 
 FLOOD = 5000
@@ -39,7 +39,7 @@ def flood(address: str) -> zmq.Socket:
 
 def test_a_flooding_peer_does_not_hold_up_the_hubs_other_sessions(ngram_hub):
     good = dealer(ngram_hub.address)
-    assert isinstance(ask(good, Hello(name="good", vocab_size=100)), Welcome)
+    assert isinstance(ask(good, TargetCard(name="good", vocab_size=100)), DrafterCard)
     prop = ask(good, Open(ref=1, prompt_len=4, tokens=np.array([5, 6, 5, 6, 5], np.int32)))
     flooder = flood(ngram_hub.address)
     reply = ask(good, Commit(tag=prop.tag, seq=prop.seq, accepted=0,
@@ -55,7 +55,7 @@ def test_a_flooding_peer_does_not_hold_up_verification(tiny_model):
     v = VerifierThread(*tiny_model, ttl_s=30.0)
     try:
         good = dealer(v.address)
-        assert isinstance(ask(good, Welcome(drafter="good")), Hello)
+        assert isinstance(ask(good, DrafterCard(drafter="good")), TargetCard)
         opened = ask(good, Open(ref=1, prompt_len=3, tokens=np.array([1, 2, 3], np.int32)))
         flooder = flood(v.address)
         reply = ask(good, Propose(tag=opened.tag, seq=1, tokens=np.array([5], np.int32),

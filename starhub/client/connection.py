@@ -10,7 +10,16 @@ import time
 import zmq
 
 from starhub.wire.codec import Limits, configure_socket, decode, encode
-from starhub.wire.messages import Error, Hello, Message, Ping, Pong, ProtocolError, Reject, Welcome
+from starhub.wire.messages import (
+    DrafterCard,
+    Error,
+    Message,
+    Ping,
+    Pong,
+    ProtocolError,
+    Reject,
+    TargetCard,
+)
 from starhub.wire.security import ClientCurve, prepare_client
 
 log = logging.getLogger("starhub.target")
@@ -45,7 +54,7 @@ class HubClient:
         configure_socket(self.sock, limits)
         prepare_client(self.sock, "t", curve)  # random identity; CURVE keys if any
         self.sock.connect(address)
-        self.welcome: Welcome | None = None
+        self.welcome: DrafterCard | None = None
 
     def send(self, msg: Message) -> None:
         try:  # never block: a connection the hub refused (CURVE) leaves no pipe to queue on
@@ -64,14 +73,14 @@ class HubClient:
         except ProtocolError as exc:
             raise HubUnavailable(f"the hub sent an invalid message: {exc.message}") from None
 
-    def hello(self, hello: Hello) -> Welcome:
+    def hello(self, hello: TargetCard) -> DrafterCard:
         self.send(hello)
         reply = self.recv()
         if isinstance(reply, Reject):
             raise HubUnavailable(f"the hub rejected this target: {reply.reason}",
                                  retry_after_s=reply.retry_after_s, rejected=True)
-        if not isinstance(reply, Welcome):
-            raise HubUnavailable(f"expected WELCOME, got {reply.TYPE}: "
+        if not isinstance(reply, DrafterCard):
+            raise HubUnavailable(f"expected DRAFTER_CARD, got {reply.TYPE}: "
                                  f"{getattr(reply, 'message', '')}")
         self.welcome = reply
         return reply

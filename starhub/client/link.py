@@ -2,9 +2,9 @@
 hub died, hung, restarted or turned us away, without ever making decoding wait for it.
 
 A reply is due within ``max(floor_s, factor × typical round trip)``: a hub that misses that
-is treated as gone, and the caller finishes on its own. Reconnecting (a fresh HELLO) then
+is treated as gone, and the caller finishes on its own. Reconnecting (a fresh TARGET_CARD) then
 happens on a background thread with doubling backoff; the decoding thread adopts the new
-connection at its next request. Attempts are cheap (one HELLO), so the backoff stops
+connection at its next request. Attempts are cheap (one TARGET_CARD), so the backoff stops
 growing at ``max_backoff_s``. A hub that REJECTs us is asked again after its
 ``retry_after_s`` the same way.
 """
@@ -16,13 +16,13 @@ import threading
 from collections.abc import Callable
 
 from starhub.client.connection import HubClient, HubUnavailable
-from starhub.wire.messages import Hello, Welcome
+from starhub.wire.messages import DrafterCard, TargetCard
 
 log = logging.getLogger("starhub.target")
 
 
 class HubLink:
-    def __init__(self, address: str, hello: Callable[[], Hello], name: str = "target",
+    def __init__(self, address: str, hello: Callable[[], TargetCard], name: str = "target",
                  floor_s: float = 3.0, factor: float = 10.0, max_backoff_s: float = 5.0,
                  client_options: dict | None = None):
         self.address = address
@@ -33,12 +33,12 @@ class HubLink:
         self.max_backoff_s = max_backoff_s
         self.client_options = client_options or {}
         self.client: HubClient | None = None
-        self.welcome: Welcome | None = None
+        self.welcome: DrafterCard | None = None
         self.note = ""
         """Why there is no connection now, if there is none."""
         self.rtt_s = 0.0
         self._lock = threading.Lock()
-        self._ready: tuple[HubClient, Welcome] | None = None
+        self._ready: tuple[HubClient, DrafterCard] | None = None
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
         self.reconnects = 0
@@ -55,7 +55,7 @@ class HubLink:
 
     # -- connection -------------------------------------------------------------------
     def connect(self) -> bool:
-        """HELLO now, on this thread (at start-up, or when the hub forgot us)."""
+        """Send our TARGET_CARD now, on this thread (at start-up, or when the hub forgot us)."""
         self.close_client()
         outcome = self._attempt()
         if isinstance(outcome, tuple):
@@ -86,7 +86,7 @@ class HubLink:
         self.close_client()
         self._retry_later(HubUnavailable(reason))
 
-    def _attempt(self) -> tuple[HubClient, Welcome] | HubUnavailable:
+    def _attempt(self) -> tuple[HubClient, DrafterCard] | HubUnavailable:
         client = HubClient(self.address, timeout_s=max(self.floor_s, 5.0),
                            **self.client_options)
         try:

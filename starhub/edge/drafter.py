@@ -24,15 +24,16 @@ from starhub.wire.codec import Limits, configure_socket, decode, encode, to_torc
 from starhub.wire.messages import (
     Close,
     Commit,
+    DrafterCard,
     Error,
     ErrorCode,
-    Hello,
     Message,
     Open,
+    Opened,
     Propose,
     ProtocolError,
     Reject,
-    Welcome,
+    TargetCard,
 )
 from starhub.wire.security import ClientCurve, prepare_client
 
@@ -91,25 +92,25 @@ class EdgeDrafter:
         self.wait_s = 0.0
         """Totals over this drafter's life: drafting, and waiting for COMMITs."""
         self.sock: zmq.Socket | None = None
-        self.target: Hello | None = None
+        self.target: TargetCard | None = None
 
     # -- connection -------------------------------------------------------------------
-    def connect(self) -> Hello:
-        """WELCOME the verifier with what we draft; its HELLO describes the target."""
+    def connect(self) -> TargetCard:
+        """Send the verifier our DRAFTER_CARD; its TARGET_CARD describes the target."""
         self.close()
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         configure_socket(self.sock, self.limits)
         prepare_client(self.sock, "d", self.curve)
         self.sock.connect(self.address)
         shape = self.shape
-        self._send(Welcome(drafter=self.drafter.name,
-                           feature_layers=list(self.drafter.feature_layers),
-                           depth=shape.depth, topk=shape.topk, max_nodes=shape.max_nodes))
-        reply = self._recv(lambda m: isinstance(m, Hello | Reject | Error))
+        self._send(DrafterCard(drafter=self.drafter.name,
+                               feature_layers=list(self.drafter.feature_layers),
+                               depth=shape.depth, topk=shape.topk, max_nodes=shape.max_nodes))
+        reply = self._recv(lambda m: isinstance(m, TargetCard | Reject | Error))
         if isinstance(reply, Reject):
             raise VerifierUnavailable(f"the verifier refused this drafter: {reply.reason}")
         if isinstance(reply, Error):
-            raise VerifierUnavailable(f"the verifier answered WELCOME with an error: "
+            raise VerifierUnavailable(f"the verifier answered our card with an error: "
                                       f"{reply.message}")
         reason = self.drafter.check_target(reply)
         if reason:
@@ -195,7 +196,7 @@ class EdgeDrafter:
         self._send(Open(ref=ref, prompt_len=len(prompt), temperature=temperature, top_p=top_p,
                         seed=seed, target_tok_s=target_tok_s,
                         tokens=torch.tensor(prefix, dtype=torch.int32)))
-        opened = self._reply(lambda m: isinstance(m, Open) and m.ref == ref, ref=ref)
+        opened = self._reply(lambda m: isinstance(m, Opened) and m.ref == ref, ref=ref)
         tag = opened.tag
         first = int(opened.tokens[-1])
         ctx = DraftContext(tokens=opened.tokens.tolist(), temperature=temperature, seed=seed,
@@ -238,7 +239,7 @@ class EdgeDrafter:
         msg = self._recv(lambda m: wanted(m) or isinstance(m, Error) and (
             (tag and m.tag == tag) or (ref and m.ref == ref) or not (m.tag or m.ref)))
         if isinstance(msg, Error):
-            if msg.code in (ErrorCode.UNKNOWN_TAG, ErrorCode.NO_HELLO, ErrorCode.REJECTED):
+            if msg.code in (ErrorCode.UNKNOWN_TAG, ErrorCode.NO_CARD, ErrorCode.REJECTED):
                 raise _SessionLost(f"verifier: {msg.message}")
             raise VerifierUnavailable(f"verifier error {msg.code}: {msg.message}")
         return msg

@@ -4,8 +4,9 @@ receiver -> global request buffer -> work-conserving worker (``starhub.hub.worke
 batches in a thread, pre-drafts when idle) -> sender.
 The receiver never waits for drafting, so a slow target never holds up the others, and
 nothing a peer sends can stop the loop: bad input gets an ERROR and serving goes on.
-The controller (``starhub.control.plane``) admits targets at HELLO and shapes every round before
-it enters the buffer; a round it makes plain is answered at once and never drafted.
+The controller (``starhub.control.plane``) admits targets at their TARGET_CARD and shapes
+every round before it enters the buffer; a round it makes plain is answered at once and
+never drafted.
 """
 
 from __future__ import annotations
@@ -32,18 +33,20 @@ from starhub.wire.codec import Limits, configure_socket, decode, encode, error_f
 from starhub.wire.messages import (
     Close,
     Commit,
+    DrafterCard,
     Error,
     ErrorCode,
-    Hello,
     Message,
+    ObserverCard,
     Open,
     Ping,
     Pong,
     Propose,
     ProtocolError,
     Reject,
-    Stats,
-    Welcome,
+    StatsQuery,
+    StatsReport,
+    TargetCard,
 )
 from starhub.wire.security import bind_server
 from starhub.wire.tree import accepted_path
@@ -144,15 +147,18 @@ class Hub:
 
     def handle(self, identity: bytes, msg: Message) -> None:
         """Route one valid message. Anything that needs drafting goes to the buffer."""
-        if not self.accepting and isinstance(msg, Hello | Open):
+        if not self.accepting and isinstance(msg, TargetCard | ObserverCard | Open):
             raise ProtocolError(ErrorCode.REJECTED, "the hub is shutting down", tag=msg.tag,
                                 ref=getattr(msg, "ref", 0))
-        if isinstance(msg, Hello):
+        if isinstance(msg, TargetCard):
             self.handle_hello(identity, msg)
+        elif isinstance(msg, ObserverCard):
+            self.observers.add(identity)
+            self.reply(identity, self.welcome())
         elif isinstance(msg, Ping):
             self.reply(identity, Pong(nonce=msg.nonce))
-        elif isinstance(msg, Stats):
-            self.reply(identity, Stats(body=self.stats_reply(identity, msg.body)))
+        elif isinstance(msg, StatsQuery):
+            self.reply(identity, StatsReport(body=self.stats_reply(identity, msg)))
         elif isinstance(msg, Open):
             self.handle_open(identity, msg)
         elif isinstance(msg, Commit):
@@ -166,11 +172,7 @@ class Hub:
             raise ProtocolError(ErrorCode.BAD_TYPE, f"a hub does not accept {msg.TYPE}",
                                 tag=msg.tag)
 
-    def handle_hello(self, identity: bytes, msg: Hello) -> None:
-        if msg.observer:
-            self.observers.add(identity)
-            self.reply(identity, self.welcome())
-            return
+    def handle_hello(self, identity: bytes, msg: TargetCard) -> None:
         reason = self.drafter.check_target(msg)
         retry = 0.0
         peers = self.table.peers
@@ -192,12 +194,13 @@ class Hub:
         log.info("target %s (%s) joined; %d admitted", msg.name, identity.hex()[:8], len(peers))
         self.reply(identity, self.welcome())
 
-    def welcome(self) -> Welcome:
+    def welcome(self) -> DrafterCard:
         shape = self.config.shape
-        return Welcome(drafter=self.drafter.name, feature_layers=list(self.drafter.feature_layers),
-                       depth=0 if self.config.adaptive else shape.depth, topk=shape.topk,
-                       max_nodes=shape.max_nodes, ttl_s=self.config.ttl_s,
-                       max_message_bytes=self.limits.max_message_bytes)
+        return DrafterCard(drafter=self.drafter.name,
+                           feature_layers=list(self.drafter.feature_layers),
+                           depth=0 if self.config.adaptive else shape.depth, topk=shape.topk,
+                           max_nodes=shape.max_nodes, ttl_s=self.config.ttl_s,
+                           max_message_bytes=self.limits.max_message_bytes)
 
     def close(self, tag: int) -> None:
         self.table.close(tag)
@@ -216,7 +219,7 @@ class Hub:
     def _peer(self, identity: bytes, msg: Message) -> Peer:
         peer = self.table.peers.get(identity)
         if peer is None:
-            raise ProtocolError(ErrorCode.NO_HELLO, f"send HELLO before {msg.TYPE}",
+            raise ProtocolError(ErrorCode.NO_CARD, f"send TARGET_CARD before {msg.TYPE}",
                                 tag=msg.tag, ref=getattr(msg, "ref", 0))
         return peer
 
@@ -355,15 +358,15 @@ class Hub:
                     rejections=control["rejections"], control=control)
         return snap
 
-    def stats_reply(self, identity: bytes, request: dict) -> dict:
-        """STATS body: the snapshot; ``{"peer": true}`` asks for the sender's own totals
-        (its time split), ``{"counters": true}`` adds raw totals for windowed rates. Other
-        targets' entries only go to a peer that said HELLO (``starhub.server.isolation``)."""
-        if request.get("peer"):
+    def stats_reply(self, identity: bytes, request: StatsQuery) -> dict:
+        """STATS_REPORT body: the snapshot; ``peer`` asks for the sender's own totals (its
+        time split), ``counters`` adds raw totals for windowed rates. Other targets' entries
+        only go to a peer that sent a card (``starhub.server.isolation``)."""
+        if request.peer:
             totals = self.metrics.totals_of(identity)
             return {"peer": totals.to_dict() if totals else {}}
         body = self.stats()
-        if request.get("counters"):
-            body["counters"] = self.metrics.counters(peers=bool(request.get("peers")))
+        if request.counters:
+            body["counters"] = self.metrics.counters(peers=request.peers)
         return hub_view(body, identity in self.table.peers or identity in self.observers)
 
