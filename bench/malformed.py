@@ -18,6 +18,7 @@ import numpy as np
 
 from starhub.wire.codec import encode
 from starhub.wire.messages import (
+    MESSAGE_TYPES,
     VERSION,
     Close,
     Commit,
@@ -109,7 +110,8 @@ class Malformed:
 
     def wrong_type(self) -> Frames:
         header, rest = self._header()
-        field = self.rng.choice([k for k in header if k not in ("v", "type", "arrays")])
+        arrays = {name for name, _ in MESSAGE_TYPES[header["type"]].ARRAYS}
+        field = self.rng.choice([k for k in header if k not in ("v", "type", *arrays)])
         junk = [None, "seven", [1, 2], {"a": 1}, 1.5, True, b"\x01"]
         if isinstance(header[field], bool):
             junk = [None, "x", [1], {"a": 1}, 1.5, 7]
@@ -139,9 +141,9 @@ class Malformed:
         header, rest = self._header()
         dims = [self.rng.choice([1 << 30, (1 << 31) - 1, 1 << 16])
                 for _ in range(self.rng.randint(1, 4))]
-        spec = [self.rng.choice(["tokens", "parents", "features", "evil"]),
-                self.rng.choice(["int32", "float16", "bfloat16", "float32", "object"]), dims]
-        header["arrays"] = [spec]
+        name = self.rng.choice(["tokens", "parents", "features", "evil"])
+        header[name] = [self.rng.choice(["int32", "float16", "bfloat16", "float32", "object"]),
+                        dims, 1]
         return self._pack(header, [b"" if self.rng.random() < 0.5 else b"\x00" * 64])
 
     def too_large(self) -> Frames:
