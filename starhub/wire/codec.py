@@ -52,12 +52,12 @@ def to_wire(value: np.ndarray | torch.Tensor) -> np.ndarray:
         t = value
         if t.requires_grad:
             t = t.detach()
-        if t.device.type != "cpu":
-            t = t.to("cpu")
+        if not t.is_cpu:
+            t = t.cpu()
         if not t.is_contiguous():
             t = t.contiguous()
         if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(np.uint16).view(BFloat16Array)
+            return t.view(torch.uint16).numpy().view(BFloat16Array)
         return t.numpy()
     if isinstance(value, np.ndarray) and value.flags.c_contiguous:
         return value  # as it is: a BFloat16Array stays one
@@ -192,7 +192,7 @@ class Decoder:
         if not frames:
             raise ProtocolError(ErrorCode.BAD_FRAME, "empty message")
         views = [f.buffer if type(f) is zmq.Frame else memoryview(f) for f in frames]
-        total = sum(v.nbytes for v in views)
+        total = sum([v.nbytes for v in views])
         if total > limits.max_message_bytes:
             raise ProtocolError(ErrorCode.TOO_LARGE,
                                 f"message of {total} bytes exceeds the limit of "

@@ -95,7 +95,8 @@ def _no_tokens() -> np.ndarray:
     return np.zeros(0, np.int32)
 
 
-class Framed(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
+class Framed(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True,
+             gc=False):
     """Anything sent as a msgpack header plus raw array frames: the wire's messages and the
     hub's link to its drafting process. ``v`` is the protocol version."""
 
