@@ -77,8 +77,6 @@ class Array:
 class BFloat16Array(np.ndarray):
     """A uint16 view that remembers it holds bfloat16 bits (numpy has no bfloat16)."""
 
-    is_bf16 = True
-
 
 FEATURE_DTYPES = ("float16", "bfloat16", "float32")
 
