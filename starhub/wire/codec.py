@@ -92,8 +92,7 @@ def array_frame(value: np.ndarray | torch.Tensor) -> tuple[str, list[int], Any]:
 
 def frame_array(dtype: str, shape: list[int], buf: Any) -> np.ndarray:
     """The array a frame holds (read-only, no copy); ``dtype`` is a wire dtype name."""
-    arr = np.frombuffer(buf, dtype=_NP_DTYPES[dtype]).reshape(shape)
-    return arr.view(BFloat16Array) if dtype == "bfloat16" else arr
+    return (BFloat16Array if dtype == "bfloat16" else np.ndarray)(shape, _NP_DTYPES[dtype], buf)
 
 
 # -- the hooks that put arrays in frames of their own -----------------------------------------
@@ -144,8 +143,7 @@ def _dec_hook(cls: type, obj: Any) -> Any:
     if size != buf.nbytes:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"array {dtype}{shape} needs {size} bytes, "
                                                  f"frame {index} has {buf.nbytes}")
-    arr = np.frombuffer(buf, dtype=np_dtype).reshape(shape)
-    return arr.view(BFloat16Array) if dtype == "bfloat16" else arr
+    return (BFloat16Array if dtype == "bfloat16" else np.ndarray)(shape, np_dtype, buf)
 
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
