@@ -6,12 +6,14 @@ import torch
 
 from starhub.wire.codec import Limits, decode, encode, to_torch
 from starhub.wire.messages import (
+    MAX_TREE_NODES,
     VERSION,
     Close,
     Commit,
     DrafterCard,
     ErrorCode,
     Open,
+    Opened,
     Propose,
     ProtocolError,
     Reject,
@@ -129,3 +131,16 @@ def test_errors_carry_the_tag_they_concern():
     with pytest.raises(ProtocolError) as info:
         decode(frames)
     assert info.value.tag == 5
+
+
+def test_opened_carries_a_session_start_with_the_rules_of_open():
+    feats = np.zeros((4, 8), np.float16)
+    back = roundtrip(Opened(tag=3, ref=1, budget=12, tokens=np.arange(5, dtype=np.int32),
+                            features=feats))
+    assert (back.tag, back.ref, back.budget, len(back.tokens)) == (3, 1, 12, 5)
+    with pytest.raises(ProtocolError, match="features need 4 rows") as info:
+        roundtrip(Opened(tag=3, ref=1, tokens=np.arange(5, dtype=np.int32), features=feats[:3]))
+    assert info.value.code == ErrorCode.BAD_FIELD and info.value.tag == 3
+    with pytest.raises(ProtocolError) as info:
+        roundtrip(Opened(tag=3, budget=MAX_TREE_NODES + 1, tokens=np.arange(2, dtype=np.int32)))
+    assert info.value.code == ErrorCode.BAD_FIELD
