@@ -133,12 +133,13 @@ def _dec_hook(cls: type, obj: Any) -> Any:
         if type(dim) is not int or not 0 <= dim < 1 << 31:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"bad array shape {shape!r:.80}")
         size *= dim
-    views = _frames.views
-    if type(index) is not int or not 0 < index < len(views) or _frames.used >> index & 1:
+    frames = _frames
+    views, used = frames.views, frames.used
+    if type(index) is not int or not 0 < index < len(views) or used >> index & 1:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"array {dtype}{shape} names frame "
                                                  f"{index!r:.20}, not a free one of "
                                                  f"{len(views)}")
-    _frames.used |= 1 << index
+    frames.used = used | 1 << index
     buf = views[index]
     if size != buf.nbytes:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"array {dtype}{shape} needs {size} bytes, "
