@@ -13,7 +13,8 @@ encoded on one side and decoded, with full validation, on the other. This times
 each ``--number`` times per repeat, ``--repeat`` repeats, and reports the median and the best
 repeat in µs per encode+decode. ``loopback`` is one COMMIT in and one PROPOSE out through
 a DEALER and a ROUTER socket over TCP on 127.0.0.1, both codecs included (the median
-of single round trips). Torch's thread count is set with ``--threads``.
+of single round trips). Torch's thread count is set with ``--threads``. The CPU model
+(``lscpu``'s "Model name") is printed with the figures: they mean little without it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -63,6 +65,25 @@ def messages(nodes: int = NODES, width: int = FEATURE_WIDTH) -> dict[str, Messag
                                 tokens=commit_tokens,
                                 features=features.bfloat16()),
     }
+
+
+def cpu_model() -> str:
+    """``lscpu``'s "Model name" (``/proc/cpuinfo``'s where there is no lscpu)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        out = ""
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def time_per_call(fn: Callable[[], object], number: int, repeat: int) -> tuple[float, float]:
@@ -125,7 +146,7 @@ def run(number: int, repeat: int, rounds: int) -> dict:
     return {
         "what": "µs per encode+decode (loopback: per round trip, both codecs)",
         "number": number, "repeat": repeat, "loopback_rounds": rounds,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(), "cpu": cpu_model(),
         "python": platform.python_version(), "numpy": np.__version__,
         "torch": torch.__version__, "pyzmq": zmq.__version__,
         "rows": rows,
@@ -147,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--number, --repeat and --threads must be positive, --loopback >= 0")
     torch.set_num_threads(args.threads)
     doc = run(args.number, args.repeat, args.loopback)
+    print(f"cpu: {doc['cpu']}")
     print(f"torch threads: {doc['torch_threads']}   number={args.number} repeat={args.repeat}  "
           f"(python {doc['python']}, numpy {doc['numpy']}, pyzmq {doc['pyzmq']})")
     print(f"{'message':<26}{'median µs':>12}{'best µs':>12}")

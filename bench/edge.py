@@ -22,7 +22,7 @@ from starhub.launch import child_env
 from starhub.launch.status import observer_client
 from starhub.models.loading import load_model, set_threads
 from starhub.models.prompts import encode_prompt, read_prompts
-from starhub.wire.messages import Stats
+from starhub.wire.messages import StatsQuery
 from targets.runner import iter_results
 
 EDGE_NOTES = {
@@ -183,7 +183,7 @@ def _run_variant(cfg: EdgeConfig, n: int, schedule: str, max_batch: int | str, l
                 for i, out in enumerate(outs)]
             wait_for_outputs(procs, outs, tick, f"a drafter failed; see {log.name}")
         client = observer_client(address, timeout_s=30, name="bench")
-        stats = client.request(Stats()).body
+        stats = client.request(StatsQuery()).body
         client.close()
     finally:
         _stop(verifier)

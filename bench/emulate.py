@@ -33,7 +33,7 @@ from starhub.launch import READY, child_env
 from starhub.launch.spawn import wait_ready
 from starhub.launch.status import observer_client
 from starhub.options import AUTO, MAX_AUTO_DEPTH, max_targets_arg
-from starhub.wire.messages import Stats
+from starhub.wire.messages import StatsQuery
 
 __all__ = ["EmulateOptions", "EmulateSpec", "emulated_doc", "load_trace", "model_check",
            "run_emulated"]
@@ -154,10 +154,10 @@ def run_point(spec: EmulateSpec, n: int, opts: EmulateOptions, log_dir: str,
         iteration = model.iteration(n)
         _sleep(max(opts.warmup_s, 1.5 * iteration), tick)
         _command(procs, "mark")
-        c0 = client.request(Stats(body={"counters": True})).body
+        c0 = client.request(StatsQuery(counters=True)).body
         _sleep(max(opts.duration_s, opts.min_iterations * iteration), tick)
         _command(procs, "mark")
-        c1 = client.request(Stats(body={"counters": True})).body
+        c1 = client.request(StatsQuery(counters=True)).body
         client.close()
         totals = []
         for proc in procs:

@@ -34,7 +34,7 @@ from starhub.edge.drafter import EdgeDrafter
 from starhub.launch import READY
 from starhub.launch.status import observer_client
 from starhub.options import max_batch_arg
-from starhub.wire.messages import Hello, Stats
+from starhub.wire.messages import StatsQuery, TargetCard
 from starhub.wire.tree import DraftTree, chain_tree, children
 from targets.engine import BatchStats
 from targets.verifier import Verifier, VerifierConfig
@@ -202,7 +202,7 @@ def verifier_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     spec = EdgeSpec.parse(args.spec)
-    hello = Hello(name="emulated", vocab_size=VOCAB, step_ms=1e3 * (spec.t_v + spec.t_tok))
+    hello = TargetCard(name="emulated", vocab_size=VOCAB, step_ms=1e3 * (spec.t_v + spec.t_tok))
     config = VerifierConfig(bind="tcp://127.0.0.1:0", budget=args.budget or spec.budget,
                             max_batch=args.max_batch, schedule=args.schedule, nodes=args.nodes)
     try:
@@ -260,10 +260,10 @@ def run_point(spec: EdgeSpec, n: int, schedule: str, max_batch: int | str, budge
             t.start()
         client = observer_client(address, timeout_s=30, name="bench")
         time.sleep(warmup_s)
-        c0, s0, w0 = list(counts), client.request(Stats()).body, _waits(edges)
+        c0, s0, w0 = list(counts), client.request(StatsQuery()).body, _waits(edges)
         start = time.monotonic()
         time.sleep(duration_s)
-        c1, s1, w1 = list(counts), client.request(Stats()).body, _waits(edges)
+        c1, s1, w1 = list(counts), client.request(StatsQuery()).body, _waits(edges)
         window = time.monotonic() - start
         stop.set()
         for t in threads:

@@ -23,7 +23,17 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from bench.emulate_spec import PROMPT_LEN, VOCAB, EmulateSpec
-from starhub.wire.messages import Close, Commit, Hello, Open, Ping, Propose, Reject, Stats, Welcome
+from starhub.wire.messages import (
+    Close,
+    Commit,
+    DrafterCard,
+    Open,
+    Ping,
+    Propose,
+    Reject,
+    StatsQuery,
+    TargetCard,
+)
 
 
 def dealer(ctx, hub: str, name: str):
@@ -113,7 +123,7 @@ class EmulatedTargets:
         self.stop = asyncio.Event()
 
     def hello(self, index: int):
-        return Hello(name=f"emu{index}", vocab_size=VOCAB, step_ms=1e3 * self.spec.step)
+        return TargetCard(name=f"emu{index}", vocab_size=VOCAB, step_ms=1e3 * self.spec.step)
 
     async def connect(self) -> list:
         """Sockets for every target, each greeted once (admitted or not), and the link's
@@ -123,9 +133,9 @@ class EmulatedTargets:
         replies = await asyncio.gather(*(ask(s, self.hello(self.first + i))
                                          for i, s in enumerate(socks)))
         for i, reply in enumerate(replies):
-            if not isinstance(reply, Welcome | Reject):
-                raise RuntimeError(f"hub answered HELLO with {reply}")
-            self.totals.admitted[i] = isinstance(reply, Welcome)
+            if not isinstance(reply, DrafterCard | Reject):
+                raise RuntimeError(f"hub answered our card with {reply}")
+            self.totals.admitted[i] = isinstance(reply, DrafterCard)
         self.retry_after = [getattr(r, "retry_after_s", 0.0) for r in replies]
         rtts = []
         for nonce in range(30):
@@ -149,7 +159,7 @@ class EmulatedTargets:
         before = None
         try:
             while True:
-                stats = await ask(sock, Stats(body={"counters": True}))
+                stats = await ask(sock, StatsQuery(counters=True))
                 now = stats.body["counters"]
                 if before is not None and now["returns"] - before["returns"] >= 4:
                     z = (now["return_s"] - before["return_s"]) / (now["returns"]
@@ -183,7 +193,7 @@ class EmulatedTargets:
                 return
             await self.alone(i, time.monotonic() + retry)
             reply = await ask(sock, self.hello(self.first + i))
-            self.totals.admitted[i] = isinstance(reply, Welcome)
+            self.totals.admitted[i] = isinstance(reply, DrafterCard)
             self.retry_after[i] = getattr(reply, "retry_after_s", 0.0)
             self.totals.rejections += not self.totals.admitted[i]
 

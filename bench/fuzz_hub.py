@@ -27,7 +27,18 @@ from bench.malformed import Malformed, Target
 from starhub.launch import spawn_hub
 from starhub.models.prompts import encode_prompt
 from starhub.wire.codec import decode, encode
-from starhub.wire.messages import Error, ErrorCode, Hello, Open, Ping, Pong, Propose, Stats, Welcome
+from starhub.wire.messages import (
+    DrafterCard,
+    Error,
+    ErrorCode,
+    Open,
+    Ping,
+    Pong,
+    Propose,
+    StatsQuery,
+    StatsReport,
+    TargetCard,
+)
 
 PROMPTS = ["Write a short poem about the sea.", "What is the capital of France? Explain.",
            "List three uses of a paperclip.", "def fibonacci(n):"]
@@ -89,8 +100,8 @@ def rss_mb(pid: int) -> float:
 
 class Blaster(threading.Thread):
     """One DEALER socket sending its share of malformed messages, WINDOW in flight, and
-    counting the replies. Blaster 0 never says HELLO; the others HELLO and OPEN a session
-    of their own first, so that stale and rule-breaking COMMITs aim at a live tag."""
+    counting the replies. Blaster 0 never sends its card; the others send it and OPEN a
+    session of their own first, so that stale and rule-breaking COMMITs aim at a live tag."""
 
     def __init__(self, index: int, address: str, count: int, target: Target,
                  sent: list[int], seed: int):
@@ -139,9 +150,9 @@ class Blaster(threading.Thread):
 
     def handshake(self, sock: zmq.Socket) -> None:
         t = self.target
-        sock.send_multipart(encode(Hello(name=f"blaster{self.index}", vocab_size=t.vocab)))
+        sock.send_multipart(encode(TargetCard(name=f"blaster{self.index}", vocab_size=t.vocab)))
         welcome = _reply(sock)
-        if not isinstance(welcome, Welcome):
+        if not isinstance(welcome, DrafterCard):
             return
         ids = np.arange(1, 9, dtype=np.int32)
         feats = np.zeros((7, t.feature_width), np.float16) if t.feature_width else None
@@ -191,8 +202,8 @@ def run(messages: int, model_spec: str = "default", drafter: str = "eagle",
     report = Report(senders=senders)
     with open(log_path or os.devnull, "w") as log, spawn_hub(flags, log_file=log) as hub:
         pid = hub.proc.pid
-        welcome = _ask(hub.address, Hello(name="probe", vocab_size=model.config.vocab_size))
-        layers = len(welcome.feature_layers) if isinstance(welcome, Welcome) else 0
+        welcome = _ask(hub.address, TargetCard(name="probe", vocab_size=model.config.vocab_size))
+        layers = len(welcome.feature_layers) if isinstance(welcome, DrafterCard) else 0
         target = dict(vocab=model.config.vocab_size, max_prompt_tokens=max_prompt_tokens,
                       max_message_bytes=int(max_message_mb * (1 << 20)),
                       feature_width=model.config.hidden_size * layers)
@@ -227,8 +238,8 @@ def run(messages: int, model_spec: str = "default", drafter: str = "eagle",
             stop.set()
             sampler.join()
         report.serving = isinstance(_ask(hub.address, Ping(nonce=7)), Pong)
-        stats = _ask(hub.address, Stats())
-        if isinstance(stats, Stats):
+        stats = _ask(hub.address, StatsQuery())
+        if isinstance(stats, StatsReport):
             report.hub_errors = stats.body.get("errors", {})
             report.hub_sessions_after = stats.body.get("active_sessions", -1)
         samples.append((sum(sent), rss_mb(pid)))

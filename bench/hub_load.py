@@ -25,7 +25,7 @@ from bench.run import StarConfig, StarVariant, hub_flags, machine_info, on_off, 
 from starhub.client.connection import HubClient
 from starhub.hub.metrics import DRAFT_KEYS, derive
 from starhub.launch import spawn_hub
-from starhub.wire.messages import Hello, Welcome
+from starhub.wire.messages import DrafterCard, ObserverCard
 
 WINDOW_KEYS = ("r_q", "t_s_ms", "t_draft_ms", "load", "system_tok_s", "per_target_tok_s",
                "mean_accept_len", "t_wait_ms", "t_idle_ms", "z_ms", "rounds", "commits",
@@ -81,15 +81,15 @@ def parse_t_v(spec: str | None) -> float | None:
 
 
 def feature_layers_of(address: str) -> tuple[list[int], str]:
-    """The features the hub's WELCOME asks targets for, and its drafter's name."""
+    """The features the hub's DRAFTER_CARD asks targets for, and its drafter's name."""
 
     client = HubClient(address, timeout_s=30)
     try:
-        welcome = client.request(Hello(name="bench", observer=True))
+        welcome = client.request(ObserverCard(name="bench"))
     finally:
         client.close()
-    if not isinstance(welcome, Welcome):
-        raise RuntimeError(f"the hub answered an observer's HELLO with {welcome}")
+    if not isinstance(welcome, DrafterCard):
+        raise RuntimeError(f"the hub answered an observer's card with {welcome}")
     return list(welcome.feature_layers), welcome.drafter
 
 

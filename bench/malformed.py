@@ -17,7 +17,18 @@ import msgpack
 import numpy as np
 
 from starhub.wire.codec import encode
-from starhub.wire.messages import VERSION, Close, Commit, Hello, Open, Ping, Pong, Propose, Welcome
+from starhub.wire.messages import (
+    MESSAGE_TYPES,
+    VERSION,
+    Close,
+    Commit,
+    DrafterCard,
+    Open,
+    Ping,
+    Pong,
+    Propose,
+    TargetCard,
+)
 
 Frames = list[bytes]
 
@@ -74,7 +85,7 @@ class Malformed:
         n = r.randint(2, 30)
         return frames_of(r.choice([
             Ping(nonce=r.getrandbits(32)),
-            Hello(name="x" * r.randint(0, 20), vocab_size=self.t.vocab),
+            TargetCard(name="x" * r.randint(0, 20), vocab_size=self.t.vocab),
             Open(ref=1, prompt_len=n - 1, tokens=self._ids(n)),
             Commit(tag=r.getrandbits(62), accepted=0, tokens=self._ids(1)),
         ]))
@@ -99,7 +110,8 @@ class Malformed:
 
     def wrong_type(self) -> Frames:
         header, rest = self._header()
-        field = self.rng.choice([k for k in header if k not in ("v", "type", "arrays")])
+        arrays = {name for name, _ in MESSAGE_TYPES[header["type"]].ARRAYS}
+        field = self.rng.choice([k for k in header if k not in ("v", "type", *arrays)])
         junk = [None, "seven", [1, 2], {"a": 1}, 1.5, True, b"\x01"]
         if isinstance(header[field], bool):
             junk = [None, "x", [1], {"a": 1}, 1.5, 7]
@@ -129,9 +141,9 @@ class Malformed:
         header, rest = self._header()
         dims = [self.rng.choice([1 << 30, (1 << 31) - 1, 1 << 16])
                 for _ in range(self.rng.randint(1, 4))]
-        spec = [self.rng.choice(["tokens", "parents", "features", "evil"]),
-                self.rng.choice(["int32", "float16", "bfloat16", "float32", "object"]), dims]
-        header["arrays"] = [spec]
+        name = self.rng.choice(["tokens", "parents", "features", "evil"])
+        header[name] = [self.rng.choice(["int32", "float16", "bfloat16", "float32", "object"]),
+                        dims, 1]
         return self._pack(header, [b"" if self.rng.random() < 0.5 else b"\x00" * 64])
 
     def too_large(self) -> Frames:
@@ -214,6 +226,6 @@ class Malformed:
         return frames_of(r.choice([
             Propose(tag=r.getrandbits(62), tokens=self._ids(2),
                     parents=np.array([-1, 0], np.int32)),
-            Welcome(drafter="evil", feature_layers=[-1]),
+            DrafterCard(drafter="evil", feature_layers=[-1]),
             Pong(nonce=1),
         ]))

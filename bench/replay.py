@@ -2,7 +2,7 @@
 computing anything (``starhub bench --hub-load``).
 
 A recording holds, per prompt, the prompt ids, the greedy continuation and the feature row
-of every position (the hidden states the hub's WELCOME asks for), plus the model's measured
+of every position (the hidden states the hub's DRAFTER_CARD asks for), plus the model's measured
 plain step and tree verification times. Recording runs the targets' own code path
 (``targets.verify.TargetModel``) once; the result is cached as ``.npz`` under
 ``$XDG_CACHE_HOME/starhub/hub-load/``, keyed by everything it depends on, and read back

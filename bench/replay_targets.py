@@ -24,14 +24,15 @@ from starhub.wire.codec import decode, encode
 from starhub.wire.messages import (
     Close,
     Commit,
+    DrafterCard,
     Error,
     ErrorCode,
-    Hello,
+    ObserverCard,
     Open,
     Propose,
     Reject,
-    Stats,
-    Welcome,
+    StatsQuery,
+    TargetCard,
 )
 from starhub.wire.tree import accepted_path
 
@@ -87,18 +88,18 @@ class ReplayTargets:
 
     def hello(self, index: int):
         meta = self.rec.meta
-        return Hello(name=f"replay{index}", vocab_size=meta.vocab_size,
-                     tokenizer_fp=meta.tokenizer_fp, hidden_size=meta.hidden_size,
-                     num_layers=meta.num_layers, step_ms=meta.step_ms)
+        return TargetCard(name=f"replay{index}", vocab_size=meta.vocab_size,
+                          tokenizer_fp=meta.tokenizer_fp, hidden_size=meta.hidden_size,
+                          num_layers=meta.num_layers, step_ms=meta.step_ms)
 
     async def stats(self, sock) -> dict:
         """The hub's raw counters, asked on an observer socket (``sock``)."""
 
-        return (await ask(sock, Stats(body={"counters": True}))).body
+        return (await ask(sock, StatsQuery(counters=True))).body
 
     async def observer(self):
         sock = dealer(self.ctx, self.hub, "replay-observer")
-        await ask(sock, Hello(name="bench", observer=True))
+        await ask(sock, ObserverCard(name="bench"))
         return sock
 
     async def run(self) -> None:
@@ -119,7 +120,7 @@ class ReplayTargets:
         while not self.stop.is_set():
             if not admitted:
                 reply = await ask(sock, self.hello(i))
-                if isinstance(reply, Welcome):
+                if isinstance(reply, DrafterCard):
                     admitted = True
                     self.totals.admitted += 1
                     continue
@@ -132,7 +133,7 @@ class ReplayTargets:
             admitted = await self.session(i, sock, next(prompts) % len(self.rec))
 
     async def session(self, i: int, sock, index: int) -> bool:
-        """One recorded prompt from OPEN to CLOSE; False when the hub forgot our HELLO."""
+        """One recorded prompt from OPEN to CLOSE; False when the hub forgot our card."""
 
         prompt, out = self.rec.prompts[index], self.rec.outputs[index]
         feats = self.rec.features[index]
@@ -151,7 +152,7 @@ class ReplayTargets:
                 self.totals.errors += 1
                 log.warning("replay%d: hub error %d: %s", i, msg.code, msg.message)
                 await asyncio.sleep(0.05)
-                return msg.code != ErrorCode.NO_HELLO
+                return msg.code != ErrorCode.NO_CARD
             if not isinstance(msg, Propose) or (tag and msg.tag != tag) or (
                     not tag and msg.ref != ref):
                 self.totals.stray += 1

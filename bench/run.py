@@ -31,7 +31,7 @@ from starhub.options import (
     resolve_threads,
     usable_cores,
 )
-from starhub.wire.messages import Stats
+from starhub.wire.messages import StatsQuery
 from targets.generate import encode_prompt
 from targets.runner import iter_results, read_prompts
 
@@ -346,7 +346,7 @@ def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
                                           stdout=subprocess.DEVNULL))
         wait_for_outputs(procs, outs, tick, f"a target failed; see {target_log.name}")
         client = observer_client(hub.address, timeout_s=30, name="bench")
-        stats = client.request(Stats()).body
+        stats = client.request(StatsQuery()).body
         client.close()
     return star_row(cfg, n, [list(iter_results(out)) for out in outs], stats, reference,
                     variant)

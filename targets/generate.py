@@ -20,7 +20,17 @@ from starhub.client.link import Link
 from starhub.client.round_stats import clip_output, count_round, mean_accept_len
 from starhub.models.loading import tokenizer_fingerprint
 from starhub.models.prompts import encode_prompt  # noqa: F401  (re-exported)
-from starhub.wire.messages import Close, Commit, ErrorCode, Hello, Open, Propose, Stats, Welcome
+from starhub.wire.messages import (
+    Close,
+    Commit,
+    DrafterCard,
+    ErrorCode,
+    Open,
+    Propose,
+    StatsQuery,
+    StatsReport,
+    TargetCard,
+)
 from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.verify import TargetModel
@@ -122,8 +132,8 @@ class SpeculativeGenerator:
         """Why this generator decodes without a hub, if it does."""
         return self.link.note if self.link is not None else ""
 
-    def _greet(self) -> tuple[HubClient, Welcome]:
-        """A new connection to the hub, and its WELCOME (``HubUnavailable`` if none)."""
+    def _greet(self) -> tuple[HubClient, DrafterCard]:
+        """A new connection to the hub, and its DRAFTER_CARD (``HubUnavailable`` if none)."""
         client = HubClient(self.hub, timeout_s=max(self.link.floor_s, 5.0),
                            **self.client_options)
         try:
@@ -133,7 +143,7 @@ class SpeculativeGenerator:
             raise
 
     def connect(self) -> bool:
-        """HELLO to the hub. A REJECT is quiet: we decode alone and ask again after the
+        """Our TARGET_CARD to the hub. A REJECT is quiet: we decode alone and ask again after the
         hub's ``retry_after_s``."""
         if not self.link.connect():
             return False
@@ -143,12 +153,12 @@ class SpeculativeGenerator:
                  welcome.max_nodes)
         return True
 
-    def hello(self) -> Hello:
+    def hello(self) -> TargetCard:
         cfg = self.model.config
-        return Hello(name=self.name, vocab_size=cfg.vocab_size,
-                     tokenizer_fp=tokenizer_fingerprint(self.tokenizer),
-                     hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
-                     step_ms=1e3 * self.step_s)
+        return TargetCard(name=self.name, vocab_size=cfg.vocab_size,
+                          tokenizer_fp=tokenizer_fingerprint(self.tokenizer),
+                          hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
+                          step_ms=1e3 * self.step_s)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> GenerationResult:
@@ -204,10 +214,10 @@ class SpeculativeGenerator:
         if client is None or not stats.rounds or stats.note:
             return
         try:
-            reply = client.request(Stats(body={"peer": True}))
+            reply = client.request(StatsQuery(peer=True))
         except (HubUnavailable, HubError):
             return
-        totals = reply.body.get("peer") if isinstance(reply, Stats) else None
+        totals = reply.body.get("peer") if isinstance(reply, StatsReport) else None
         if not totals:
             return
         before = self._peer_totals or {"queue_s": 0.0, "draft_s": 0.0}
@@ -313,7 +323,7 @@ class SpeculativeGenerator:
     def _open(self, client: HubClient, msg: Open, stats: GenerationStats
               ) -> tuple[HubClient, Propose]:
         """OPEN a session. A hub that has forgotten us (it frees the slot of a target
-        that held no session for a while, or it restarted) gets a fresh HELLO first."""
+        that held no session for a while, or it restarted) gets our card again first."""
         for attempt in range(2):
             msg.ref = next(self._refs)
             try:
@@ -321,7 +331,7 @@ class SpeculativeGenerator:
                 client.send(msg)
                 return client, self._await(client, stats, t0, ref=msg.ref)
             except HubError as exc:
-                if attempt or exc.error.code != ErrorCode.NO_HELLO:
+                if attempt or exc.error.code != ErrorCode.NO_CARD:
                     raise
                 if not self.connect():
                     raise HubUnavailable(self.note) from None

@@ -1,11 +1,11 @@
 """The edge verifier: one process holding the target model, verifying many drafters' trees
 in batched forward passes (``targets.engine``), shared out by ``targets.schedule``.
 
-The handshake is the star's with the roles swapped, on the same messages: a drafter
-introduces itself with WELCOME (its drafter, the feature layers it needs, its tree shape),
-and the verifier answers with HELLO describing its target (vocabulary, tokenizer, sizes,
-step time), so the drafter checks the target exactly as a hub does. A drafter then OPENs a
-session with its prompt; the verifier prefills it and answers OPEN with the prompt, the
+The handshake uses the star's cards, each with its one meaning: a drafter introduces
+itself with its DRAFTER_CARD (its drafter, the feature layers it needs, its tree shape), and
+the verifier answers with the TARGET_CARD of its target (vocabulary, tokenizer, sizes, step
+time), so the drafter checks the target exactly as a hub does. A drafter then OPENs a
+session with its prompt; the verifier prefills it and answers OPENED with the prompt, the
 first token and the prompt's features: what a star target sends its hub. Each PROPOSE is
 answered by a COMMIT with the accepted tokens, the bonus token, their features and the
 next draft budget ``S_i``. CLOSE ends a session; silence past ``ttl_s`` does too.
@@ -37,18 +37,21 @@ from starhub.wire.codec import Limits
 from starhub.wire.messages import (
     Close,
     Commit,
+    DrafterCard,
     Error,
     ErrorCode,
-    Hello,
     Message,
+    ObserverCard,
     Open,
+    Opened,
     Ping,
     Pong,
     Propose,
     ProtocolError,
     Reject,
-    Stats,
-    Welcome,
+    StatsQuery,
+    StatsReport,
+    TargetCard,
 )
 from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
@@ -77,7 +80,7 @@ class Verifier(Server):
     role = "verifier"
     log = log
 
-    def __init__(self, engine, hello: Hello, config: VerifierConfig,
+    def __init__(self, engine, hello: TargetCard, config: VerifierConfig,
                  feature_dtype: torch.dtype = torch.float16):
         self.engine = engine
         self.hello = hello
@@ -101,10 +104,10 @@ class Verifier(Server):
     def for_model(cls, model, tokenizer, config: VerifierConfig,
                   name: str = "verifier") -> Verifier:
         cfg = model.config
-        hello = Hello(name=name, vocab_size=cfg.vocab_size,
-                      tokenizer_fp=tokenizer_fingerprint(tokenizer),
-                      hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
-                      step_ms=1e3 * measure_step(model))
+        hello = TargetCard(name=name, vocab_size=cfg.vocab_size,
+                           tokenizer_fp=tokenizer_fingerprint(tokenizer),
+                           hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
+                           step_ms=1e3 * measure_step(model))
         if not config.budget:
             config = replace(config, budget=max(measure_budget(model), 2))
         return cls(VerifyEngine(model), hello, config, feature_dtype(model))
@@ -174,7 +177,7 @@ class Verifier(Server):
     # -- messages ---------------------------------------------------------------------
     def handle(self, identity: bytes, msg: Message) -> None:
         """Route one valid message; a PROPOSE waits for a pass (``step``)."""
-        if isinstance(msg, Welcome):
+        if isinstance(msg, DrafterCard):
             self.handle_welcome(identity, msg)
         elif isinstance(msg, Open):
             self.handle_open(identity, msg)
@@ -185,19 +188,19 @@ class Verifier(Server):
             self.close(msg.tag)
         elif isinstance(msg, Ping):
             self.reply(identity, Pong(nonce=msg.nonce))
-        elif isinstance(msg, Hello) and msg.observer:  # `starhub status`, the benchmark
+        elif isinstance(msg, ObserverCard):  # `starhub status`, the benchmark
             self.observers.add(identity)
             self.reply(identity, self.hello)
-        elif isinstance(msg, Stats):
+        elif isinstance(msg, StatsQuery):
             detail = identity in self.table.peers or identity in self.observers
-            self.reply(identity, Stats(body=verifier_view(self.snapshot(), detail)))
+            self.reply(identity, StatsReport(body=verifier_view(self.snapshot(), detail)))
         else:
             raise ProtocolError(ErrorCode.BAD_TYPE,
-                                f"a verifier does not accept {msg.TYPE}: drafters send WELCOME, "
-                                f"OPEN, PROPOSE and CLOSE (is this a hub's address?)",
+                                f"a verifier does not accept {msg.TYPE}: drafters send "
+                                f"DRAFTER_CARD, OPEN, PROPOSE and CLOSE (is this a hub's address?)",
                                 tag=msg.tag)
 
-    def handle_welcome(self, identity: bytes, msg: Welcome) -> None:
+    def handle_welcome(self, identity: bytes, msg: DrafterCard) -> None:
         layers = self.hello.num_layers
         bad = [i for i in msg.feature_layers if not -(layers + 1) <= i <= layers]
         if bad:
@@ -210,7 +213,7 @@ class Verifier(Server):
         self.reply(identity, self.hello)
 
     def handle_open(self, identity: bytes, msg: Open) -> None:
-        peer = self.table.peer(identity, msg, "WELCOME")
+        peer = self.table.peer(identity, msg, "DRAFTER_CARD")
         self.table.check_open(identity, len(msg.tokens), msg.ref)
         check_ids(msg.tokens, self.hello.vocab_size, msg)
         prompt = msg.tokens.tolist()
@@ -224,10 +227,8 @@ class Verifier(Server):
                                    opened_at=now, last_seen=now), len(prompt) + 1)
         self.scheduler.open(tag, now, msg.target_tok_s)
         self.stats.opened += 1
-        self.reply(identity, Open(
-            tag=tag, ref=msg.ref, prompt_len=msg.prompt_len, temperature=msg.temperature,
-            top_p=msg.top_p, seed=msg.seed, step_ms=1e3 * self.step_s,
-            target_tok_s=msg.target_tok_s, budget=self.scheduler.nodes_for(tag),
+        self.reply(identity, Opened(
+            tag=tag, ref=msg.ref, step_ms=1e3 * self.step_s, budget=self.scheduler.nodes_for(tag),
             tokens=torch.tensor([*prompt, first], dtype=torch.int32),
             features=self._half(feats)))
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from starhub.server.limits import VERIFIER_LIMITS, SessionLimits
 from starhub.server.sessions import Peer, Session
-from starhub.wire.messages import Welcome
+from starhub.wire.messages import DrafterCard
 from starhub.wire.security import ServerSecurity
 from starhub.wire.tree import DraftTree
 from targets.schedule import Waiting
@@ -52,8 +52,8 @@ class EdgeSession(Session):
 
 @dataclass(kw_only=True)
 class DrafterPeer(Peer):
-    card: Welcome
-    """What the drafter's WELCOME said it drafts: the feature layers it needs, its shape."""
+    card: DrafterCard
+    """What the drafter's DRAFTER_CARD said it drafts: the feature layers it needs, its shape."""
 
 
 @dataclass

@@ -28,17 +28,19 @@ from starhub.wire.messages import (
     VERSION,
     Close,
     Commit,
+    DrafterCard,
     Error,
-    Hello,
     Message,
+    ObserverCard,
     Open,
+    Opened,
     Ping,
     Pong,
     Propose,
     Reject,
-    Stats,
-    Welcome,
-    header_fields,
+    StatsQuery,
+    StatsReport,
+    TargetCard,
 )
 
 settings.register_profile("ci", max_examples=300, deadline=None, derandomize=True,
@@ -96,6 +98,15 @@ def valid_opens(draw) -> Open:
 
 
 @st.composite
+def valid_openeds(draw) -> Opened:
+    tokens = draw(token_arrays(2, 40))
+    feats = draw(st.booleans())
+    return Opened(tag=draw(ints), ref=draw(small), budget=draw(small), step_ms=draw(ms),
+                  tokens=tokens,
+                  features=np.zeros((len(tokens) - 1, 8), np.float16) if feats else None)
+
+
+@st.composite
 def valid_commits(draw) -> Commit:
     tokens = draw(token_arrays(1, 12))
     feats = draw(st.booleans())
@@ -105,15 +116,17 @@ def valid_commits(draw) -> Commit:
 
 
 valid_messages = st.one_of(
-    st.builds(Hello, name=text, vocab_size=st.integers(1, 1 << 20), tokenizer_fp=text,
+    st.builds(TargetCard, name=text, vocab_size=st.integers(1, 1 << 20), tokenizer_fp=text,
               hidden_size=small, num_layers=small, step_ms=ms),
-    st.builds(Welcome, drafter=text, feature_layers=st.lists(st.integers(-3, 3), max_size=3),
+    st.builds(DrafterCard, drafter=text, feature_layers=st.lists(st.integers(-3, 3), max_size=3),
               depth=small, topk=small, max_nodes=small, ttl_s=ms, max_message_bytes=ints),
+    st.builds(ObserverCard, name=text),
     st.builds(Reject, code=small, reason=text, retry_after_s=ms),
-    valid_opens(), valid_trees(), valid_commits(),
+    valid_opens(), valid_openeds(), valid_trees(), valid_commits(),
     st.builds(Close, tag=ints), st.builds(Error, tag=ints, code=small, message=text),
     st.builds(Ping, nonce=ints), st.builds(Pong, nonce=ints),
-    st.builds(Stats, body=st.dictionaries(text, anyint | text, max_size=3)),
+    st.builds(StatsQuery, peer=st.booleans(), counters=st.booleans(), peers=st.booleans()),
+    st.builds(StatsReport, body=st.dictionaries(text, anyint | text, max_size=3)),
 )
 
 
@@ -162,14 +175,20 @@ def _wrong_type(hint) -> st.SearchStrategy:
     return st.one_of(anyint, text, st.lists(anyint, max_size=3), st.none())
 
 
+def header_fields(cls: type[Message]) -> list[str]:
+    """The fields a message carries in its header itself: all but the version and arrays."""
+    arrays = {name for name, _ in cls.ARRAYS}
+    return [name for name in cls.__struct_fields__ if name != "v" and name not in arrays]
+
+
 @st.composite
 def wrong_types(draw) -> Frames:
     """A valid message with one header field of the wrong type, or missing."""
     msg = draw(valid_messages)
     frames = frames_of(msg)
     header = _header(frames)
-    hints = typing.get_type_hints(type(msg))
-    name = draw(st.sampled_from([f.name for f in header_fields(type(msg))]))
+    hints = typing.get_type_hints(type(msg))  # without Annotated's constraints
+    name = draw(st.sampled_from(header_fields(type(msg))))
     if draw(st.booleans()):
         del header[name]
     else:
@@ -206,45 +225,40 @@ dims = st.integers(0, (1 << 31) - 1)
 
 @st.composite
 def bad_array_specs(draw) -> Frames:
-    """Array specs that lie: huge or odd shapes, unknown dtypes or names, bad spec lists."""
-    frames = frames_of(draw(st.one_of(valid_opens(), valid_trees(), valid_commits())))
+    """Array specs (``[dtype, shape, frame]`` in an array field) that lie: huge or odd
+    shapes, unknown dtypes, frames that are missing or taken twice, bad specs, too many
+    frames, arrays under names the message does not have."""
+    msg = draw(st.one_of(valid_opens(), valid_openeds(), valid_trees(), valid_commits()))
+    frames = frames_of(msg)
     header = _header(frames)
-    specs = header["arrays"]
-    how = draw(st.sampled_from(["huge", "rank", "dtype", "name", "twice", "junk", "many"]))
-    if how == "huge" or not specs:
-        shape = draw(st.lists(dims, min_size=1, max_size=4).filter(
+    present = [name for name, _ in type(msg).ARRAYS if header[name] is not None]
+    spec = header[draw(st.sampled_from(present))]  # every one of these carries tokens
+    how = draw(st.sampled_from(["huge", "rank", "dtype", "frame", "twice", "junk", "many",
+                                "unknown"]))
+    if how == "huge":
+        spec[1] = draw(st.lists(dims, min_size=1, max_size=4).filter(
             lambda s: np.prod(s, dtype=object) > 1 << 12))
-        spec = [draw(st.sampled_from(["tokens", "parents", "features"])),
-                draw(st.sampled_from(["int32", "float16", "bfloat16", "float32"])), shape]
-        if specs:
-            i = draw(st.integers(0, len(specs) - 1))
-            specs[i][2] = shape
-        else:
-            specs.append(spec)
-            frames.append(draw(st.binary(max_size=64)))
     elif how == "rank":
-        specs[0][2] = draw(st.lists(st.integers(0, 3), min_size=5, max_size=8)
-                           | st.lists(st.integers(I64[0], -1) | st.floats() | text,
-                                      min_size=1, max_size=3))
+        spec[1] = draw(st.lists(st.integers(0, 3), min_size=5, max_size=8)
+                       | st.lists(st.integers(I64[0], -1) | st.floats() | text,
+                                  min_size=1, max_size=3))
     elif how == "dtype":
-        specs[0][1] = draw(st.one_of(st.sampled_from(["object", "uint8", "float64", "complex64",
-                                                      "O", "<U8", "V4"]), anyint,
-                                     st.none()))
-    elif how == "name":
-        specs[0][0] = draw(st.one_of(text.filter(lambda t: t not in ("tokens", "parents",
-                                                                       "features", "dist_ids",
-                                                                       "dist_probs")),
-                                     anyint, st.none()))
+        spec[0] = draw(st.one_of(st.sampled_from(["object", "uint8", "float64", "complex64",
+                                                  "O", "<U8", "V4"]), anyint, st.none()))
+    elif how == "frame":
+        spec[2] = draw(st.one_of(st.integers(I64[0], 0), st.integers(len(frames), I64[1]),
+                                 text, st.none(), st.floats()))
     elif how == "twice":
-        specs.append(list(specs[0]))
-        frames.append(frames[1])
+        other = [name for name, _ in type(msg).ARRAYS if header[name] is not spec]
+        header[draw(st.sampled_from(other))] = list(spec)
     elif how == "junk":
-        header["arrays"] = draw(st.one_of(anyint, text, st.dictionaries(text, text),
-                                          st.lists(anyint | text | st.none(),
-                                                   min_size=1, max_size=3)))
+        header["tokens"] = draw(st.one_of(anyint, text, st.dictionaries(text, text),
+                                          st.none(), st.lists(anyint | text | st.none(),
+                                                              min_size=1, max_size=3)))
+    elif how == "many":
+        frames.extend([frames[-1]] * draw(st.integers(9, 20)))
     else:
-        header["arrays"] = [list(specs[0])] * draw(st.integers(9, 20))
-        frames.extend([frames[1]] * (len(header["arrays"]) - len(specs)))
+        header[draw(text.filter(lambda t: t not in header))] = list(spec)
     return _pack(header, frames[1:])
 
 
@@ -374,12 +388,12 @@ def bad_commits(draw) -> Commit:
     return msg
 
 
-bad_hellos = st.one_of(
-    st.builds(Hello, name=text, vocab_size=st.integers(I64[0], 0)),
-    st.builds(Hello, name=text, vocab_size=st.integers(1, 1 << 20), step_ms=bad_ms),
+bad_cards = st.one_of(
+    st.builds(TargetCard, name=text, vocab_size=st.integers(I64[0], 0)),
+    st.builds(TargetCard, name=text, vocab_size=st.integers(1, 1 << 20), step_ms=bad_ms),
 )
 
-broken_rules = st.one_of(bad_opens(), bad_trees(), bad_commits(), bad_hellos).map(frames_of)
+broken_rules = st.one_of(bad_opens(), bad_trees(), bad_commits(), bad_cards).map(frames_of)
 
 malformed = st.one_of(random_bytes, truncated(), wrong_types(), bad_envelopes(),
                       bad_array_specs(), broken_rules)

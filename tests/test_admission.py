@@ -14,7 +14,7 @@ import torch
 from starhub.client.connection import HubClient
 from starhub.launch import child_env, spawn_hub
 from starhub.launch.status import query_stats
-from starhub.wire.messages import Hello, Reject, Welcome
+from starhub.wire.messages import DrafterCard, Reject, TargetCard
 from targets import attach
 from tests.conftest import HubThread
 
@@ -41,9 +41,9 @@ def test_a_freed_slot_is_reused_by_a_new_target_process(tiny_dir, tmp_path):
     hub = HubThread(NgramDrafter(), max_targets=1, peer_grace_s=0.3, retry_after_s=0.5)
     try:
         holder = HubClient(hub.address, timeout_s=10)
-        assert isinstance(holder.hello(Hello(name="holder", vocab_size=49152)), Welcome)
+        assert isinstance(holder.hello(TargetCard(name="holder", vocab_size=49152)), DrafterCard)
         waiting = HubClient(hub.address, timeout_s=10)
-        waiting.send(Hello(name="waiting", vocab_size=49152))
+        waiting.send(TargetCard(name="waiting", vocab_size=49152))
         reply = waiting.recv()
         assert isinstance(reply, Reject) and reply.retry_after_s > 0
         waiting.close()
@@ -71,7 +71,7 @@ def test_a_rejected_target_decodes_alone_then_asks_again(tiny_model):
     hub = HubThread(NgramDrafter(), max_targets=1, peer_grace_s=0.3, retry_after_s=0.5)
     try:
         holder = HubClient(hub.address, timeout_s=10)
-        holder.hello(Hello(name="holder", vocab_size=model.config.vocab_size))
+        holder.hello(TargetCard(name="holder", vocab_size=model.config.vocab_size))
         with attach(model, tok, hub.address, name="late") as session:
             assert not session.connected
             alone = session.generate("one two one two", max_new_tokens=8)

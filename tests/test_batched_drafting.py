@@ -250,7 +250,7 @@ def test_only_a_drafter_that_shares_work_gets_batches():
 
 def test_a_drafter_that_raises_fails_its_rounds_and_the_hub_serves_on():
     from starhub.drafters.ngram import NgramDrafter
-    from starhub.wire.messages import Error, ErrorCode, Hello, Open, Propose, Welcome
+    from starhub.wire.messages import DrafterCard, Error, ErrorCode, Open, Propose, TargetCard
     from tests.servers import HubHarness
 
     class Exploding(NgramDrafter):
@@ -265,7 +265,7 @@ def test_a_drafter_that_raises_fails_its_rounds_and_the_hub_serves_on():
     drafter = Exploding()
     hub = HubHarness(drafter, shape=TreeShape(3, 2, 4))
     try:
-        assert isinstance(hub.ask(b"a", Hello(name="t", vocab_size=100)), Welcome)
+        assert isinstance(hub.ask(b"a", TargetCard(name="t", vocab_size=100)), DrafterCard)
         opening = Open(ref=1, prompt_len=5, tokens=np.arange(1, 7, dtype=np.int32))
         reply = hub.ask(b"a", opening)
         assert isinstance(reply, Error) and reply.code == ErrorCode.INTERNAL

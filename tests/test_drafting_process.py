@@ -18,7 +18,7 @@ from starhub.drafters.eagle import EagleDrafter
 from starhub.drafters.eagle_head import EAGLE, save_eagle_head
 from starhub.hub.drafting_process import RemoteDrafter
 from starhub.options import AUTO, auto_on_off_arg, draft_process_for
-from starhub.wire.messages import Hello
+from starhub.wire.messages import TargetCard
 from tests.test_batched_drafting import same
 from tests.test_eagle_drafter import random_head
 
@@ -126,9 +126,9 @@ def test_a_session_the_hub_drops_is_forgotten_by_the_child(drafters):
 
 def test_targets_are_checked_against_what_the_child_drafts_for(drafters):
     local, remote = drafters
-    hello = Hello(name="t", vocab_size=local.head.vocab_size + 1, hidden_size=0, num_layers=2)
+    hello = TargetCard(name="t", vocab_size=local.head.vocab_size + 1, hidden_size=0, num_layers=2)
     assert remote.check_target(hello) == local.check_target(hello) is not None
-    hello = Hello(name="t", vocab_size=local.head.vocab_size, hidden_size=0, num_layers=2)
+    hello = TargetCard(name="t", vocab_size=local.head.vocab_size, hidden_size=0, num_layers=2)
     assert remote.check_target(hello) is None
 
 

@@ -15,7 +15,17 @@ from starhub.drafters.base import TreeShape
 from starhub.drafters.model import ModelDrafter
 from starhub.edge.drafter import EdgeDrafter, VerifierUnavailable
 from starhub.wire.codec import decode, encode
-from starhub.wire.messages import Close, Error, ErrorCode, Hello, Open, Propose, Stats, Welcome
+from starhub.wire.messages import (
+    Close,
+    DrafterCard,
+    Error,
+    ErrorCode,
+    Open,
+    Opened,
+    Propose,
+    StatsQuery,
+    TargetCard,
+)
 from targets.verifier import Verifier, VerifierConfig
 
 PROMPTS = [[1, 5, 9, 14, 3], list(range(20, 43)), [7, 7, 8, 100, 4000], [11] * 9]
@@ -160,22 +170,22 @@ def test_verifier_answers_bad_input_with_errors_and_keeps_serving(tiny_model, ve
     model, _ = tiny_model
     a, b = Raw(verifier.address), Raw(verifier.address)
     try:
-        reply = a.ask(Hello(vocab_size=10))
+        reply = a.ask(TargetCard(vocab_size=10))
         assert isinstance(reply, Error) and reply.code == ErrorCode.BAD_TYPE
         assert "hub's address" in reply.message
         reply = a.ask(Open(ref=1, prompt_len=2, tokens=np.array([1, 2], np.int32)))
-        assert isinstance(reply, Error) and reply.code == ErrorCode.NO_HELLO
-        assert isinstance(a.ask(Welcome(drafter="raw")), Hello)
-        reply = a.ask(Welcome(drafter="raw", feature_layers=[99]))
+        assert isinstance(reply, Error) and reply.code == ErrorCode.NO_CARD
+        assert isinstance(a.ask(DrafterCard(drafter="raw")), TargetCard)
+        reply = a.ask(DrafterCard(drafter="raw", feature_layers=[99]))
         assert reply.TYPE == "REJECT" and "do not exist" in reply.reason
         reply = a.ask(Open(ref=2, prompt_len=2, tokens=np.array([1, 10**6], np.int32)))
         assert isinstance(reply, Error) and reply.code == ErrorCode.BAD_FIELD
         opened = a.ask(Open(ref=3, prompt_len=3, temperature=0.7,
                             tokens=np.array([1, 2, 3], np.int32)))
-        assert isinstance(opened, Open) and len(opened.tokens) == 4
+        assert isinstance(opened, Opened) and len(opened.tokens) == 4
         tag = opened.tag
         tree = {"tokens": np.array([5, 6], np.int32), "parents": np.array([-1, 0], np.int32)}
-        assert isinstance(b.ask(Welcome(drafter="other")), Hello)
+        assert isinstance(b.ask(DrafterCard(drafter="other")), TargetCard)
         reply = b.ask(Propose(tag=tag, seq=1, **tree))
         assert reply.code == ErrorCode.NOT_OWNER
         reply = a.ask(Propose(tag=tag, seq=1, tokens=np.arange(40, dtype=np.int32),
@@ -186,7 +196,7 @@ def test_verifier_answers_bad_input_with_errors_and_keeps_serving(tiny_model, ve
         reply = a.ask(Propose(tag=tag, seq=1, **tree))  # sampled: the tree alone suffices
         assert reply.TYPE == "COMMIT" and len(reply.tokens) >= 1
         a.sock.send_multipart(encode(Close(tag=tag)))
-        body = a.ask(Stats()).body
+        body = a.ask(StatsQuery()).body
         assert body["sessions"] == 0 and body["errors"]["BAD_FIELD"] == 1
     finally:
         a.close()

@@ -19,7 +19,7 @@ from starhub.client.connection import HubClient
 from starhub.launch import child_env, spawn_hub, target_command
 from starhub.models.loading import load_model
 from starhub.wire.codec import decode, encode
-from starhub.wire.messages import Hello, Open, Propose, Stats, Welcome
+from starhub.wire.messages import DrafterCard, Open, Propose, StatsQuery, TargetCard
 from targets.generate import SpeculativeGenerator
 from targets.runner import iter_results
 
@@ -110,9 +110,9 @@ def test_a_killed_target_leaves_the_others_undisturbed_and_its_sessions_expire(t
         assert [p.wait(300) for p in procs[1:]] == [0, 0]
         client = HubClient(hub.address, timeout_s=10)
         deadline = time.monotonic() + 2 + 5
-        while client.request(Stats()).body["active_sessions"] and time.monotonic() < deadline:
+        while client.request(StatsQuery()).body["active_sessions"] and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert client.request(Stats()).body["active_sessions"] == 0
+        assert client.request(StatsQuery()).body["active_sessions"] == 0
         client.close()
     results = [r for out in outs[1:] for r in iter_results(out)]
     assert len(results) == 6
@@ -135,7 +135,7 @@ def test_sigterm_stops_the_hub_cleanly_and_targets_finish_alone(tmp_path):
 
 
 class RogueHub:
-    """A hub that answers HELLO properly, then sends whatever PROPOSEs it is told to."""
+    """A hub that answers a TARGET_CARD properly, then sends whatever PROPOSEs it is told to."""
 
     def __init__(self, proposals):
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
@@ -149,8 +149,8 @@ class RogueHub:
         while self.sock.poll(5000):
             identity, *frames = self.sock.recv_multipart()
             msg = decode(frames)
-            if isinstance(msg, Hello):
-                replies = [Welcome(drafter="rogue", depth=3, topk=1, max_nodes=3)]
+            if isinstance(msg, TargetCard):
+                replies = [DrafterCard(drafter="rogue", depth=3, topk=1, max_nodes=3)]
             elif isinstance(msg, Open):
                 replies = [p(msg, 7) for p in self.proposals]
             else:

@@ -16,7 +16,7 @@ import numpy as np
 import zmq
 
 from starhub.wire.codec import decode, encode
-from starhub.wire.messages import Commit, Hello, Open, Ping, Pong, Propose, Welcome
+from starhub.wire.messages import Commit, DrafterCard, Open, Ping, Pong, Propose, TargetCard
 from tests.test_edge import VerifierThread
 
 FLOOD = 5000
@@ -74,7 +74,7 @@ def flood_before(server, good: zmq.Socket, address: str, msg):
 
 def test_a_flooding_peer_does_not_hold_up_the_hubs_other_sessions(ngram_hub):
     good = dealer(ngram_hub.address)
-    assert isinstance(ask(good, Hello(name="good", vocab_size=100)), Welcome)
+    assert isinstance(ask(good, TargetCard(name="good", vocab_size=100)), DrafterCard)
     prop = ask(good, Open(ref=1, prompt_len=4, tokens=np.array([5, 6, 5, 6, 5], np.int32)))
     reply = flood_before(ngram_hub.hub, good, ngram_hub.address,
                          Commit(tag=prop.tag, seq=prop.seq, accepted=0,
@@ -89,7 +89,7 @@ def test_a_flooding_peer_does_not_hold_up_verification(tiny_model):
     v = VerifierThread(*tiny_model, ttl_s=30.0)
     try:
         good = dealer(v.address)
-        assert isinstance(ask(good, Welcome(drafter="good")), Hello)
+        assert isinstance(ask(good, DrafterCard(drafter="good")), TargetCard)
         opened = ask(good, Open(ref=1, prompt_len=3, tokens=np.array([1, 2, 3], np.int32)))
         reply = flood_before(v.verifier, good, v.address,
                              Propose(tag=opened.tag, seq=1, tokens=np.array([5], np.int32),

@@ -21,14 +21,15 @@ from starhub.wire.messages import (
     MAX_TREE_NODES,
     Close,
     Commit,
+    DrafterCard,
     Error,
     ErrorCode,
-    Hello,
     Message,
     Open,
+    Opened,
     Propose,
     Reject,
-    Welcome,
+    TargetCard,
 )
 from tests import fuzz_strategies as fz
 from tests.servers import HubHarness, VerifierHarness, wire
@@ -53,7 +54,7 @@ def spoiled(draw, ids: np.ndarray, vocab: int) -> np.ndarray:
     return out
 
 
-not_accepted_here = st.sampled_from([Propose, Welcome, Reject, Error]).flatmap(
+not_accepted_here = st.sampled_from([Propose, DrafterCard, Reject, Error]).flatmap(
     lambda cls: fz.valid_messages.filter(lambda m: type(m) is cls))
 
 
@@ -66,7 +67,7 @@ def open_attacks(draw, helloed: st.SearchStrategy, vocab: int
     msg.features = None
     how = draw(st.sampled_from(["no_hello", "bad_id", "too_long"]))
     if how == "no_hello":
-        return STRANGER, msg, ErrorCode.NO_HELLO
+        return STRANGER, msg, ErrorCode.NO_CARD
     if how == "bad_id":
         msg.tokens = draw(spoiled(msg.tokens, vocab))
         return draw(helloed), msg, ErrorCode.BAD_FIELD
@@ -80,7 +81,8 @@ def open_attacks(draw, helloed: st.SearchStrategy, vocab: int
 def hub():
     h = HubHarness(NgramDrafter(), limits=SessionLimits(max_prompt_tokens=MAX_PROMPT))
     for who in (OWNER, OTHER):
-        assert isinstance(h.ask(who, Hello(name=who.decode(), vocab_size=fz.VOCAB)), Welcome)
+        card = TargetCard(name=who.decode(), vocab_size=fz.VOCAB)
+        assert isinstance(h.ask(who, card), DrafterCard)
     h.round = h.ask(OWNER, Open(ref=1, prompt_len=len(REPEATING) - 1, tokens=tokens(REPEATING)))
     assert isinstance(h.round, Propose) and len(h.round.tokens)
     yield h
@@ -108,7 +110,7 @@ def hub_attacks(draw, prop: Propose) -> tuple[bytes, Message | list[bytes], Erro
     if how == "not_owner":
         return OTHER, draw(st.sampled_from([Close(tag=tag), commit])), ErrorCode.NOT_OWNER
     if how == "no_hello":
-        return STRANGER, commit, ErrorCode.NO_HELLO
+        return STRANGER, commit, ErrorCode.NO_CARD
     if how == "stale":
         commit.seq = draw(fz.small.filter(lambda s: s != seq))
         return OWNER, commit, ErrorCode.STALE
@@ -165,7 +167,8 @@ def eagle_hub(tiny_dir):
     drafter = EagleDrafter(random_head(tiny_dir, EAGLE, None).eval())
     h = HubHarness(drafter)
     vocab = drafter.head.vocab_size
-    assert isinstance(h.ask(OWNER, Hello(name="t", vocab_size=vocab, hidden_size=64)), Welcome)
+    card = TargetCard(name="t", vocab_size=vocab, hidden_size=64)
+    assert isinstance(h.ask(OWNER, card), DrafterCard)
     h.width = drafter.feature_size
     h.round = h.ask(OWNER, Open(ref=1, prompt_len=4, tokens=tokens([1, 2, 3, 4, 5]),
                                 features=np.zeros((4, h.width), np.float16)))
@@ -216,11 +219,11 @@ def verifier(tiny_model):
     v = VerifierHarness(*tiny_model, budget=16, max_nodes=MAX_NODES, max_depth=MAX_DEPTH,
                         limits=SessionLimits(max_prompt_tokens=MAX_PROMPT, max_sessions=8))
     for who in (OWNER, OTHER):
-        assert isinstance(v.ask(who, Welcome(drafter="fuzz")), Hello)
+        assert isinstance(v.ask(who, DrafterCard(drafter="fuzz")), TargetCard)
     prompt = tokens([1, 5, 9, 14, 3])
     v.greedy = v.ask(OWNER, Open(ref=1, prompt_len=5, tokens=prompt))
     v.sampled = v.ask(OWNER, Open(ref=2, prompt_len=5, temperature=0.7, tokens=prompt))
-    assert isinstance(v.greedy, Open) and isinstance(v.sampled, Open)
+    assert isinstance(v.greedy, Opened) and isinstance(v.sampled, Opened)
     assert v.send(OWNER, Propose(tag=v.greedy.tag, seq=1, tokens=tokens([5, 6]),
                                  parents=tokens([-1, 0]))) == []
     return v
@@ -240,12 +243,12 @@ def verifier_attacks(draw, greedy: int, sampled: int, vocab: int):
     if how == "open":
         return draw(open_attacks(KNOWN, vocab))
     if how == "not_for_verifiers":
-        bad = st.sampled_from([Hello, Commit, Reject, Error]).flatmap(
+        bad = st.sampled_from([TargetCard, Commit, Reject, Error]).flatmap(
             lambda cls: fz.valid_messages.filter(lambda m: type(m) is cls))
         return draw(SENDERS), draw(bad), None
     if how == "welcome":
         layers = st.integers(-1000, 1000).filter(lambda i: not -3 <= i <= 2)
-        return draw(KNOWN), Welcome(feature_layers=[draw(layers)]), None
+        return draw(KNOWN), DrafterCard(feature_layers=[draw(layers)]), None
     if how == "unknown_tag":
         tag = draw(fz.ints.filter(lambda t: t not in (greedy, sampled)))
         star.tag = tag

@@ -15,5 +15,5 @@ def test_a_malformed_blast_gets_one_error_each_and_leaves_a_real_session_lossles
     assert report.serving and report.hub_errors.get("INTERNAL", 0) == 0
     assert report.outputs_equal and report.rounds > 0 and report.fallbacks == 0
     assert report.prompts >= 4
-    assert {"TOO_LARGE", "BAD_FRAME", "BAD_FIELD", "BAD_VERSION", "BAD_TYPE", "NO_HELLO",
+    assert {"TOO_LARGE", "BAD_FRAME", "BAD_FIELD", "BAD_VERSION", "BAD_TYPE", "NO_CARD",
             "UNKNOWN_TAG", "STALE"} <= set(report.codes)

@@ -16,15 +16,15 @@ from starhub.wire.messages import (
     VERSION,
     Close,
     Commit,
+    DrafterCard,
     Error,
     ErrorCode,
-    Hello,
     Open,
     Ping,
     Pong,
     Propose,
-    Stats,
-    Welcome,
+    StatsQuery,
+    TargetCard,
 )
 
 
@@ -45,10 +45,10 @@ class Peer:
         assert self.sock.poll(int(timeout_s * 1000)), "no reply from the hub"
         return decode(self.sock.recv_multipart())
 
-    def hello(self) -> Welcome:
-        self.send(Hello(name="peer", vocab_size=1000))
+    def hello(self) -> DrafterCard:
+        self.send(TargetCard(name="peer", vocab_size=1000))
         reply = self.recv()
-        assert isinstance(reply, Welcome)
+        assert isinstance(reply, DrafterCard)
         return reply
 
     def open(self, tokens) -> Propose:
@@ -94,15 +94,14 @@ def test_each_malformed_message_gets_an_error_and_the_hub_keeps_serving(ngram_hu
     bad.send_raw([msgpack.packb({"v": VERSION + 7, "type": "PING", "tag": 0, "seq": 0})])
     expect_error(bad, ErrorCode.BAD_VERSION)
 
-    bad.send_raw([msgpack.packb({"v": VERSION, "type": "HELLO", "tag": 0, "seq": 0,
-                                 "arrays": []})])
+    bad.send_raw([msgpack.packb({"v": VERSION, "type": "TARGET_CARD", "tag": 0, "seq": 0})])
     expect_error(bad, ErrorCode.BAD_FIELD)
 
     bad.send_raw([msgpack.packb({"v": VERSION, "type": "SHUTDOWN", "tag": 0, "seq": 0})])
     expect_error(bad, ErrorCode.BAD_TYPE)
 
     bad.send(Open(ref=3, prompt_len=1, tokens=np.array([1, 2], np.int32)))
-    assert expect_error(bad, ErrorCode.NO_HELLO).ref == 3
+    assert expect_error(bad, ErrorCode.NO_CARD).ref == 3
 
     bad.hello()
     bad.send(Commit(tag=123456, seq=0, accepted=0, tokens=np.array([1], np.int32)))
@@ -171,7 +170,7 @@ def test_sessions_are_released_after_their_ttl():
         peer.hello()
         prop = peer.open([1, 2, 3])
         time.sleep(1.2)
-        peer.send(Stats())
+        peer.send(StatsQuery())
         stats = peer.recv()
         assert stats.body["active_sessions"] == 0
         assert stats.body["sessions_expired"] == 1
@@ -185,7 +184,7 @@ def test_sessions_are_released_after_their_ttl():
 def test_close_releases_the_session(ngram_hub, healthy):
     good, prop = healthy
     good.send(Close(tag=prop.tag))
-    good.send(Stats())
+    good.send(StatsQuery())
     assert good.recv().body["active_sessions"] == 0
 
 
@@ -198,7 +197,7 @@ def test_admission_limit_rejects_extra_targets():
     try:
         first, second = Peer(hub.address), Peer(hub.address)
         first.hello()
-        second.send(Hello(name="late", vocab_size=1000))
+        second.send(TargetCard(name="late", vocab_size=1000))
         reply = second.recv()
         assert isinstance(reply, Reject) and "admission limit" in reply.reason
         first.close()

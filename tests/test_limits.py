@@ -12,12 +12,13 @@ from starhub.server.limits import SessionLimits, limits_from_args
 from starhub.wire.messages import (
     Close,
     Commit,
+    DrafterCard,
     Error,
     ErrorCode,
-    Hello,
     Open,
+    Opened,
     Propose,
-    Welcome,
+    TargetCard,
 )
 from tests.servers import HubHarness, VerifierHarness
 
@@ -44,7 +45,7 @@ def make_hub():
     def make(**limits) -> HubHarness:
         hub = HubHarness(NgramDrafter(), limits=SessionLimits(**limits))
         for who in (A, B):
-            assert isinstance(hub.ask(who, Hello(name="t", vocab_size=100)), Welcome)
+            assert isinstance(hub.ask(who, TargetCard(name="t", vocab_size=100)), DrafterCard)
         made.append(hub)
         return hub
 
@@ -147,9 +148,9 @@ def verifier(tiny_model):
                         limits=SessionLimits(max_sessions=2, max_sessions_per_peer=1,
                                              max_prompt_tokens=16, max_session_tokens=20))
     for who in (A, B):
-        assert isinstance(v.ask(who, Welcome(drafter="t")), Hello)
+        assert isinstance(v.ask(who, DrafterCard(drafter="t")), TargetCard)
     v.session = v.ask(A, opening(12))
-    assert isinstance(v.session, Open)
+    assert isinstance(v.session, Opened)
     return v
 
 

@@ -101,7 +101,7 @@ def test_lookup_branches_are_accepted_and_output_stays_generate(tiny_model, toke
     model with its own output layer, guesses other tokens, so only a prompt-lookup branch
     follows the loops."""
     from starhub.client.connection import HubClient
-    from starhub.wire.messages import Hello, Stats
+    from starhub.wire.messages import StatsQuery, TargetCard
     from tests.conftest import tiny_config
 
     torch.manual_seed(99)
@@ -117,8 +117,8 @@ def test_lookup_branches_are_accepted_and_output_stays_generate(tiny_model, toke
             result = session.generate(prompt, max_new_tokens=64)
             assert result.output_ids == reference(model, result.prompt_ids, 64)
         client = HubClient(hub.address, timeout_s=10)
-        client.hello(Hello(name="probe", vocab_size=model.config.vocab_size))
-        body = client.request(Stats()).body
+        client.hello(TargetCard(name="probe", vocab_size=model.config.vocab_size))
+        body = client.request(StatsQuery()).body
         client.close()
     if lookup == "on":
         assert body["lookup_round_share"] > 0.5 and body["lookup_token_share"] > 0.3

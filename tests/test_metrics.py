@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starhub.client.connection import HubClient
 from starhub.drafters.ngram import NgramDrafter
 from starhub.hub.metrics import HubMetrics, derive
-from starhub.wire.messages import Commit, Hello, Open, Propose, Stats
+from starhub.wire.messages import Commit, Open, Propose, StatsQuery, TargetCard
 from tests.conftest import HubThread
 
 S, Z = 0.010, 0.025
@@ -103,7 +103,7 @@ def drive_rounds(address: str, rounds: int = 3) -> HubClient:
     import numpy as np
 
     client = HubClient(address, timeout_s=10)
-    client.hello(Hello(name="probe", vocab_size=1000))
+    client.hello(TargetCard(name="probe", vocab_size=1000))
     prompt = np.array([1, 2, 3, 1, 2, 3, 1, 2], dtype=np.int32)
     reply = client.request(Open(ref=7, prompt_len=7, tokens=prompt), ref=7)
     for _ in range(rounds):
@@ -136,14 +136,14 @@ def test_prometheus_endpoint_serves_valid_text(metered_hub):
 
 def test_stats_request_returns_the_metrics(ngram_hub):
     client = drive_rounds(ngram_hub.address, rounds=2)
-    body = client.request(Stats()).body
+    body = client.request(StatsQuery()).body
     for name in ("system_tok_s", "t_idle_ms", "r_q", "r_p", "load", "mean_accept_len",
                  "accept_rate_by_depth", "accept_len_hist", "threads"):
         assert name in body
     assert body["rounds"] == 3 and body["peers"] == 1
-    own = client.request(Stats(body={"peer": True})).body["peer"]
+    own = client.request(StatsQuery(peer=True)).body["peer"]
     assert own["name"] == "probe" and own["rounds"] == 3 and own["commits"] == 2
-    counters = client.request(Stats(body={"counters": True})).body["counters"]
+    counters = client.request(StatsQuery(counters=True)).body["counters"]
     assert counters["rounds"] == 3 and counters["peers"] == []
     client.close()
 

@@ -143,7 +143,7 @@ def test_target_without_hub_writes_generate_compatible_lines(tiny_dir, tiny_mode
     import torch
 
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"question_id": 1, "turns": ["Hello there"]}\n')
+    prompts.write_text('{"question_id": 1, "turns": ["TargetCard there"]}\n')
     out = tmp_path / "o.jsonl"
     proc = subprocess.run([sys.executable, "-m", "starhub", "target", "--model", str(tiny_dir),
                            "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "9",

@@ -1,21 +1,25 @@
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 import torch
 
 from starhub.wire.codec import Limits, decode, encode, to_torch
 from starhub.wire.messages import (
+    MAX_TREE_NODES,
     VERSION,
     Close,
     Commit,
+    DrafterCard,
     ErrorCode,
-    Hello,
     Open,
+    Opened,
     Propose,
     ProtocolError,
     Reject,
-    Stats,
-    Welcome,
+    StatsQuery,
+    StatsReport,
+    TargetCard,
 )
 
 
@@ -26,11 +30,11 @@ def roundtrip(msg, limits=Limits()):
 def test_every_message_roundtrips_with_its_arrays():
     feats = np.random.rand(4, 8).astype(np.float16)
     msgs = [
-        Hello(name="t", vocab_size=100, tokenizer_fp="ab", hidden_size=8, num_layers=2,
-              step_ms=41.5),
+        TargetCard(name="t", vocab_size=100, tokenizer_fp="ab", hidden_size=8, num_layers=2,
+                   step_ms=41.5),
         Reject(code=9, reason="saturated", retry_after_s=1.0),
-        Welcome(drafter="ngram", feature_layers=[-1], depth=3, topk=2, max_nodes=8, ttl_s=5.0,
-                max_message_bytes=1000),
+        DrafterCard(drafter="ngram", feature_layers=[-1], depth=3, topk=2, max_nodes=8, ttl_s=5.0,
+                    max_message_bytes=1000),
         Open(ref=7, prompt_len=4, temperature=0.5, top_p=0.9, seed=3,
              tokens=np.arange(5, dtype=np.int32), features=feats),
         Propose(tag=9, seq=2, tokens=np.array([5, 6, 7], np.int32),
@@ -41,12 +45,13 @@ def test_every_message_roundtrips_with_its_arrays():
         Propose(tag=9, seq=3, plain=16),
         Commit(tag=9, seq=3, accepted=0, tokens=np.arange(16, dtype=np.int32)),
         Close(tag=9),
-        Stats(body={"r_q": 1.5}),
+        StatsQuery(counters=True),
+        StatsReport(body={"r_q": 1.5}),
     ]
     for msg in msgs:
         back = roundtrip(msg)
         assert type(back) is type(msg)
-        for name, value in vars(msg).items():
+        for name, value in msgspec.structs.asdict(msg).items():
             if isinstance(value, np.ndarray):
                 np.testing.assert_array_equal(getattr(back, name), value)
             else:
@@ -81,7 +86,7 @@ def frames_with(header_changes=None, drop=None, arrays=None):
     (frames_with({"accepted": True}), ErrorCode.BAD_FIELD),
     (frames_with(arrays=[]), ErrorCode.BAD_FRAME),
     (frames_with(arrays=[b"\x00" * 7]), ErrorCode.BAD_FRAME),
-    (frames_with({"arrays": [["tokens", "object", [1]]]}), ErrorCode.BAD_FIELD),
+    (frames_with({"tokens": ["object", [1], 1]}), ErrorCode.BAD_FIELD),
     (frames_with({"accepted": 3}), ErrorCode.BAD_FIELD),
     (frames_with({"verify_ms": float("nan")}), ErrorCode.BAD_FIELD),
     (frames_with({"step_ms": -1.0}), ErrorCode.BAD_FIELD),
@@ -126,3 +131,16 @@ def test_errors_carry_the_tag_they_concern():
     with pytest.raises(ProtocolError) as info:
         decode(frames)
     assert info.value.tag == 5
+
+
+def test_opened_carries_a_session_start_with_the_rules_of_open():
+    feats = np.zeros((4, 8), np.float16)
+    back = roundtrip(Opened(tag=3, ref=1, budget=12, tokens=np.arange(5, dtype=np.int32),
+                            features=feats))
+    assert (back.tag, back.ref, back.budget, len(back.tokens)) == (3, 1, 12, 5)
+    with pytest.raises(ProtocolError, match="features need 4 rows") as info:
+        roundtrip(Opened(tag=3, ref=1, tokens=np.arange(5, dtype=np.int32), features=feats[:3]))
+    assert info.value.code == ErrorCode.BAD_FIELD and info.value.tag == 3
+    with pytest.raises(ProtocolError) as info:
+        roundtrip(Opened(tag=3, budget=MAX_TREE_NODES + 1, tokens=np.arange(2, dtype=np.int32)))
+    assert info.value.code == ErrorCode.BAD_FIELD

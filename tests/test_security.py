@@ -1,6 +1,6 @@
 """Isolation and authentication: CURVE keys on real sockets (an allowed client decodes
 losslessly, an unknown key and a plain client get nothing), the loopback rule, random
-identities, and STATS that show per-peer detail only to peers that said HELLO."""
+identities, and STATS that show per-peer detail only to peers that sent a card."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from starhub.launch.config import ConfigError, parse_config
 from starhub.launch.plan import build_plan
 from starhub.launch.status import query_stats
 from starhub.server.isolation import AGGREGATES_ONLY
-from starhub.wire.messages import Hello, Open, Stats, Welcome
+from starhub.wire.messages import DrafterCard, Open, Opened, StatsQuery, TargetCard
 from starhub.wire.security import (
     ClientCurve,
     SecurityError,
@@ -217,12 +217,12 @@ def test_curve_hub_refuses_unknown_keys_and_plain_clients(keys):
             refused = HubClient(hub.address, timeout_s=REFUSED_WITHIN_S, curve=curve)
             try:
                 with pytest.raises(HubUnavailable, match="no reply"):
-                    refused.hello(Hello(name="intruder", vocab_size=1000))
+                    refused.hello(TargetCard(name="intruder", vocab_size=1000))
                 with pytest.raises(HubUnavailable, match="no reply|refused the connection"):
                     refused.ping()  # a second request fails too, and never blocks
             finally:
                 refused.close()
-        assert allowed.hello(Hello(name="allowed", vocab_size=1000)).drafter == "ngram"
+        assert allowed.hello(TargetCard(name="allowed", vocab_size=1000)).drafter == "ngram"
         assert [p.name for p in hub.hub.table.peers.values()] == ["allowed"]
     finally:
         allowed.close()
@@ -269,7 +269,7 @@ def test_client_identities_are_random():
 def _stats(address: str, **request) -> dict:
     client = HubClient(address, timeout_s=30)
     try:
-        return client.request(Stats(body=request)).body
+        return client.request(StatsQuery(**request)).body
     finally:
         client.close()
 
@@ -281,7 +281,7 @@ def test_hub_stats_without_hello_show_aggregates_only(tiny_model):
         with attach(model, tokenizer, hub.address, name="secret-target") as session:
             result = session.generate(PROMPT, max_new_tokens=12)
             assert result.stats.rounds > 0
-            assert result.stats.hub_draft_s > 0, "a HELLO'd target still gets its own totals"
+            assert result.stats.hub_draft_s > 0, "a known target still gets its own totals"
 
             stranger = _stats(hub.address, counters=True, peers=True)
             assert stranger[AGGREGATES_ONLY] is True
@@ -291,7 +291,7 @@ def test_hub_stats_without_hello_show_aggregates_only(tiny_model):
             assert "secret-target" not in repr(stranger)
             assert _stats(hub.address, peer=True) == {"peer": {}}
 
-            target = session._gen.client.request(Stats(body={"counters": True, "peers": True}))
+            target = session._gen.client.request(StatsQuery(counters=True, peers=True))
             assert AGGREGATES_ONLY not in target.body
             assert [t["name"] for t in target.body["control"]["targets"]] == ["secret-target"]
 
@@ -309,11 +309,11 @@ def test_verifier_stats_without_welcome_hide_sessions(tiny_model):
     verifier = VerifierThread(model, tokenizer, budget=16)
     drafter = HubClient(verifier.address, timeout_s=30)
     try:
-        assert isinstance(drafter.request(Welcome(drafter="raw")), Hello)
+        assert isinstance(drafter.request(DrafterCard(drafter="raw")), TargetCard)
         opened = drafter.request(Open(ref=1, prompt_len=3, tokens=np.array([1, 2, 3], np.int32)),
                                  ref=1)
-        assert isinstance(opened, Open)
-        own = drafter.request(Stats()).body
+        assert isinstance(opened, Opened)
+        own = drafter.request(StatsQuery()).body
         assert str(opened.tag) in own["scheduler"]["sessions"]
 
         stranger = _stats(verifier.address)

@@ -9,7 +9,7 @@ import numpy as np
 
 from starhub.drafters.ngram import NgramDrafter
 from starhub.hub.shutdown import drain
-from starhub.wire.messages import Close, Error, ErrorCode, Hello, Open, Welcome
+from starhub.wire.messages import Close, DrafterCard, Error, ErrorCode, Open, TargetCard
 from tests.servers import HubHarness
 
 A = b"peer-a"
@@ -32,7 +32,7 @@ def _shut_down(harness: HubHarness) -> list:
 def test_a_close_that_crosses_the_shutdown_gets_no_error():
     harness = HubHarness(NgramDrafter())
     try:
-        assert isinstance(harness.ask(A, Hello(name="t", vocab_size=100)), Welcome)
+        assert isinstance(harness.ask(A, TargetCard(name="t", vocab_size=100)), DrafterCard)
         tag = harness.ask(A, Open(ref=1, prompt_len=3, tokens=np.arange(1, 5,
                                                                         dtype=np.int32))).tag
         unknown = harness.ask(A, Close(tag=tag + 1))

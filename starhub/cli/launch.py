@@ -65,7 +65,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "status", help="a running hub's (or verifier's) targets and key metrics",
         description="Ask a hub or an edge verifier for STATS and print its settings, load "
                     "and one row per target: rounds, tokens, speed, its standalone speed "
-                    "and t_c. It says HELLO as an observer (no admission slot, no session), "
+                    "and t_c. It sends an OBSERVER_CARD (no admission slot, no session), "
                     "which the server asks before it shows per-target entries.")
     s.add_argument("address", help="e.g. tcp://127.0.0.1:5555 (the address its "
                                    "'STARHUB READY' line or `starhub launch` printed)")

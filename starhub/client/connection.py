@@ -2,7 +2,7 @@
 that never block, and replies awaited with a timeout, stale ones dropped. A server that
 refuses us, goes silent or sends nonsense is reported as ``LinkDown``.
 
-``HubClient`` is the star target's: the HELLO handshake and request/reply by tag or ref."""
+``HubClient`` is the star target's: the card handshake and request/reply by tag or ref."""
 
 from __future__ import annotations
 
@@ -13,7 +13,16 @@ from collections.abc import Callable
 import zmq
 
 from starhub.wire.codec import Limits, configure_socket, decode, encode
-from starhub.wire.messages import Error, Hello, Message, Ping, Pong, ProtocolError, Reject, Welcome
+from starhub.wire.messages import (
+    DrafterCard,
+    Error,
+    Message,
+    Ping,
+    Pong,
+    ProtocolError,
+    Reject,
+    TargetCard,
+)
 from starhub.wire.security import ClientCurve, prepare_client
 
 log = logging.getLogger("starhub.target")
@@ -105,16 +114,16 @@ class HubClient(Connection):
     def __init__(self, address: str, timeout_s: float = 30.0, limits: Limits = Limits(),
                  curve: ClientCurve | None = None):
         super().__init__(address, timeout_s, limits, curve, prefix="t", role="target")
-        self.welcome: Welcome | None = None
+        self.welcome: DrafterCard | None = None
 
-    def hello(self, hello: Hello) -> Welcome:
+    def hello(self, hello: TargetCard) -> DrafterCard:
         self.send(hello)
         reply = self.recv()
         if isinstance(reply, Reject):
             raise HubUnavailable(f"the hub rejected this target: {reply.reason}",
                                  retry_after_s=reply.retry_after_s, rejected=True)
-        if not isinstance(reply, Welcome):
-            raise HubUnavailable(f"expected WELCOME, got {reply.TYPE}: "
+        if not isinstance(reply, DrafterCard):
+            raise HubUnavailable(f"expected DRAFTER_CARD, got {reply.TYPE}: "
                                  f"{getattr(reply, 'message', '')}")
         self.welcome = reply
         return reply

@@ -39,7 +39,7 @@ class Backoff:
 
 class Link:
     """``greet`` makes a connection and shakes hands on it, returning the connection and
-    the server's card (a hub's WELCOME, a verifier's HELLO), or raises ``LinkDown``."""
+    the server's card (a hub's DRAFTER_CARD, a verifier's TARGET_CARD), or raises ``LinkDown``."""
 
     def __init__(self, address: str, greet: Callable[[], tuple[Connection, Message]],
                  name: str = "client", floor_s: float = 3.0, factor: float = 10.0,

@@ -13,7 +13,7 @@ import torch
 from starhub.drafters.growing import Score
 from starhub.models.coupling import coupled_scores
 from starhub.options import TreeShape
-from starhub.wire.messages import Hello
+from starhub.wire.messages import TargetCard
 from starhub.wire.tree import DraftTree
 
 
@@ -56,7 +56,7 @@ class TargetNeeds:
     hidden_size: int = 0
     tokenizer_fp: str = ""
 
-    def mismatch(self, hello: Hello) -> str | None:
+    def mismatch(self, hello: TargetCard) -> str | None:
         if self.vocab_size and hello.vocab_size != self.vocab_size:
             return (f"{self.who} drafts a {self.vocab_size}-token vocabulary, the target has "
                     f"{hello.vocab_size}")
@@ -133,7 +133,7 @@ class Drafter(ABC):
         """What a target must match for this drafter to serve it."""
         return TargetNeeds()
 
-    def check_target(self, hello: Hello) -> str | None:
+    def check_target(self, hello: TargetCard) -> str | None:
         """Why this drafter cannot serve the target that sent ``hello``, or None."""
         return self.needs().mismatch(hello)
 

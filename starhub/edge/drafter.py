@@ -26,14 +26,15 @@ from starhub.wire.codec import Limits, to_torch
 from starhub.wire.messages import (
     Close,
     Commit,
+    DrafterCard,
     Error,
     ErrorCode,
-    Hello,
     Message,
     Open,
+    Opened,
     Propose,
     Reject,
-    Welcome,
+    TargetCard,
 )
 from starhub.wire.security import ClientCurve
 
@@ -99,31 +100,32 @@ class EdgeDrafter:
         self.link = Link(address, self._greet, name, backoff=Backoff(backoff_s, math.inf))
 
     @property
-    def target(self) -> Hello | None:
-        """The verifier's HELLO: the target it verifies for."""
+    def target(self) -> TargetCard | None:
+        """The verifier's TARGET_CARD: the target it verifies for."""
         return self.link.card
 
     # -- connection -------------------------------------------------------------------
-    def connect(self) -> Hello:
-        """WELCOME the verifier with what we draft; its HELLO describes the target."""
+    def connect(self) -> TargetCard:
+        """Send the verifier our DRAFTER_CARD; its TARGET_CARD describes the target."""
         reply = self.link.open()
         log.info("%s: verifier %s serves '%s' (%d-token vocabulary, step %.1f ms)", self.name,
                  self.address, reply.name, reply.vocab_size, reply.step_ms)
         return reply
 
-    def _greet(self) -> tuple[VerifierConnection, Hello]:
+    def _greet(self) -> tuple[VerifierConnection, TargetCard]:
         conn = VerifierConnection(self.address, self.timeout_s, self.limits, self.curve,
                                   prefix="d", role="drafter")
         try:
             shape = self.shape
-            conn.send(Welcome(drafter=self.drafter.name,
-                              feature_layers=list(self.drafter.feature_layers),
-                              depth=shape.depth, topk=shape.topk, max_nodes=shape.max_nodes))
-            reply = conn.wait_for(lambda m: isinstance(m, Hello | Reject | Error))
+            conn.send(DrafterCard(drafter=self.drafter.name,
+                                  feature_layers=list(self.drafter.feature_layers),
+                                  depth=shape.depth, topk=shape.topk,
+                                  max_nodes=shape.max_nodes))
+            reply = conn.wait_for(lambda m: isinstance(m, TargetCard | Reject | Error))
             if isinstance(reply, Reject):
                 raise VerifierUnavailable(f"the verifier refused this drafter: {reply.reason}")
             if isinstance(reply, Error):
-                raise VerifierUnavailable(f"the verifier answered WELCOME with an error: "
+                raise VerifierUnavailable(f"the verifier answered our card with an error: "
                                           f"{reply.message}")
             reason = self.drafter.check_target(reply)
             if reason:
@@ -186,7 +188,7 @@ class EdgeDrafter:
         self._send(Open(ref=ref, prompt_len=len(prompt), temperature=temperature, top_p=top_p,
                         seed=seed, target_tok_s=target_tok_s,
                         tokens=torch.tensor(prefix, dtype=torch.int32)))
-        opened = self._reply(lambda m: isinstance(m, Open) and m.ref == ref, ref=ref)
+        opened = self._reply(lambda m: isinstance(m, Opened) and m.ref == ref, ref=ref)
         tag = opened.tag
         first = int(opened.tokens[-1])
         ctx = DraftContext(tokens=opened.tokens.tolist(), temperature=temperature, seed=seed,
@@ -229,7 +231,7 @@ class EdgeDrafter:
         msg = self.link.client.wait_for(lambda m: wanted(m) or isinstance(m, Error) and (
             (tag and m.tag == tag) or (ref and m.ref == ref) or not (m.tag or m.ref)))
         if isinstance(msg, Error):
-            if msg.code in (ErrorCode.UNKNOWN_TAG, ErrorCode.NO_HELLO, ErrorCode.REJECTED):
+            if msg.code in (ErrorCode.UNKNOWN_TAG, ErrorCode.NO_CARD, ErrorCode.REJECTED):
                 raise _SessionLost(f"verifier: {msg.message}")
             raise VerifierUnavailable(f"verifier error {msg.code}: {msg.message}")
         return msg

@@ -8,15 +8,30 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import asdict
-from typing import Any
 
-import numpy as np
 import zmq
 
 from starhub.drafters import make_drafter
-from starhub.drafters.base import DraftContext, Drafter, TreeShape
-from starhub.hub.drafting_process import POLL_MS, Job, pack, tree_in, tree_out, unpack
+from starhub.drafters.base import DraftContext, Drafter
+from starhub.hub.drafting_messages import (
+    CHILD_DECODER,
+    LINK_LIMITS,
+    Done,
+    Draft,
+    End,
+    Failed,
+    Jobs,
+    More,
+    Predraft,
+    Predrafted,
+    Quit,
+    Ready,
+    ToChild,
+    owned,
+)
+from starhub.hub.drafting_process import POLL_MS, Job
+from starhub.wire.codec import encode
+from starhub.wire.messages import Framed
 from starhub.wire.tree import DraftTree
 
 log = logging.getLogger("starhub.hub")
@@ -39,45 +54,51 @@ class DraftingServer:
                     log.warning("the hub went away; the drafting process stops")
                     return
                 continue
-            header, arrays = unpack(self.link.recv_multipart())
-            op = header["op"]
-            jobs = self.absorb(header, arrays)
-            if op == "quit":
+            msg = self.recv()
+            jobs = self.absorb(msg)
+            if isinstance(msg, Quit):
                 return
-            if op == "jobs":
-                self.batch = header["batch"]
-                self.draft(jobs, header["admit"])
-            elif op == "predraft":
-                self.predraft(jobs[0], header["tree"])
-            # "more" after a batch ended and "stop" after a pre-draft only bring sessions
+            if isinstance(msg, Draft):
+                self.batch = msg.batch
+                self.draft(jobs, msg.admit)
+            elif isinstance(msg, Predraft):
+                self.predraft(jobs[0], msg.tree)
+            # ``More`` after a batch ended and ``Stop`` after a pre-draft only bring sessions
             # up to date (``absorb``)
 
-    def absorb(self, header: dict, arrays: list[np.ndarray]) -> list[Job]:
+    def recv(self) -> ToChild:
+        return CHILD_DECODER.decode(self.link.recv_multipart(copy=False), LINK_LIMITS)
+
+    def send(self, msg: Framed) -> None:
+        self.link.send_multipart(encode(msg), copy=False)
+
+    def absorb(self, msg: ToChild) -> list[Job]:
         """Apply what the hub's message says of its sessions; its jobs."""
-        for sid in header.get("forget", []):
+        for sid in msg.forget:
             self.sessions.pop(sid, None)
-        jobs, rows = [], iter(arrays)
-        for entry in header.get("jobs", []):
-            ctx = self.sessions.get(entry["sid"])
+        if not isinstance(msg, Jobs):
+            return []
+        jobs, rows = [], iter(msg.features)
+        for job in msg.jobs:
+            ctx = self.sessions.get(job.sid)
             if ctx is None:
-                if entry.get("probe"):
+                if job.probe:
                     ctx = self.drafter.probe_context()
                 else:
-                    ctx = DraftContext(tokens=[], temperature=entry.get("temperature", 0.0),
-                                       seed=entry.get("seed"))
-                self.sessions[entry["sid"]] = ctx
-            ctx.tokens.extend(entry["tokens"])
-            ctx.features.extend(next(rows) for _ in range(entry["features"]))
-            jobs.append((ctx, TreeShape(*entry["shape"])))
+                    ctx = DraftContext(tokens=[], temperature=job.temperature, seed=job.seed)
+                self.sessions[job.sid] = ctx
+            ctx.tokens.extend(job.tokens.tolist())
+            ctx.features.extend(next(rows) for _ in range(job.features))
+            jobs.append((ctx, job.shape))
         return jobs
 
     def admit(self) -> list[Job]:
         """Between tree layers: the jobs the hub has added to this batch."""
         more = []
         while self.link.poll(0):
-            header, arrays = unpack(self.link.recv_multipart())
-            jobs = self.absorb(header, arrays)
-            if header["op"] == "more" and header["batch"] == self.batch:
+            msg = self.recv()
+            jobs = self.absorb(msg)
+            if isinstance(msg, More) and msg.batch == self.batch:
                 more += jobs
         return more
 
@@ -91,44 +112,40 @@ class DraftingServer:
 
         def finished(k: int, result: DraftTree | Exception, seconds: float,
                      shared: float) -> None:
-            reply = {"op": "done", "k": k, "seconds": seconds, "shared": shared}
             if isinstance(result, Exception):
-                reply["error"] = f"{type(result).__name__}: {result}"
+                self.send(Done(k=k, seconds=seconds, shared=shared,
+                               error=f"{type(result).__name__}: {result}"))
             else:
-                reply["tree"] = tree_out(result)
-            self.link.send_multipart(pack(reply))
+                self.send(Done(k=k, seconds=seconds, shared=shared, tree=result))
 
-        error = None
+        error = ""
         try:
             self.drafter.propose_batch(jobs, admit=take if admit else None, finished=finished)
         except Exception as exc:  # the hub fails this batch's rounds, and drafting goes on
             log.exception("drafting a batch failed")
             error = f"{type(exc).__name__}: {exc}"
-        self.link.send_multipart(pack({"op": "end", "admitted": counted["admitted"],
-                                        "error": error}))
+        self.send(End(admitted=counted["admitted"], error=error))
 
-    def predraft(self, job: Job, tree: dict) -> None:
+    def predraft(self, job: Job, tree: DraftTree) -> None:
         ctx, shape = job
-        reply: dict[str, Any] = {"op": "predrafted", "trees": []}
+        reply = Predrafted()
         try:
-            found = self.drafter.predraft(ctx, tree_in(tree), shape,
+            found = self.drafter.predraft(ctx, owned(tree), shape,
                                           lambda: bool(self.link.poll(0)))
-            reply["trees"] = [[list(key), tree_out(t)] for key, t in found.items()]
+            reply.trees = [(list(key), t) for key, t in found.items()]
         except Exception as exc:
             log.exception("pre-drafting failed")
-            reply["error"] = f"{type(exc).__name__}: {exc}"
-        self.link.send_multipart(pack(reply))
+            reply.error = f"{type(exc).__name__}: {exc}"
+        self.send(reply)
 
 
-def ready_message(drafter: Drafter) -> dict:
+def ready_message(drafter: Drafter) -> Ready:
     """What the hub's ``RemoteDrafter`` takes on from the drafter it stands for."""
-    needs = drafter.needs()
-    return {"op": "ready", "name": drafter.name, "label": getattr(drafter, "label", drafter.name),
-            "dtype": str(getattr(drafter, "dtype", "none")),
-            "feature_layers": list(drafter.feature_layers),
-            "feature_size": drafter.feature_size, "lookup_branches": drafter.lookup_branches,
-            "batches": drafter.batches, "predrafts": drafter.predrafts,
-            "needs": asdict(needs)}
+    return Ready(name=drafter.name, label=getattr(drafter, "label", drafter.name),
+                 dtype=str(getattr(drafter, "dtype", "none")),
+                 feature_layers=list(drafter.feature_layers),
+                 feature_size=drafter.feature_size, lookup_branches=drafter.lookup_branches,
+                 batches=drafter.batches, predrafts=drafter.predrafts, needs=drafter.needs())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,10 +179,10 @@ def main(argv: list[str] | None = None) -> int:
                                args.device)
     except Exception as exc:
         log.error("could not load the drafter: %s", exc)
-        link.send_multipart(pack({"op": "failed", "error": str(exc)}))
+        link.send_multipart(encode(Failed(error=str(exc))))
         link.close()
         return 2
-    link.send_multipart(pack(ready_message(drafter)))
+    link.send_multipart(encode(ready_message(drafter)))
     DraftingServer(drafter, link).serve()
     link.close()
     return 0

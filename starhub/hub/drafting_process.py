@@ -9,8 +9,8 @@ starhub.hub.drafting_child``) and the hub holds a ``RemoteDrafter``:
 the same ``Drafter`` interface, each call a message on a ZeroMQ PAIR socket over a
 private ipc:// path. The child keeps the sessions' drafting state; every job carries the
 tokens and feature rows its session gained since the one before, and a session the hub
-lets go of is forgotten there too. Messages are a msgpack header and raw array frames, as
-on the wire: nothing is pickled.
+lets go of is forgotten there too. The messages (``starhub.hub.drafting_messages``) are
+typed as on the wire, a msgpack header and raw array frames: nothing is pickled.
 
 All of ``RemoteDrafter``'s socket work happens on the hub's one drafting thread; the
 event loop only calls ``wake`` (a byte down a pipe) when it hands a running batch more
@@ -31,15 +31,32 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import astuple, dataclass
-from typing import Any
+from dataclasses import dataclass
 
-import msgpack
 import numpy as np
 import zmq
 
 from starhub.drafters.base import DraftContext, Drafter, TargetNeeds, TreeShape
-from starhub.wire.codec import array_frame, frame_array
+from starhub.hub.drafting_messages import (
+    HUB_DECODER,
+    LINK_LIMITS,
+    Done,
+    Draft,
+    End,
+    Failed,
+    Jobs,
+    More,
+    Predraft,
+    Predrafted,
+    Quit,
+    Ready,
+    SessionJob,
+    Stop,
+    ToChild,
+    owned,
+)
+from starhub.wire.codec import encode
+from starhub.wire.messages import Framed
 from starhub.wire.tree import DraftTree
 
 log = logging.getLogger("starhub.hub")
@@ -50,42 +67,6 @@ POLL_MS = 1000
 """How often a waiting side looks whether the other one is still alive."""
 PREDRAFT_POLL_MS = 1
 """While pre-drafting, how often the hub looks whether a real request arrived."""
-
-
-# -- frames: a msgpack header, then one raw frame per array ---------------------------------
-
-def pack(header: dict, arrays: list[np.ndarray] = ()) -> list[Any]:
-    specs, frames = [], []
-    for value in arrays:
-        dtype, shape, frame = array_frame(value)
-        specs.append([dtype, shape])
-        frames.append(frame)
-    header["arrays"] = specs
-    return [msgpack.packb(header, use_bin_type=True), *frames]
-
-
-def unpack(frames: list[Any]) -> tuple[dict, list[np.ndarray]]:
-    header = msgpack.unpackb(frames[0], raw=False)
-    arrays = [frame_array(dtype, shape, frame)
-              for (dtype, shape), frame in zip(header.pop("arrays", []), frames[1:],
-                                               strict=True)]
-    return header, arrays
-
-
-def tree_out(tree: DraftTree) -> dict:
-    """A tree as header data: each array as the wire spells it (``array_frame``), inline."""
-    out = {}
-    for name in ("tokens", "parents", "dist_ids", "dist_probs"):
-        value = getattr(tree, name)
-        if value is not None:
-            dtype, shape, frame = array_frame(value)
-            out[name] = [dtype, shape, bytes(frame)]
-    return out
-
-
-def tree_in(data: dict) -> DraftTree:
-    return DraftTree(**{name: frame_array(dtype, shape, raw).copy()
-                        for name, (dtype, shape, raw) in data.items()})
 
 
 # -- the hub's side --------------------------------------------------------------------------
@@ -130,15 +111,18 @@ class RemoteDrafter(Drafter):
         except BaseException:
             self.close()  # no child, socket or folder outlives a failed start
             raise
-        self.name = ready["name"]
-        self.label = ready["label"]
-        self.dtype = ready["dtype"]
-        self.feature_layers = ready["feature_layers"]
-        self.feature_size = ready["feature_size"]
-        self.lookup_branches = ready["lookup_branches"]
-        self.batches = ready["batches"]
-        self._predrafts = ready["predrafts"]
-        self._needs = TargetNeeds(**ready["needs"])
+        if not isinstance(ready, Ready):
+            self.close()
+            raise RuntimeError(f"the drafting process began with {type(ready).__name__}")
+        self.name = ready.name
+        self.label = ready.label
+        self.dtype = ready.dtype
+        self.feature_layers = ready.feature_layers
+        self.feature_size = ready.feature_size
+        self.lookup_branches = ready.lookup_branches
+        self.batches = ready.batches
+        self._predrafts = ready.predrafts
+        self._needs: TargetNeeds = ready.needs
         log.info("drafting in process %d (%s drafter)", self._proc.pid, self.name)
 
     @property
@@ -182,26 +166,25 @@ class RemoteDrafter(Drafter):
                        | None) -> list[DraftTree | Exception]:
         self._batch += 1
         results: list[DraftTree | Exception | None] = [None] * len(jobs)
-        self._send_jobs("jobs", jobs, admit=admit is not None)
+        self._send(self._jobs(Draft(batch=self._batch, admit=admit is not None), jobs))
         while True:
             msg = self._recv(wake=admit is not None)
             if msg is WAKE:
                 more = admit() if admit is not None else []
                 if more:
                     results.extend([None] * len(more))
-                    self._send_jobs("more", more)
+                    self._send(self._jobs(More(batch=self._batch), more))
                 continue
-            if msg["op"] == "done":
-                k = msg["k"]
-                result = (RuntimeError(msg["error"]) if msg.get("error")
-                          else tree_in(msg["tree"]))
-                results[k] = result
+            if isinstance(msg, Done):
+                result = (RuntimeError(msg.error) if msg.error or msg.tree is None
+                          else owned(msg.tree))
+                results[msg.k] = result
                 if finished is not None:
-                    finished(k, result, msg["seconds"], msg["shared"])
-            elif msg["op"] == "end":
-                if msg.get("error"):
-                    raise RuntimeError(f"the drafting process failed a batch: {msg['error']}")
-                return results[:msg["admitted"]]  # type: ignore[return-value]
+                    finished(msg.k, result, msg.seconds, msg.shared)
+            elif isinstance(msg, End):
+                if msg.error:
+                    raise RuntimeError(f"the drafting process failed a batch: {msg.error}")
+                return results[:msg.admitted]  # type: ignore[return-value]
 
     def predraft(self, ctx: DraftContext, tree: DraftTree, shape: TreeShape,
                  stop: Callable[[], bool]) -> dict[tuple[int, ...], DraftTree]:
@@ -211,19 +194,19 @@ class RemoteDrafter(Drafter):
 
     def _predraft(self, ctx: DraftContext, tree: DraftTree, shape: TreeShape,
                   stop: Callable[[], bool]) -> dict[tuple[int, ...], DraftTree]:
-        self._send_jobs("predraft", [(ctx, shape)], tree=tree_out(tree))
+        self._send(self._jobs(Predraft(tree=tree), [(ctx, shape)]))
         stopping = False
         while True:
             msg = self._recv(PREDRAFT_POLL_MS / 1e3, quiet=True)
             if msg is None:
                 if not stopping and stop():
-                    self._send({"op": "stop"})
+                    self._send(Stop())
                     stopping = True
                 continue
-            if msg["op"] == "predrafted":
-                if msg.get("error"):
-                    raise RuntimeError(msg["error"])
-                return {tuple(key): tree_in(data) for key, data in msg["trees"]}
+            if isinstance(msg, Predrafted):
+                if msg.error:
+                    raise RuntimeError(msg.error)
+                return {tuple(key): owned(tree) for key, tree in msg.trees}
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the child and let go of the link. A call still running on another thread
@@ -234,7 +217,7 @@ class RemoteDrafter(Drafter):
         if self._proc.poll() is None:
             try:
                 if idle:
-                    self._send({"op": "quit"})
+                    self._send(Quit())
                 else:
                     self._proc.terminate()
                 self._proc.wait(timeout_s)
@@ -259,33 +242,29 @@ class RemoteDrafter(Drafter):
             weakref.finalize(ctx, self._forgotten.append, ctx.state.sid)
         return ctx.state
 
-    def _send_jobs(self, op: str, jobs: list[Job], **extra: Any) -> None:
-        """Each job with what its session gained since the child last heard of it. Feature
-        rows are taken before tokens: a COMMIT the event loop is adding meanwhile then
-        shows up as tokens first, which the child's catch-up tolerates when pre-drafting
-        (the only time a session is not busy while sent)."""
-        entries, arrays = [], []
+    def _jobs(self, msg: Jobs, jobs: list[Job]) -> Jobs:
+        """``msg`` with each job and what its session gained since the child last heard of
+        it. Feature rows are taken before tokens: a COMMIT the event loop is adding
+        meanwhile then shows up as tokens first, which the child's catch-up tolerates when
+        pre-drafting (the only time a session is not busy while sent)."""
         for ctx, shape in jobs:
             mirror = self._mirror(ctx)
             take = len(ctx.features)
             features = ctx.features[:take]
             del ctx.features[:take]
             end = len(ctx.tokens)
-            entry = {"sid": mirror.sid, "tokens": ctx.tokens[mirror.synced:end],
-                     "features": len(features), "shape": astuple(shape)}
-            if not mirror.synced:
-                entry.update(temperature=ctx.temperature, seed=ctx.seed, probe=mirror.probe)
+            msg.jobs.append(SessionJob(
+                sid=mirror.sid, tokens=np.asarray(ctx.tokens[mirror.synced:end], np.int64),
+                features=len(features), shape=shape, temperature=ctx.temperature,
+                seed=ctx.seed, probe=mirror.probe))
             mirror.synced = end
-            entries.append(entry)
-            arrays.extend(features)
-        self._send({"op": op, "batch": self._batch, "jobs": entries, **extra}, arrays)
+            msg.features.extend(features)
+        return msg
 
-    def _send(self, header: dict, arrays: list = ()) -> None:
-        forgotten = []
+    def _send(self, msg: ToChild) -> None:
         while self._forgotten:
-            forgotten.append(self._forgotten.popleft())
-        header["forget"] = forgotten
-        frames = pack(header, list(arrays))
+            msg.forget.append(self._forgotten.popleft())
+        frames = encode(msg)
         while not self._link.poll(POLL_MS, zmq.POLLOUT):  # a PAIR without its peer blocks
             self._check_alive()
         self._link.send_multipart(frames, copy=False)
@@ -302,7 +281,7 @@ class RemoteDrafter(Drafter):
                                f"(its log is above)")
 
     def _recv(self, timeout_s: float | None = None, wake: bool = False, quiet: bool = False,
-              starting: bool = False) -> Any:
+              starting: bool = False) -> Framed | object | None:
         """The child's next message; WAKE when ``wake`` and the event loop handed work
         over; None after ``timeout_s`` when ``quiet``. A child that exits raises."""
         poller = zmq.Poller()
@@ -314,10 +293,10 @@ class RemoteDrafter(Drafter):
             wait = POLL_MS if deadline is None else max(0, deadline - time.monotonic()) * 1e3
             ready = dict(poller.poll(min(wait, POLL_MS)))
             if self._link in ready:
-                header, _ = unpack(self._link.recv_multipart())
-                if header.get("op") == "failed":
-                    raise RuntimeError(f"the drafting process failed: {header['error']}")
-                return header
+                msg = HUB_DECODER.decode(self._link.recv_multipart(copy=False), LINK_LIMITS)
+                if isinstance(msg, Failed):
+                    raise RuntimeError(f"the drafting process failed: {msg.error}")
+                return msg
             if wake and self._wake_r in ready:
                 try:
                     while os.read(self._wake_r, 4096):

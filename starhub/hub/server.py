@@ -5,8 +5,9 @@ batches in a thread, pre-drafts when idle) -> sender. The loop and the session t
 servers' shared ones (``starhub.server.loop``, ``starhub.server.sessions``); this module
 says what each message means to a hub. The receiver never waits for drafting, so a slow
 target never holds up the others.
-The controller (``starhub.control.plane``) admits targets at HELLO and shapes every round before
-it enters the buffer; a round it makes plain is answered at once and never drafted.
+The controller (``starhub.control.plane``) admits targets at their TARGET_CARD and shapes
+every round before it enters the buffer; a round it makes plain is answered at once and
+never drafted.
 """
 
 from __future__ import annotations
@@ -30,17 +31,19 @@ from starhub.wire.codec import Limits
 from starhub.wire.messages import (
     Close,
     Commit,
+    DrafterCard,
     ErrorCode,
-    Hello,
     Message,
+    ObserverCard,
     Open,
     Ping,
     Pong,
     Propose,
     ProtocolError,
     Reject,
-    Stats,
-    Welcome,
+    StatsQuery,
+    StatsReport,
+    TargetCard,
 )
 from starhub.wire.tree import accepted_path
 
@@ -109,15 +112,18 @@ class Hub(Server):
 
     def handle(self, identity: bytes, msg: Message) -> None:
         """Route one valid message. Anything that needs drafting goes to the buffer."""
-        if not self.accepting and isinstance(msg, Hello | Open):
+        if not self.accepting and isinstance(msg, TargetCard | ObserverCard | Open):
             raise ProtocolError(ErrorCode.REJECTED, "the hub is shutting down", tag=msg.tag,
                                 ref=getattr(msg, "ref", 0))
-        if isinstance(msg, Hello):
+        if isinstance(msg, TargetCard):
             self.handle_hello(identity, msg)
+        elif isinstance(msg, ObserverCard):
+            self.observers.add(identity)
+            self.reply(identity, self.welcome())
         elif isinstance(msg, Ping):
             self.reply(identity, Pong(nonce=msg.nonce))
-        elif isinstance(msg, Stats):
-            self.reply(identity, Stats(body=self.stats_reply(identity, msg.body)))
+        elif isinstance(msg, StatsQuery):
+            self.reply(identity, StatsReport(body=self.stats_reply(identity, msg)))
         elif isinstance(msg, Open):
             self.handle_open(identity, msg)
         elif isinstance(msg, Commit):
@@ -131,11 +137,7 @@ class Hub(Server):
             raise ProtocolError(ErrorCode.BAD_TYPE, f"a hub does not accept {msg.TYPE}",
                                 tag=msg.tag)
 
-    def handle_hello(self, identity: bytes, msg: Hello) -> None:
-        if msg.observer:
-            self.observers.add(identity)
-            self.reply(identity, self.welcome())
-            return
+    def handle_hello(self, identity: bytes, msg: TargetCard) -> None:
         reason = self.drafter.check_target(msg)
         retry = 0.0
         if reason is None:
@@ -154,12 +156,13 @@ class Hub(Server):
                  len(self.table.peers))
         self.reply(identity, self.welcome())
 
-    def welcome(self) -> Welcome:
+    def welcome(self) -> DrafterCard:
         shape = self.config.shape
-        return Welcome(drafter=self.drafter.name, feature_layers=list(self.drafter.feature_layers),
-                       depth=0 if self.config.adaptive else shape.depth, topk=shape.topk,
-                       max_nodes=shape.max_nodes, ttl_s=self.config.ttl_s,
-                       max_message_bytes=self.limits.max_message_bytes)
+        return DrafterCard(drafter=self.drafter.name,
+                           feature_layers=list(self.drafter.feature_layers),
+                           depth=0 if self.config.adaptive else shape.depth, topk=shape.topk,
+                           max_nodes=shape.max_nodes, ttl_s=self.config.ttl_s,
+                           max_message_bytes=self.limits.max_message_bytes)
 
     def close(self, tag: int) -> None:
         self.table.close(tag)
@@ -188,7 +191,7 @@ class Hub(Server):
                                 ref=getattr(msg, "ref", 0))
 
     def handle_open(self, identity: bytes, msg: Open) -> None:
-        peer = self.table.peer(identity, msg, "HELLO")
+        peer = self.table.peer(identity, msg, "TARGET_CARD")
         self.table.check_open(identity, len(msg.tokens), msg.ref)
         self._check_payload(peer, msg)
         keep = msg.features is not None and self.drafter.feature_layers
@@ -201,7 +204,7 @@ class Hub(Server):
         self.enqueue(identity, session, msg.ref)
 
     def handle_commit(self, identity: bytes, msg: Commit) -> None:
-        peer = self.table.peer(identity, msg, "HELLO")
+        peer = self.table.peer(identity, msg, "TARGET_CARD")
         session = self.table.use(msg.tag, identity)
         if session.busy or msg.seq != session.seq:
             raise ProtocolError(ErrorCode.STALE,
@@ -290,15 +293,15 @@ class Hub(Server):
                     rejections=control["rejections"], control=control)
         return snap
 
-    def stats_reply(self, identity: bytes, request: dict) -> dict:
-        """STATS body: the snapshot; ``{"peer": true}`` asks for the sender's own totals
-        (its time split), ``{"counters": true}`` adds raw totals for windowed rates. Other
-        targets' entries only go to a peer that said HELLO (``starhub.server.isolation``)."""
-        if request.get("peer"):
+    def stats_reply(self, identity: bytes, request: StatsQuery) -> dict:
+        """STATS_REPORT body: the snapshot; ``peer`` asks for the sender's own totals (its
+        time split), ``counters`` adds raw totals for windowed rates. Other targets' entries
+        only go to a peer that sent a card (``starhub.server.isolation``)."""
+        if request.peer:
             totals = self.metrics.totals_of(identity)
             return {"peer": totals.to_dict() if totals else {}}
         body = self.stats()
-        if request.get("counters"):
-            body["counters"] = self.metrics.counters(peers=bool(request.get("peers")))
+        if request.counters:
+            body["counters"] = self.metrics.counters(peers=request.peers)
         return hub_view(body, identity in self.table.peers or identity in self.observers)
 

@@ -1,5 +1,5 @@
 """A session and a peer as the hub sees them: a drafting context per tag, and the target
-card each peer's HELLO carried. The table that holds them is ``starhub.server.sessions``."""
+card each peer's TARGET_CARD carried. The table that holds them is ``starhub.server.sessions``."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ log = logging.getLogger("starhub.hub")
 
 
 async def drain(hub, task: asyncio.Task, timeout_s: float = 10.0) -> None:
-    """Shut ``hub`` down; ``task`` is its ``serve()``. New HELLO and OPEN get REJECTED at
+    """Shut ``hub`` down; ``task`` is its ``serve()``. New cards and OPEN get REJECTED at
     once; a round a target is waiting for is drafted and sent; then each open session's
     target gets an ERROR, so it finishes without waiting out its reply deadline."""
     hub.accepting = False

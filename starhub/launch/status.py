@@ -8,7 +8,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from starhub.wire.messages import Hello, Stats
+from starhub.wire.messages import ObserverCard, StatsQuery
 from starhub.wire.security import ClientCurve, SecurityError, client_curve
 
 if TYPE_CHECKING:
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def observer_client(address: str, timeout_s: float = 5.0, curve: ClientCurve | None = None,
                     name: str = "status") -> HubClient:
-    """A client that has said HELLO as an observer, so that the server's STATS include
+    """A client that has sent an OBSERVER_CARD, so that the server's STATS include
     each target's (or edge session's) entries; a plain client gets aggregates only. It
     takes no admission slot. ``curve``: a ``ClientCurve`` for a server that uses CURVE."""
     # deferred: torch load only when this runs
@@ -26,7 +26,7 @@ def observer_client(address: str, timeout_s: float = 5.0, curve: ClientCurve | N
 
     client = HubClient(address, timeout_s=timeout_s, curve=curve)
     try:
-        client.request(Hello(name=name, observer=True))
+        client.request(ObserverCard(name=name))
     except BaseException:
         client.close()
         raise
@@ -45,15 +45,14 @@ def status_keys(workers: WorkerSection) -> ClientCurve | None:
 def query_stats(address: str, timeout_s: float = 5.0, peers: bool = False,
                 curve: ClientCurve | None = None, observe: bool = True) -> dict:
     """One ``STATS`` request; ``peers`` adds each peer's totals (``counters.peers``).
-    ``observe`` says HELLO as an observer first, for per-target entries."""
+    ``observe`` sends an OBSERVER_CARD first, for per-target entries."""
     # deferred: torch load only when this runs
     from starhub.client.connection import HubClient
 
     client = (observer_client(address, timeout_s, curve) if observe
               else HubClient(address, timeout_s=timeout_s, curve=curve))
     try:
-        return client.request(Stats(body={"counters": True, "peers": True} if peers
-                                    else {})).body
+        return client.request(StatsQuery(counters=peers, peers=peers)).body
     finally:
         client.close()
 

@@ -1,9 +1,9 @@
 """What a server's STATS tells whom.
 
 Per-peer detail (each target's name, totals and timings; each edge session's numbers) goes
-only to peers that introduced themselves: a target's HELLO, a drafter's WELCOME, or an
-observer's HELLO (``Hello(observer=True)``: ``starhub status`` and the benchmark, which hold
-no admission slot and no session). A peer that only knocks gets aggregates. This keeps
+only to peers that introduced themselves: a target's or a drafter's card, or an
+observer's card (``ObserverCard``: ``starhub status`` and the benchmark, which hold no
+admission slot and no session). A peer that only knocks gets aggregates. This keeps
 casual probes from listing who uses a server; keeping strangers out altogether is CURVE's
 job (``starhub.wire.security``).
 """
@@ -18,7 +18,7 @@ AGGREGATES_ONLY = "aggregates_only"
 
 
 class Observers:
-    """Identities that said HELLO as observers; the most recent ``limit`` are kept, so that
+    """Identities that sent an OBSERVER_CARD; the most recent ``limit`` are kept, so that
     a peer that says it again and again costs nothing."""
 
     def __init__(self, limit: int = OBSERVER_LIMIT):

@@ -68,7 +68,7 @@ class SessionTable(Generic[S, P]):
         """The peer that sent ``msg``; one that never said ``greeting`` is an error."""
         peer = self.peers.get(identity)
         if peer is None:
-            raise ProtocolError(ErrorCode.NO_HELLO, f"send {greeting} before {msg.TYPE}",
+            raise ProtocolError(ErrorCode.NO_CARD, f"send {greeting} before {msg.TYPE}",
                                 tag=msg.tag, ref=getattr(msg, "ref", 0))
         return peer
 

@@ -1,26 +1,35 @@
-"""Protocol v5 messages: small typed dataclasses with strict, declarative validation.
+"""Protocol v6 messages: msgspec Structs, one tagged union keyed on ``type``.
 
-Every message travels as one multipart ZeroMQ message (see ``transport``). The header
-fields of each dataclass are checked against their annotations; array fields are checked
-for dtype and rank, then each message's ``check`` enforces the lengths that must agree.
-Nothing received is trusted until ``validate`` has passed.
+Every message travels as one multipart ZeroMQ message (see ``codec``): a msgpack header
+holding the Struct's fields, then one raw frame per array. The types and constraints
+below (ranges, string and list lengths) are enforced by msgspec while the header is
+decoded; array fields name their allowed dtypes and rank with ``Array``; ``check`` adds
+what relates one field to another. Nothing received is trusted until both have passed.
+
+The handshake names its messages by what they carry, so that both topologies use them
+with one meaning: a ``TargetCard`` describes a target (the star's target introduces
+itself with one; the edge's verifier answers a drafter with one), a ``DrafterCard``
+describes a drafter (the hub's answer; the edge drafter's introduction). An observer
+(``starhub status``, the benchmark) sends an ``ObserverCard`` and gets the server's card.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-import functools
 import math
 import typing
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar
 
+import msgspec
 import numpy as np
+from msgspec import Meta
 
-VERSION = 5
+VERSION = 6
 MAX_TREE_NODES = 1024
 MAX_TOKENS = 1 << 20
+MAX_TEXT = 4096
+MAX_LIST = 1024
 
 
 class ErrorCode(enum.IntEnum):
@@ -31,7 +40,8 @@ class ErrorCode(enum.IntEnum):
     TOO_LARGE = 5
     UNKNOWN_TAG = 6
     NOT_OWNER = 7
-    NO_HELLO = 8
+    NO_CARD = 8
+    """A session message from a peer that has not introduced itself with its card."""
     REJECTED = 9
     INTERNAL = 10
     STALE = 11
@@ -48,121 +58,166 @@ class ProtocolError(Exception):
         self.ref = ref
 
 
-def array(dtype: str | tuple[str, ...], ndim: int, optional: bool = False) -> Any:
-    """Declare an array field: the header describes it, a frame of its own carries it."""
-    dtypes = (dtype,) if isinstance(dtype, str) else dtype
-    meta = {"array": True, "dtypes": dtypes, "ndim": ndim, "optional": optional}
-    if optional:
-        return field(default=None, metadata=meta)
-    return field(default_factory=lambda: np.zeros((0,) * ndim, dtypes[0]), metadata=meta)
+@dataclass(frozen=True)
+class Array:
+    """An array field's allowed wire dtypes and rank: ``Annotated[np.ndarray, Array(...)]``."""
+
+    dtypes: tuple[str, ...]
+    ndim: int
+    np_dtypes: frozenset[np.dtype] = frozenset()
+    """The numpy dtypes of ``dtypes`` (bfloat16 has none: ``BFloat16Array``)."""
+    bf16: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "np_dtypes",
+                           frozenset(np.dtype(d) for d in self.dtypes if d != "bfloat16"))
+        object.__setattr__(self, "bf16", "bfloat16" in self.dtypes)
+
+
+class BFloat16Array(np.ndarray):
+    """A uint16 view that remembers it holds bfloat16 bits (numpy has no bfloat16)."""
 
 
 FEATURE_DTYPES = ("float16", "bfloat16", "float32")
 
+Text = Annotated[str, Meta(max_length=MAX_TEXT)]
+Ms = Annotated[float, Meta(ge=0, lt=1e7)]
+"""A duration in milliseconds: finite, non-negative."""
+Budget = Annotated[int, Meta(ge=0, le=MAX_TREE_NODES)]
+"""Nodes of a tree (0: no advice)."""
+Tokens = Annotated[np.ndarray, Array(("int32",), 1)]
+Features = Annotated[np.ndarray, Array(FEATURE_DTYPES, 2)]
 
-@dataclass
-class Message:
+
+def _no_tokens() -> np.ndarray:
+    return np.zeros(0, np.int32)
+
+
+class Framed(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True,
+             gc=False):
+    """Anything sent as a msgpack header plus raw array frames: the wire's messages and the
+    hub's link to its drafting process. ``v`` is the protocol version."""
+
     TYPE: ClassVar[str] = ""
-    tag: int = 0
-    seq: int = 0
+    ARRAYS: ClassVar[tuple[tuple[str, Array], ...]] = ()
+    """The array fields with their ``Array`` rule; filled in once per class below."""
+    v: int = VERSION
 
     def check(self) -> None:
+        """Each array's dtype and rank, then ``check_fields``; raise ProtocolError."""
+        for name, rule in self.ARRAYS:
+            arr = getattr(self, name)
+            if arr is None:
+                continue
+            if arr.dtype not in rule.np_dtypes and not (rule.bf16 and type(arr) is BFloat16Array):
+                self.fail(f"{name} must be {'/'.join(rule.dtypes)}")
+            if arr.ndim != rule.ndim:
+                self.fail(f"{name} must have {rule.ndim} dimensions")
+        self.check_fields()
+
+    def check_fields(self) -> None:
         """Cross-field consistency; raise ProtocolError(BAD_FIELD) on violation."""
 
     def fail(self, message: str) -> typing.NoReturn:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{self.TYPE}: {message}", tag=self.tag,
-                            ref=getattr(self, "ref", 0))
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{self.TYPE}: {message}",
+                            tag=getattr(self, "tag", 0), ref=getattr(self, "ref", 0))
 
 
-@dataclass
-class Hello(Message):
-    """A target announces itself; the hub checks that it can draft for this model."""
+class Message(Framed):
+    """A wire message: ``tag`` names the session, ``seq`` its round."""
 
-    TYPE: ClassVar[str] = "HELLO"
-    name: str = ""
+    tag: int = 0
+    seq: int = 0
+
+
+class TargetCard(Message, tag="TARGET_CARD"):
+    """A target describes itself; a drafter checks that it can draft for this model."""
+
+    name: Text = ""
     vocab_size: int = 0
-    tokenizer_fp: str = ""
+    tokenizer_fp: Text = ""
     hidden_size: int = 0
     num_layers: int = 0
-    step_ms: float = 0.0
+    step_ms: Ms = 0.0
     """The target's own one-token step, measured: its standalone speed (0: unknown)."""
-    observer: bool = False
-    """Only watching (``starhub status``, the benchmark): no admission, no sessions; the
-    server answers with its own introduction and shows this peer per-peer STATS."""
 
-    def check(self) -> None:
-        if self.vocab_size <= 0 and not self.observer:
+    def check_fields(self) -> None:
+        if self.vocab_size <= 0:
             self.fail("vocab_size must be positive")
-        _check_ms(self, "step_ms", self.step_ms)
 
 
-@dataclass
-class Welcome(Message):
-    """The hub's answer to HELLO: what it drafts and which features it needs."""
+class DrafterCard(Message, tag="DRAFTER_CARD"):
+    """A drafter describes itself: what it drafts and which features it needs."""
 
-    TYPE: ClassVar[str] = "WELCOME"
-    drafter: str = ""
-    feature_layers: list[int] = field(default_factory=list)
+    drafter: Text = ""
+    feature_layers: Annotated[list[int], Meta(max_length=MAX_LIST)] = msgspec.field(
+        default_factory=list)
     depth: int = 0
-    """Tree depth, or 0 when the hub chooses it round by round (``--depth auto``)."""
+    """Tree depth, or 0 when the drafter chooses it round by round (``--depth auto``)."""
     topk: int = 0
     max_nodes: int = 0
     ttl_s: float = 0.0
     max_message_bytes: int = 0
 
 
-@dataclass
-class Reject(Message):
-    TYPE: ClassVar[str] = "REJECT"
+class ObserverCard(Message, tag="OBSERVER_CARD"):
+    """Only watching (``starhub status``, the benchmark): no admission, no sessions; the
+    server answers with its own card and shows this peer per-peer STATS."""
+
+    name: Text = ""
+
+
+class Reject(Message, tag="REJECT"):
     code: int = 0
-    reason: str = ""
+    reason: Text = ""
     """``saturated`` when admission would slow a target below its standalone speed."""
     retry_after_s: float = 0.0
     """When asking again may succeed; 0: it will not."""
 
 
-@dataclass
-class Open(Message):
+class Open(Message, tag="OPEN"):
     """Start a session. ``tokens`` is the prompt plus the first token the target chose.
 
     ``features`` holds one row per prompt token, so row i pairs with token i+1.
     """
 
-    TYPE: ClassVar[str] = "OPEN"
     ref: int = 0
     prompt_len: int = 0
-    temperature: float = 0.0
-    top_p: float = 1.0
+    temperature: Annotated[float, Meta(ge=0)] = 0.0
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
     seed: int = 0
-    step_ms: float = 0.0
-    target_tok_s: float = 0.0
+    step_ms: Ms = 0.0
+    target_tok_s: Annotated[float, Meta(ge=0, lt=1e6)] = 0.0
     """Edge: the speed this session asks the verifier for (0: none); deadlines follow."""
-    budget: int = 0
-    """Edge, the verifier's reply: the nodes of the first tree (0: the drafter's own)."""
-    tokens: np.ndarray = array("int32", 1)
-    features: np.ndarray | None = array(FEATURE_DTYPES, 2, optional=True)
+    tokens: Tokens = msgspec.field(default_factory=_no_tokens)
+    features: Features | None = None
 
-    def check(self) -> None:
-        n = len(self.tokens)
-        _check_ms(self, "step_ms", self.step_ms)
-        if not 0 <= self.budget <= MAX_TREE_NODES:
-            self.fail(f"budget must lie in [0, {MAX_TREE_NODES}], got {self.budget}")
-        if not 0 <= self.target_tok_s < 1e6:
-            self.fail(f"target_tok_s must lie in [0, 1e6), got {self.target_tok_s}")
-        if n < 1 or n > MAX_TOKENS:
-            self.fail(f"tokens must hold 1..{MAX_TOKENS} ids, got {n}")
-        if not 0 < self.prompt_len < n + 1:
-            self.fail(f"prompt_len {self.prompt_len} out of range for {n} tokens")
-        if not 0 <= self.temperature < math.inf or not 0 < self.top_p <= 1:
-            self.fail("temperature must be finite and >= 0, and top_p in (0, 1]")
-        if self.features is not None and self.features.shape[0] != n - 1:
-            self.fail(f"features need {n - 1} rows (one per token before the last), "
-                      f"got {self.features.shape[0]}")
-        _check_finite(self, self.features)
+    def check_fields(self) -> None:
+        _check_prefix(self, self.tokens, self.features)
+        if not 0 < self.prompt_len < len(self.tokens) + 1:
+            self.fail(f"prompt_len {self.prompt_len} out of range for {len(self.tokens)} tokens")
+        if self.temperature == math.inf:
+            self.fail("temperature must be finite")
 
 
-@dataclass
-class Propose(Message):
+class Opened(Message, tag="OPENED"):
+    """Edge: the verifier's answer to OPEN (in the star, the first PROPOSE answers). It
+    names the session (``tag``) and carries what a star target's OPEN carries: the prompt
+    plus the first token the target chose, and one feature row per prompt token. ``budget``
+    is the nodes of the first tree (0: the drafter's own), ``step_ms`` the verifier's step.
+    """
+
+    ref: int = 0
+    budget: Budget = 0
+    step_ms: Ms = 0.0
+    tokens: Tokens = msgspec.field(default_factory=_no_tokens)
+    features: Features | None = None
+
+    def check_fields(self) -> None:
+        _check_prefix(self, self.tokens, self.features)
+
+
+class Propose(Message, tag="PROPOSE"):
     """A draft tree. ``parents[i]`` is -1 for children of the last committed token.
 
     Siblings appear in the order they were drawn; for sampling, row 0 of ``dist_*`` is the
@@ -170,25 +225,25 @@ class Propose(Message):
     tree: the target decodes that many tokens on its own, then commits them.
     """
 
-    TYPE: ClassVar[str] = "PROPOSE"
     ref: int = 0
-    plain: int = 0
-    tokens: np.ndarray = array("int32", 1)
-    parents: np.ndarray = array("int32", 1)
-    dist_ids: np.ndarray | None = array("int32", 2, optional=True)
-    dist_probs: np.ndarray | None = array("float32", 2, optional=True)
+    plain: Annotated[int, Meta(ge=0, le=MAX_TREE_NODES + 1)] = 0
+    tokens: Tokens = msgspec.field(default_factory=_no_tokens)
+    parents: Tokens = msgspec.field(default_factory=_no_tokens)
+    dist_ids: Annotated[np.ndarray, Array(("int32",), 2)] | None = None
+    dist_probs: Annotated[np.ndarray, Array(("float32",), 2)] | None = None
 
-    def check(self) -> None:
+    def check_fields(self) -> None:
         n = len(self.tokens)
         if n > MAX_TREE_NODES:
             self.fail(f"{n} nodes exceed the limit of {MAX_TREE_NODES}")
-        if not 0 <= self.plain <= MAX_TREE_NODES + 1 or (self.plain and n):
+        if self.plain and n:
             self.fail(f"plain={self.plain}: a plain round carries 1..{MAX_TREE_NODES + 1} "
                       f"tokens to decode and no tree")
         if len(self.parents) != n:
             self.fail(f"parents has {len(self.parents)} entries for {n} tokens")
-        # ndarray methods rather than np.any/np.all: the same test without their dispatch
-        if n and ((self.parents < -1) | (self.parents >= np.arange(n))).any():
+        # -1 <= parents[i] < i as one comparison: parents + 1 read unsigned (-2 and below
+        # become huge) against i; ndarray methods rather than np.any for less dispatch
+        if n and ((self.parents + 1).view(np.uint32) > _ARANGE[:n]).any():
             self.fail("every parent index must be -1 or an earlier node")
         if (self.dist_ids is None) != (self.dist_probs is None):
             self.fail("dist_ids and dist_probs come together")
@@ -199,8 +254,7 @@ class Propose(Message):
                 self.fail("dist_probs must be finite and non-negative")
 
 
-@dataclass
-class Commit(Message):
+class Commit(Message, tag="COMMIT"):
     """The tokens a round added: accepted tree nodes then the bonus token, or after a plain
     round the tokens the target decoded alone (``accepted`` 0).
 
@@ -212,221 +266,105 @@ class Commit(Message):
     (0: no advice).
     """
 
-    TYPE: ClassVar[str] = "COMMIT"
-    accepted: int = 0
-    verify_ms: float = 0.0
-    step_ms: float = 0.0
-    budget: int = 0
-    tokens: np.ndarray = array("int32", 1)
-    features: np.ndarray | None = array(FEATURE_DTYPES, 2, optional=True)
+    accepted: Annotated[int, Meta(ge=0)] = 0
+    verify_ms: Ms = 0.0
+    step_ms: Ms = 0.0
+    budget: Budget = 0
+    tokens: Tokens = msgspec.field(default_factory=_no_tokens)
+    features: Features | None = None
 
-    def check(self) -> None:
+    def check_fields(self) -> None:
         n = len(self.tokens)
         if not 1 <= n <= MAX_TREE_NODES + 1:
             self.fail(f"tokens must hold 1..{MAX_TREE_NODES + 1} ids, got {n}")
-        if not 0 <= self.accepted <= n - 1:
+        if self.accepted > n - 1:
             self.fail(f"accepted={self.accepted} disagrees with {n} tokens")
-        _check_ms(self, "verify_ms", self.verify_ms)
-        _check_ms(self, "step_ms", self.step_ms)
-        if not 0 <= self.budget <= MAX_TREE_NODES:
-            self.fail(f"budget must lie in [0, {MAX_TREE_NODES}], got {self.budget}")
         if self.features is not None and self.features.shape[0] != n:
             self.fail(f"features need {n} rows, got {self.features.shape[0]}")
         _check_finite(self, self.features)
 
 
-@dataclass
-class Close(Message):
-    TYPE: ClassVar[str] = "CLOSE"
+class Close(Message, tag="CLOSE"):
+    pass
 
 
-@dataclass
-class Error(Message):
-    TYPE: ClassVar[str] = "ERROR"
+class Error(Message, tag="ERROR"):
     ref: int = 0
     code: int = 0
-    message: str = ""
+    message: Text = ""
 
 
-@dataclass
-class Ping(Message):
-    TYPE: ClassVar[str] = "PING"
+class Ping(Message, tag="PING"):
     nonce: int = 0
 
 
-@dataclass
-class Pong(Message):
-    TYPE: ClassVar[str] = "PONG"
+class Pong(Message, tag="PONG"):
     nonce: int = 0
 
 
-@dataclass
-class Stats(Message):
-    """Ask for (empty ``body``) or deliver (filled ``body``) the hub's metrics snapshot."""
+class StatsQuery(Message, tag="STATS_QUERY"):
+    """Ask for the server's metrics. ``peer``: only the sender's own totals (its time
+    split); ``counters``: add raw totals for windowed rates, ``peers`` per peer too."""
 
-    TYPE: ClassVar[str] = "STATS"
-    body: dict = field(default_factory=dict)
-
-
-MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TYPE: cls
-    for cls in (Hello, Welcome, Reject, Open, Propose, Commit, Close, Error, Ping, Pong, Stats)
-}
-
-_SCALARS = {int: (int,), float: (int, float), str: (str,), bool: (bool,), dict: (dict,)}
-_INT_RANGE = (-(1 << 63), (1 << 64) - 1)
-_MAX_STR = 4096
+    peer: bool = False
+    counters: bool = False
+    peers: bool = False
 
 
-@dataclass(frozen=True)
-class _ArraySpec:
-    name: str
-    dtypes: tuple[str, ...]
-    ndim: int
-    optional: bool
-    np_dtypes: frozenset[np.dtype]
-    """The numpy dtypes whose arrays pass at once; any other goes through the full check."""
+class StatsReport(Message, tag="STATS_REPORT"):
+    """The answer to STATS_QUERY: the server's metrics snapshot (``starhub.hub.metrics``,
+    the verifier's ``snapshot``), as msgpack's plain values."""
+
+    body: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Schema:
-    """Everything ``build`` and ``encode`` derive from a message class, worked out once.
-
-    ``header`` pairs each header field's name with its validator, ``arrays`` describes the
-    array fields; both keep the dataclass's field order.
-    """
-
-    cls: type[Message]
-    header_fields: tuple[dataclasses.Field, ...]
-    array_fields: tuple[dataclasses.Field, ...]
-    header: tuple[tuple[str, typing.Callable[[Any], Any]], ...]
-    header_names: tuple[str, ...]
-    arrays: tuple[_ArraySpec, ...]
-    array_names: frozenset[str]
+MESSAGES: tuple[type[Message], ...] = (
+    TargetCard, DrafterCard, ObserverCard, Reject, Open, Opened, Propose, Commit, Close,
+    Error, Ping, Pong, StatsQuery, StatsReport)
 
 
-@functools.cache
-def schema(cls: type[Message]) -> Schema:
-    """The class's schema, built on first use: ``typing.get_type_hints`` (the costly part)
-    and ``dataclasses.fields`` run once per class instead of once per message."""
-    fields = dataclasses.fields(cls)
-    header_fs = tuple(f for f in fields if not f.metadata.get("array"))
-    array_fs = tuple(f for f in fields if f.metadata.get("array"))
-    hints = typing.get_type_hints(cls)
-    arrays = tuple(
-        _ArraySpec(f.name, tuple(f.metadata["dtypes"]), f.metadata["ndim"], f.metadata["optional"],
-                   frozenset(np.dtype(d) for d in f.metadata["dtypes"] if d != "bfloat16"))
-        for f in array_fs)
-    return Schema(cls=cls, header_fields=header_fs, array_fields=array_fs,
-                  header=tuple((f.name, _scalar_checker(cls.TYPE, f.name, hints[f.name]))
-                               for f in header_fs),
-                  header_names=tuple(f.name for f in header_fs), arrays=arrays,
-                  array_names=frozenset(f.name for f in array_fs))
+def describe(*classes: type[Framed]) -> None:
+    """Fill in ``TYPE`` (the wire's tag) and ``ARRAYS`` (from the annotations) of each
+    class, once at import; ``codec.Decoder`` relies on both."""
+    for cls in classes:
+        cls.TYPE = cls.__struct_config__.tag
+        hints = typing.get_type_hints(cls, include_extras=True)
+        cls.ARRAYS = tuple((name, rule) for name in cls.__struct_fields__
+                           if (rule := _array_rule(hints[name])) is not None)
 
 
-def array_fields(cls: type[Message]) -> list[dataclasses.Field]:
-    return list(schema(cls).array_fields)
+def _array_rule(hint: Any) -> Array | None:
+    if typing.get_origin(hint) is Annotated:
+        return next((m for m in hint.__metadata__ if isinstance(m, Array)), None)
+    return next((r for arg in typing.get_args(hint) if (r := _array_rule(arg))), None)
 
 
-def header_fields(cls: type[Message]) -> list[dataclasses.Field]:
-    return list(schema(cls).header_fields)
+describe(*MESSAGES)
+MESSAGE_TYPES: dict[str, type[Message]] = {cls.TYPE: cls for cls in MESSAGES}
 
 
-def _check_scalar(msg_type: str, name: str, hint: Any, value: Any) -> Any:
-    if typing.get_origin(hint) is list:
-        (item,) = typing.get_args(hint)
-        if not isinstance(value, list) or len(value) > 1024:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{msg_type}.{name} must be a short list")
-        return [_check_scalar(msg_type, name, item, v) for v in value]
-    allowed = _SCALARS[hint]
-    if isinstance(value, bool) and hint is not bool or not isinstance(value, allowed):
-        raise ProtocolError(ErrorCode.BAD_FIELD,
-                            f"{msg_type}.{name} must be {hint.__name__}, "
-                            f"got {type(value).__name__}")
-    if hint is int and not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{msg_type}.{name} out of range")
-    if hint is str and len(value) > _MAX_STR:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{msg_type}.{name} longer than {_MAX_STR}")
-    return float(value) if hint is float else value
+_ARANGE = np.arange(MAX_TREE_NODES + 1, dtype=np.uint32)
 
 
-def _scalar_checker(msg_type: str, name: str, hint: Any) -> typing.Callable[[Any], Any]:
-    """A validator for one header field: a fast path for the plain values msgpack yields,
-    and ``_check_scalar`` (the rules, and their error messages) for anything else."""
-    def slow(value: Any) -> Any:
-        return _check_scalar(msg_type, name, hint, value)
-
-    if typing.get_origin(hint) is list or hint not in _SCALARS:
-        return slow
-    lo, hi = _INT_RANGE
-    if hint is int:
-        def check(value: Any) -> Any:
-            return value if type(value) is int and lo <= value <= hi else slow(value)
-    elif hint is float:
-        def check(value: Any) -> Any:
-            return value if type(value) is float else slow(value)
-    elif hint is str:
-        def check(value: Any) -> Any:
-            return value if type(value) is str and len(value) <= _MAX_STR else slow(value)
-    else:  # bool, dict: exactly that type, no range
-        def check(value: Any, exact: type = hint) -> Any:
-            return value if type(value) is exact else slow(value)
-    return check
+def _check_prefix(msg: Framed, tokens: np.ndarray, features: np.ndarray | None) -> None:
+    """A session's start: 1..MAX_TOKENS tokens, and a feature row for each but the last."""
+    n = len(tokens)
+    if n < 1 or n > MAX_TOKENS:
+        msg.fail(f"tokens must hold 1..{MAX_TOKENS} ids, got {n}")
+    if features is not None and features.shape[0] != n - 1:
+        msg.fail(f"features need {n - 1} rows (one per token before the last), "
+                 f"got {features.shape[0]}")
+    _check_finite(msg, features)
 
 
-def build(cls: type[Message], header: dict, arrays: dict[str, np.ndarray]) -> Message:
-    """Construct a message from decoded parts, validating every field."""
-    sch = schema(cls)
-    kwargs: dict[str, Any] = {}
-    for name, check in sch.header:
-        if name not in header:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE} is missing field '{name}'",
-                                tag=_int_or0(header.get("tag")))
-        kwargs[name] = check(header[name])
-    for spec in sch.arrays:
-        arr = arrays.get(spec.name)
-        if arr is None:
-            if not spec.optional:
-                raise ProtocolError(ErrorCode.BAD_FIELD,
-                                    f"{cls.TYPE} is missing array '{spec.name}'",
-                                    tag=kwargs.get("tag", 0))
-        elif (arr.dtype not in spec.np_dtypes and not _is_bf16(arr, spec.dtypes)
-              and arr.dtype.name not in spec.dtypes):
-            raise ProtocolError(ErrorCode.BAD_FIELD,
-                                f"{cls.TYPE}.{spec.name} must be {'/'.join(spec.dtypes)}")
-        elif arr.ndim != spec.ndim:
-            raise ProtocolError(ErrorCode.BAD_FIELD,
-                                f"{cls.TYPE}.{spec.name} must have {spec.ndim} dimensions")
-        kwargs[spec.name] = arr
-    if not sch.array_names.issuperset(arrays):
-        extra = set(arrays) - sch.array_names
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE} has unknown arrays {sorted(extra)}")
-    msg = cls(**kwargs)
-    msg.check()
-    return msg
-
-
-def _check_ms(msg: Message, name: str, value: float) -> None:
-    if not 0 <= value < 1e7:
-        msg.fail(f"{name} must be a finite duration in [0, 1e7) ms, got {value}")
-
-
-def _check_finite(msg: Message, features: np.ndarray | None) -> None:
+def _check_finite(msg: Framed, features: np.ndarray | None) -> None:
     """NaN or infinite features would poison a drafter's state for the rest of a session."""
     if features is None or not features.size:
         return
-    if getattr(features, "is_bf16", False):  # raw bfloat16 bits: all-ones exponent
+    if type(features) is BFloat16Array:  # raw bfloat16 bits: all-ones exponent
         bits = features.view(dtype=np.uint16, type=np.ndarray)  # plain: subclass ufuncs are slow
         finite = not ((bits & 0x7F80) == 0x7F80).any()
     else:
         finite = bool(np.isfinite(features).all())
     if not finite:
         msg.fail("features must be finite")
-
-
-def _is_bf16(arr: np.ndarray, dtypes: tuple[str, ...]) -> bool:
-    return "bfloat16" in dtypes and getattr(arr, "is_bf16", False)
-
-
-def _int_or0(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
