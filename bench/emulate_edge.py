@@ -202,11 +202,11 @@ def verifier_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     spec = EdgeSpec.parse(args.spec)
-    hello = TargetCard(name="emulated", vocab_size=VOCAB, step_ms=1e3 * (spec.t_v + spec.t_tok))
+    card = TargetCard(name="emulated", vocab_size=VOCAB, step_ms=1e3 * (spec.t_v + spec.t_tok))
     config = VerifierConfig(bind="tcp://127.0.0.1:0", budget=args.budget or spec.budget,
                             max_batch=args.max_batch, schedule=args.schedule, nodes=args.nodes)
     try:
-        Verifier(EmulatedEngine(spec), hello, config).serve(
+        Verifier(EmulatedEngine(spec), card, config).serve(
             ready=lambda address: print(READY + address, flush=True))
     except KeyboardInterrupt:
         pass

@@ -122,7 +122,7 @@ class EmulatedTargets:
         self.go = asyncio.Event()
         self.stop = asyncio.Event()
 
-    def hello(self, index: int):
+    def card(self, index: int):
         return TargetCard(name=f"emu{index}", vocab_size=VOCAB, step_ms=1e3 * self.spec.step)
 
     async def connect(self) -> list:
@@ -130,7 +130,7 @@ class EmulatedTargets:
         own round trip measured so that the emulated ``t_c`` includes it."""
 
         socks = [dealer(self.ctx, self.hub, f"emu{self.first + i}") for i in range(self.count)]
-        replies = await asyncio.gather(*(ask(s, self.hello(self.first + i))
+        replies = await asyncio.gather(*(ask(s, self.card(self.first + i))
                                          for i, s in enumerate(socks)))
         for i, reply in enumerate(replies):
             if not isinstance(reply, DrafterCard | Reject):
@@ -192,7 +192,7 @@ class EmulatedTargets:
                 await self.alone(i, float("inf"))
                 return
             await self.alone(i, time.monotonic() + retry)
-            reply = await ask(sock, self.hello(self.first + i))
+            reply = await ask(sock, self.card(self.first + i))
             self.totals.admitted[i] = isinstance(reply, DrafterCard)
             self.retry_after[i] = getattr(reply, "retry_after_s", 0.0)
             self.totals.rejections += not self.totals.admitted[i]

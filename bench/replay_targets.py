@@ -86,7 +86,7 @@ class ReplayTargets:
         self.stop = asyncio.Event()
         self.socks: list = []
 
-    def hello(self, index: int):
+    def card(self, index: int):
         meta = self.rec.meta
         return TargetCard(name=f"replay{index}", vocab_size=meta.vocab_size,
                           tokenizer_fp=meta.tokenizer_fp, hidden_size=meta.hidden_size,
@@ -119,7 +119,7 @@ class ReplayTargets:
         admitted = False
         while not self.stop.is_set():
             if not admitted:
-                reply = await ask(sock, self.hello(i))
+                reply = await ask(sock, self.card(i))
                 if isinstance(reply, DrafterCard):
                     admitted = True
                     self.totals.admitted += 1

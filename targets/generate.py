@@ -137,7 +137,7 @@ class SpeculativeGenerator:
         client = HubClient(self.hub, timeout_s=max(self.link.floor_s, 5.0),
                            **self.client_options)
         try:
-            return client, client.hello(self.hello())
+            return client, client.greet(self.card())
         except HubUnavailable:
             client.close()
             raise
@@ -147,13 +147,13 @@ class SpeculativeGenerator:
         hub's ``retry_after_s``."""
         if not self.link.connect():
             return False
-        welcome = self.link.card
+        drafter = self.link.card
         log.info("%s: hub %s drafts with '%s' (depth %s, topk %d, %d nodes)", self.name,
-                 self.hub, welcome.drafter, welcome.depth or "auto", welcome.topk,
-                 welcome.max_nodes)
+                 self.hub, drafter.drafter, drafter.depth or "auto", drafter.topk,
+                 drafter.max_nodes)
         return True
 
-    def hello(self) -> TargetCard:
+    def card(self) -> TargetCard:
         cfg = self.model.config
         return TargetCard(name=self.name, vocab_size=cfg.vocab_size,
                           tokenizer_fp=tokenizer_fingerprint(self.tokenizer),

@@ -41,7 +41,7 @@ def test_a_freed_slot_is_reused_by_a_new_target_process(tiny_dir, tmp_path):
     hub = HubThread(NgramDrafter(), max_targets=1, peer_grace_s=0.3, retry_after_s=0.5)
     try:
         holder = HubClient(hub.address, timeout_s=10)
-        assert isinstance(holder.hello(TargetCard(name="holder", vocab_size=49152)), DrafterCard)
+        assert isinstance(holder.greet(TargetCard(name="holder", vocab_size=49152)), DrafterCard)
         waiting = HubClient(hub.address, timeout_s=10)
         waiting.send(TargetCard(name="waiting", vocab_size=49152))
         reply = waiting.recv()
@@ -71,7 +71,7 @@ def test_a_rejected_target_decodes_alone_then_asks_again(tiny_model):
     hub = HubThread(NgramDrafter(), max_targets=1, peer_grace_s=0.3, retry_after_s=0.5)
     try:
         holder = HubClient(hub.address, timeout_s=10)
-        holder.hello(TargetCard(name="holder", vocab_size=model.config.vocab_size))
+        holder.greet(TargetCard(name="holder", vocab_size=model.config.vocab_size))
         with attach(model, tok, hub.address, name="late") as session:
             assert not session.connected
             alone = session.generate("one two one two", max_new_tokens=8)

@@ -117,7 +117,7 @@ def test_lookup_branches_are_accepted_and_output_stays_generate(tiny_model, toke
             result = session.generate(prompt, max_new_tokens=64)
             assert result.output_ids == reference(model, result.prompt_ids, 64)
         client = HubClient(hub.address, timeout_s=10)
-        client.hello(TargetCard(name="probe", vocab_size=model.config.vocab_size))
+        client.greet(TargetCard(name="probe", vocab_size=model.config.vocab_size))
         body = client.request(StatsQuery()).body
         client.close()
     if lookup == "on":

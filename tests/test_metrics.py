@@ -103,7 +103,7 @@ def drive_rounds(address: str, rounds: int = 3) -> HubClient:
     import numpy as np
 
     client = HubClient(address, timeout_s=10)
-    client.hello(TargetCard(name="probe", vocab_size=1000))
+    client.greet(TargetCard(name="probe", vocab_size=1000))
     prompt = np.array([1, 2, 3, 1, 2, 3, 1, 2], dtype=np.int32)
     reply = client.request(Open(ref=7, prompt_len=7, tokens=prompt), ref=7)
     for _ in range(rounds):

@@ -217,12 +217,12 @@ def test_curve_hub_refuses_unknown_keys_and_plain_clients(keys):
             refused = HubClient(hub.address, timeout_s=REFUSED_WITHIN_S, curve=curve)
             try:
                 with pytest.raises(HubUnavailable, match="no reply"):
-                    refused.hello(TargetCard(name="intruder", vocab_size=1000))
+                    refused.greet(TargetCard(name="intruder", vocab_size=1000))
                 with pytest.raises(HubUnavailable, match="no reply|refused the connection"):
                     refused.ping()  # a second request fails too, and never blocks
             finally:
                 refused.close()
-        assert allowed.hello(TargetCard(name="allowed", vocab_size=1000)).drafter == "ngram"
+        assert allowed.greet(TargetCard(name="allowed", vocab_size=1000)).drafter == "ngram"
         assert [p.name for p in hub.hub.table.peers.values()] == ["allowed"]
     finally:
         allowed.close()

@@ -116,10 +116,10 @@ class Hub(Server):
             raise ProtocolError(ErrorCode.REJECTED, "the hub is shutting down", tag=msg.tag,
                                 ref=getattr(msg, "ref", 0))
         if isinstance(msg, TargetCard):
-            self.handle_hello(identity, msg)
+            self.handle_target_card(identity, msg)
         elif isinstance(msg, ObserverCard):
             self.observers.add(identity)
-            self.reply(identity, self.welcome())
+            self.reply(identity, self.drafter_card())
         elif isinstance(msg, Ping):
             self.reply(identity, Pong(nonce=msg.nonce))
         elif isinstance(msg, StatsQuery):
@@ -137,7 +137,7 @@ class Hub(Server):
             raise ProtocolError(ErrorCode.BAD_TYPE, f"a hub does not accept {msg.TYPE}",
                                 tag=msg.tag)
 
-    def handle_hello(self, identity: bytes, msg: TargetCard) -> None:
+    def handle_target_card(self, identity: bytes, msg: TargetCard) -> None:
         reason = self.drafter.check_target(msg)
         retry = 0.0
         if reason is None:
@@ -154,9 +154,9 @@ class Hub(Server):
                                    hidden_size=msg.hidden_size, num_layers=msg.num_layers))
         log.info("target %s (%s) joined; %d admitted", msg.name, peer_name(identity),
                  len(self.table.peers))
-        self.reply(identity, self.welcome())
+        self.reply(identity, self.drafter_card())
 
-    def welcome(self) -> DrafterCard:
+    def drafter_card(self) -> DrafterCard:
         shape = self.config.shape
         return DrafterCard(drafter=self.drafter.name,
                            feature_layers=list(self.drafter.feature_layers),
