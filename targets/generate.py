@@ -147,10 +147,10 @@ class SpeculativeGenerator:
         hub's ``retry_after_s``."""
         if not self.link.connect():
             return False
-        drafter = self.link.card
+        card = self.link.card
         log.info("%s: hub %s drafts with '%s' (depth %s, topk %d, %d nodes)", self.name,
-                 self.hub, drafter.drafter, drafter.depth or "auto", drafter.topk,
-                 drafter.max_nodes)
+                 self.hub, card.drafter, card.depth or "auto", card.topk,
+                 card.max_nodes)
         return True
 
     def card(self) -> TargetCard:
