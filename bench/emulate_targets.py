@@ -160,10 +160,9 @@ class EmulatedTargets:
         try:
             while True:
                 stats = await ask(sock, StatsQuery(counters=True))
-                now = stats.body["counters"]
-                if before is not None and now["returns"] - before["returns"] >= 4:
-                    z = (now["return_s"] - before["return_s"]) / (now["returns"]
-                                                                  - before["returns"])
+                now = stats.body.counters
+                if before is not None and now.returns - before.returns >= 4:
+                    z = (now.return_s - before.return_s) / (now.returns - before.returns)
                     step = gain * self.share * (self.spec.t_c + self.spec.t_v - z)
                     self.link_delay = min(max(self.link_delay + step, -self.spec.t_v / 2),
                                           self.spec.t_c)

@@ -240,8 +240,8 @@ def run(messages: int, model_spec: str = "default", drafter: str = "eagle",
         report.serving = isinstance(_ask(hub.address, Ping(nonce=7)), Pong)
         stats = _ask(hub.address, StatsQuery())
         if isinstance(stats, StatsReport):
-            report.hub_errors = stats.body.get("errors", {})
-            report.hub_sessions_after = stats.body.get("active_sessions", -1)
+            report.hub_errors = stats.body.errors
+            report.hub_sessions_after = stats.body.active_sessions
         samples.append((sum(sent), rss_mb(pid)))
     report.messages = sum(sent)
     report.errors = sum(b.errors for b in blasters)

@@ -16,6 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from bench.emulate_targets import CalibratedWait, ask, dealer
@@ -95,7 +96,7 @@ class ReplayTargets:
     async def stats(self, sock) -> dict:
         """The hub's raw counters, asked on an observer socket (``sock``)."""
 
-        return (await ask(sock, StatsQuery(counters=True))).body
+        return msgspec.to_builtins((await ask(sock, StatsQuery(counters=True))).body)
 
     async def observer(self):
         sock = dealer(self.ctx, self.hub, "replay-observer")

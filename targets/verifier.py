@@ -53,6 +53,7 @@ from starhub.wire.messages import (
     StatsReport,
     TargetCard,
 )
+from starhub.wire.reports import VerifierReport
 from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.engine import VerifyEngine, measure_budget
@@ -329,24 +330,21 @@ class Verifier(Server):
     def _half(self, feats: torch.Tensor | None) -> torch.Tensor | None:
         return None if feats is None else feats.to(self.feature_dtype)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> VerifierReport:
         st = self.stats
         wall = time.monotonic() - st.started
-        return {
-            "role": "verifier", "schedule": self.config.schedule,
-            "budget": self.config.budget, "max_batch": self.config.max_batch,
-            "sessions": len(self.table), "drafters": len(self.table.peers),
-            "cached_tokens": self.table.budget.cached,
-            "steps": st.steps, "rounds": st.rounds, "committed": st.committed,
-            "accepted": st.accepted, "opened": st.opened, "closed": st.closed,
-            "expired": st.expired, "wall_s": wall, "verify_s": st.verify_s,
-            "gather_s": st.gather_s, "prefill_s": st.prefill_s,
-            "mean_batch": st.rows / st.steps if st.steps else 0.0,
-            "verify_ms_per_step": 1e3 * st.verify_s / st.steps if st.steps else 0.0,
-            "fed_per_step": st.fed / st.steps if st.steps else 0.0,
-            "batch_hist": {str(k): v for k, v in sorted(st.batch_hist.items())},
-            "slo_rounds": st.deadlined, "slo_late": st.late,
-            "errors": dict(st.errors), "threads": torch.get_num_threads(),
-            "step_ms": 1e3 * self.step_s, "scheduler": self.scheduler.snapshot(),
-        }
+        return VerifierReport(
+            schedule=self.config.schedule, budget=self.config.budget,
+            max_batch=self.config.max_batch, sessions=len(self.table),
+            drafters=len(self.table.peers), cached_tokens=self.table.budget.cached,
+            steps=st.steps, rounds=st.rounds, committed=st.committed, accepted=st.accepted,
+            opened=st.opened, closed=st.closed, expired=st.expired, wall_s=wall,
+            verify_s=st.verify_s, gather_s=st.gather_s, prefill_s=st.prefill_s,
+            mean_batch=st.rows / st.steps if st.steps else 0.0,
+            verify_ms_per_step=1e3 * st.verify_s / st.steps if st.steps else 0.0,
+            fed_per_step=st.fed / st.steps if st.steps else 0.0,
+            batch_hist={str(k): v for k, v in sorted(st.batch_hist.items())},
+            slo_rounds=st.deadlined, slo_late=st.late, errors=dict(st.errors),
+            threads=torch.get_num_threads(), step_ms=1e3 * self.step_s,
+            scheduler=self.scheduler.snapshot())
 

@@ -121,8 +121,8 @@ def test_lookup_branches_are_accepted_and_output_stays_generate(tiny_model, toke
         body = client.request(StatsQuery()).body
         client.close()
     if lookup == "on":
-        assert body["lookup_round_share"] > 0.5 and body["lookup_token_share"] > 0.3
-        assert body["mean_accept_len"] > 1.5
+        assert body.lookup_round_share > 0.5 and body.lookup_token_share > 0.3
+        assert body.mean_accept_len > 1.5
     else:
-        assert body["lookup_round_share"] == body["lookup_token_share"] == 0
-        assert body["mean_accept_len"] < 1.2
+        assert body.lookup_round_share == body.lookup_token_share == 0
+        assert body.mean_accept_len < 1.2
