@@ -6,7 +6,11 @@ cannot make a client hold more than a few megabytes for one report.
 
 Fields a server leaves out for a peer without a card (``starhub.server.isolation``) are
 optional and absent from ``msgspec.to_builtins``, so the plain-dict form of a report (what
-the benchmark writes and ``starhub status`` prints) has the keys it had as a dict.
+the benchmark writes and ``starhub status --json`` prints) has the keys the untyped body
+had, plus its ``role`` (a verifier's always said so; a hub's and a peer's now do too).
+
+The hub checks its report against these types as it builds it (``msgspec.convert``), so a
+field that outgrows them fails on the server, not on every reader.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ Key = Annotated[str, Meta(max_length=64)]
 Counts = Annotated[dict[Key, int], Meta(max_length=MAX_KEYS)]
 """A count by label or a histogram keyed by its bin (as a string)."""
 Floats = Annotated[list[float], Meta(max_length=MAX_KEYS)]
-Depth = int | Annotated[str, Meta(max_length=16)]
-"""A tree depth, or ``auto`` when the hub chooses it round by round."""
+IntOrAuto = int | Annotated[str, Meta(max_length=16)]
+"""A setting the hub may choose itself (``auto``): the tree depth, ``max_targets``."""
 
 
 class Entry(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True,
@@ -113,8 +117,8 @@ class HubSplit(Entry):
 class Typical(Entry):
     """The control plane's typical target at its best fixed shape."""
 
-    S_ms: float  # noqa: N815 (DESIGN.md's names)
-    Z_ms: float  # noqa: N815
+    S_ms: float
+    Z_ms: float
     tau: float
     step_ms: float
     depth: int
@@ -137,8 +141,8 @@ class ControlReport(Entry):
     """The control plane's state (``starhub.control.plane``); ``targets`` only for a peer
     with a card."""
 
-    depth: Depth
-    max_targets: int
+    depth: IntOrAuto
+    max_targets: IntOrAuto
     admitted: int
     rejections: int
     rejected_waiting: int
@@ -198,12 +202,12 @@ class HubReport(Report, tag="hub"):
     errors: Counts
     # settings and admission
     drafter: Name
-    depth: Depth
+    depth: IntOrAuto
     topk: int
     max_nodes: int
     queue: int
     threads: int
-    max_targets: int
+    max_targets: IntOrAuto
     admitted: int
     n_max: int | None
     n_full: int
