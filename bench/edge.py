@@ -15,6 +15,8 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 
+import msgspec
+
 from bench.baselines import PromptRun, hf_generate
 from bench.emulate import _spawn_ready, _stop
 from bench.run import baseline_row, lossless_check, machine_info, wait_for_outputs
@@ -183,7 +185,7 @@ def _run_variant(cfg: EdgeConfig, n: int, schedule: str, max_batch: int | str, l
                 for i, out in enumerate(outs)]
             wait_for_outputs(procs, outs, tick, f"a drafter failed; see {log.name}")
         client = observer_client(address, timeout_s=30, name="bench")
-        stats = client.request(StatsQuery()).body
+        stats = msgspec.to_builtins(client.request(StatsQuery()).body)
         client.close()
     finally:
         _stop(verifier)

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from itertools import pairwise
 
+import msgspec
+
 from bench.emulate_spec import VOCAB, EmulateSpec, load_trace
 from bench.emulate_targets import targets_main
 from bench.model import StarModel
@@ -154,10 +156,10 @@ def run_point(spec: EmulateSpec, n: int, opts: EmulateOptions, log_dir: str,
         iteration = model.iteration(n)
         _sleep(max(opts.warmup_s, 1.5 * iteration), tick)
         _command(procs, "mark")
-        c0 = client.request(StatsQuery(counters=True)).body
+        c0 = msgspec.to_builtins(client.request(StatsQuery(counters=True)).body)
         _sleep(max(opts.duration_s, opts.min_iterations * iteration), tick)
         _command(procs, "mark")
-        c1 = client.request(StatsQuery(counters=True)).body
+        c1 = msgspec.to_builtins(client.request(StatsQuery(counters=True)).body)
         client.close()
         totals = []
         for proc in procs:

@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
+import msgspec
 import numpy as np
 
 from bench.edge import EDGE_NOTES, batch_flag, edge_row, jain
@@ -202,11 +203,11 @@ def verifier_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     spec = EdgeSpec.parse(args.spec)
-    hello = TargetCard(name="emulated", vocab_size=VOCAB, step_ms=1e3 * (spec.t_v + spec.t_tok))
+    card = TargetCard(name="emulated", vocab_size=VOCAB, step_ms=1e3 * (spec.t_v + spec.t_tok))
     config = VerifierConfig(bind="tcp://127.0.0.1:0", budget=args.budget or spec.budget,
                             max_batch=args.max_batch, schedule=args.schedule, nodes=args.nodes)
     try:
-        Verifier(EmulatedEngine(spec), hello, config).serve(
+        Verifier(EmulatedEngine(spec), card, config).serve(
             ready=lambda address: print(READY + address, flush=True))
     except KeyboardInterrupt:
         pass
@@ -273,9 +274,9 @@ def run_point(spec: EdgeSpec, n: int, schedule: str, max_batch: int | str, budge
         stop.set()
         _stop(verifier)
     rates = [(b - a) / window for a, b in zip(c0, c1, strict=True)]
-    delta = {k: s1[k] - s0[k] for k in ("steps", "rounds", "committed", "slo_rounds",
-                                        "slo_late", "verify_s")}
-    stats = dict(s1, mean_batch=delta["rounds"] / max(delta["steps"], 1),
+    delta = {k: getattr(s1, k) - getattr(s0, k)
+             for k in ("steps", "rounds", "committed", "slo_rounds", "slo_late", "verify_s")}
+    stats = dict(msgspec.to_builtins(s1), mean_batch=delta["rounds"] / max(delta["steps"], 1),
                  verify_ms_per_step=1e3 * delta["verify_s"] / max(delta["steps"], 1),
                  slo_rounds=delta["slo_rounds"], slo_late=delta["slo_late"])
     row = edge_row(n, schedule, max_batch, [], stats, None, mode="edge-emulated")

@@ -122,7 +122,7 @@ class EmulatedTargets:
         self.go = asyncio.Event()
         self.stop = asyncio.Event()
 
-    def hello(self, index: int):
+    def card(self, index: int):
         return TargetCard(name=f"emu{index}", vocab_size=VOCAB, step_ms=1e3 * self.spec.step)
 
     async def connect(self) -> list:
@@ -130,7 +130,7 @@ class EmulatedTargets:
         own round trip measured so that the emulated ``t_c`` includes it."""
 
         socks = [dealer(self.ctx, self.hub, f"emu{self.first + i}") for i in range(self.count)]
-        replies = await asyncio.gather(*(ask(s, self.hello(self.first + i))
+        replies = await asyncio.gather(*(ask(s, self.card(self.first + i))
                                          for i, s in enumerate(socks)))
         for i, reply in enumerate(replies):
             if not isinstance(reply, DrafterCard | Reject):
@@ -160,10 +160,9 @@ class EmulatedTargets:
         try:
             while True:
                 stats = await ask(sock, StatsQuery(counters=True))
-                now = stats.body["counters"]
-                if before is not None and now["returns"] - before["returns"] >= 4:
-                    z = (now["return_s"] - before["return_s"]) / (now["returns"]
-                                                                  - before["returns"])
+                now = stats.body.counters
+                if before is not None and now.returns - before.returns >= 4:
+                    z = (now.return_s - before.return_s) / (now.returns - before.returns)
                     step = gain * self.share * (self.spec.t_c + self.spec.t_v - z)
                     self.link_delay = min(max(self.link_delay + step, -self.spec.t_v / 2),
                                           self.spec.t_c)
@@ -192,7 +191,7 @@ class EmulatedTargets:
                 await self.alone(i, float("inf"))
                 return
             await self.alone(i, time.monotonic() + retry)
-            reply = await ask(sock, self.hello(self.first + i))
+            reply = await ask(sock, self.card(self.first + i))
             self.totals.admitted[i] = isinstance(reply, DrafterCard)
             self.retry_after[i] = getattr(reply, "retry_after_s", 0.0)
             self.totals.rejections += not self.totals.admitted[i]

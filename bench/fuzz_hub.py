@@ -151,8 +151,8 @@ class Blaster(threading.Thread):
     def handshake(self, sock: zmq.Socket) -> None:
         t = self.target
         sock.send_multipart(encode(TargetCard(name=f"blaster{self.index}", vocab_size=t.vocab)))
-        welcome = _reply(sock)
-        if not isinstance(welcome, DrafterCard):
+        card = _reply(sock)
+        if not isinstance(card, DrafterCard):
             return
         ids = np.arange(1, 9, dtype=np.int32)
         feats = np.zeros((7, t.feature_width), np.float16) if t.feature_width else None
@@ -202,8 +202,8 @@ def run(messages: int, model_spec: str = "default", drafter: str = "eagle",
     report = Report(senders=senders)
     with open(log_path or os.devnull, "w") as log, spawn_hub(flags, log_file=log) as hub:
         pid = hub.proc.pid
-        welcome = _ask(hub.address, TargetCard(name="probe", vocab_size=model.config.vocab_size))
-        layers = len(welcome.feature_layers) if isinstance(welcome, DrafterCard) else 0
+        card = _ask(hub.address, TargetCard(name="probe", vocab_size=model.config.vocab_size))
+        layers = len(card.feature_layers) if isinstance(card, DrafterCard) else 0
         target = dict(vocab=model.config.vocab_size, max_prompt_tokens=max_prompt_tokens,
                       max_message_bytes=int(max_message_mb * (1 << 20)),
                       feature_width=model.config.hidden_size * layers)
@@ -240,8 +240,8 @@ def run(messages: int, model_spec: str = "default", drafter: str = "eagle",
         report.serving = isinstance(_ask(hub.address, Ping(nonce=7)), Pong)
         stats = _ask(hub.address, StatsQuery())
         if isinstance(stats, StatsReport):
-            report.hub_errors = stats.body.get("errors", {})
-            report.hub_sessions_after = stats.body.get("active_sessions", -1)
+            report.hub_errors = stats.body.errors
+            report.hub_sessions_after = stats.body.active_sessions
         samples.append((sum(sent), rss_mb(pid)))
     report.messages = sum(sent)
     report.errors = sum(b.errors for b in blasters)

@@ -85,12 +85,12 @@ def feature_layers_of(address: str) -> tuple[list[int], str]:
 
     client = HubClient(address, timeout_s=30)
     try:
-        welcome = client.request(ObserverCard(name="bench"))
+        card = client.request(ObserverCard(name="bench"))
     finally:
         client.close()
-    if not isinstance(welcome, DrafterCard):
-        raise RuntimeError(f"the hub answered an observer's card with {welcome}")
-    return list(welcome.feature_layers), welcome.drafter
+    if not isinstance(card, DrafterCard):
+        raise RuntimeError(f"the hub answered an observer's card with {card}")
+    return list(card.feature_layers), card.drafter
 
 
 def load_row(cfg: HubLoadConfig, n: int, variant: StarVariant, c0: dict, c1: dict,

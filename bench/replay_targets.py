@@ -16,6 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from bench.emulate_targets import CalibratedWait, ask, dealer
@@ -86,7 +87,7 @@ class ReplayTargets:
         self.stop = asyncio.Event()
         self.socks: list = []
 
-    def hello(self, index: int):
+    def card(self, index: int):
         meta = self.rec.meta
         return TargetCard(name=f"replay{index}", vocab_size=meta.vocab_size,
                           tokenizer_fp=meta.tokenizer_fp, hidden_size=meta.hidden_size,
@@ -95,7 +96,7 @@ class ReplayTargets:
     async def stats(self, sock) -> dict:
         """The hub's raw counters, asked on an observer socket (``sock``)."""
 
-        return (await ask(sock, StatsQuery(counters=True))).body
+        return msgspec.to_builtins((await ask(sock, StatsQuery(counters=True))).body)
 
     async def observer(self):
         sock = dealer(self.ctx, self.hub, "replay-observer")
@@ -119,7 +120,7 @@ class ReplayTargets:
         admitted = False
         while not self.stop.is_set():
             if not admitted:
-                reply = await ask(sock, self.hello(i))
+                reply = await ask(sock, self.card(i))
                 if isinstance(reply, DrafterCard):
                     admitted = True
                     self.totals.admitted += 1

@@ -14,6 +14,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from bench.baselines import PromptRun, colocated, hf_generate
 from bench.defaults import BASELINES
 from bench.notes import METRIC_NOTES, THREADS_NOTE
@@ -346,7 +348,7 @@ def run_star(cfg: BenchConfig, n: int, log_dir: str, reference: dict | None,
                                           stdout=subprocess.DEVNULL))
         wait_for_outputs(procs, outs, tick, f"a target failed; see {target_log.name}")
         client = observer_client(hub.address, timeout_s=30, name="bench")
-        stats = client.request(StatsQuery()).body
+        stats = msgspec.to_builtins(client.request(StatsQuery()).body)
         client.close()
     return star_row(cfg, n, [list(iter_results(out)) for out in outs], stats, reference,
                     variant)

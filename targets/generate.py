@@ -31,6 +31,7 @@ from starhub.wire.messages import (
     StatsReport,
     TargetCard,
 )
+from starhub.wire.reports import PeerEntry, PeerReport
 from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.verify import TargetModel
@@ -137,7 +138,7 @@ class SpeculativeGenerator:
         client = HubClient(self.hub, timeout_s=max(self.link.floor_s, 5.0),
                            **self.client_options)
         try:
-            return client, client.hello(self.hello())
+            return client, client.greet(self.card())
         except HubUnavailable:
             client.close()
             raise
@@ -147,13 +148,13 @@ class SpeculativeGenerator:
         hub's ``retry_after_s``."""
         if not self.link.connect():
             return False
-        welcome = self.link.card
+        card = self.link.card
         log.info("%s: hub %s drafts with '%s' (depth %s, topk %d, %d nodes)", self.name,
-                 self.hub, welcome.drafter, welcome.depth or "auto", welcome.topk,
-                 welcome.max_nodes)
+                 self.hub, card.drafter, card.depth or "auto", card.topk,
+                 card.max_nodes)
         return True
 
-    def hello(self) -> TargetCard:
+    def card(self) -> TargetCard:
         cfg = self.model.config
         return TargetCard(name=self.name, vocab_size=cfg.vocab_size,
                           tokenizer_fp=tokenizer_fingerprint(self.tokenizer),
@@ -205,7 +206,7 @@ class SpeculativeGenerator:
         stats.step_ms = 1e3 * self.step_s
         self._split_hub_wait(stats)
 
-    _peer_totals: dict | None = None
+    _peer_totals: PeerEntry | None = None
 
     def _split_hub_wait(self, stats: GenerationStats) -> None:
         """Split the round trips into the hub's queueing and drafting for us (its own
@@ -217,13 +218,14 @@ class SpeculativeGenerator:
             reply = client.request(StatsQuery(peer=True))
         except (HubUnavailable, HubError):
             return
-        totals = reply.body.get("peer") if isinstance(reply, StatsReport) else None
-        if not totals:
+        body = reply.body if isinstance(reply, StatsReport) else None
+        totals = body.peer if isinstance(body, PeerReport) else None
+        if totals is None:
             return
-        before = self._peer_totals or {"queue_s": 0.0, "draft_s": 0.0}
+        before = self._peer_totals or PeerEntry()
         self._peer_totals = totals
-        stats.hub_queue_s = totals["queue_s"] - before["queue_s"]
-        stats.hub_draft_s = totals["draft_s"] - before["draft_s"]
+        stats.hub_queue_s = totals.queue_s - before.queue_s
+        stats.hub_draft_s = totals.draft_s - before.draft_s
         stats.comm_s = max(0.0, stats.hub_wait_s - stats.hub_queue_s - stats.hub_draft_s)
 
     def _rounds(self, client: HubClient | None, target: TargetModel, prompt_ids: list[int],

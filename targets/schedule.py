@@ -23,6 +23,7 @@ Nothing here touches sockets or models: the verifier feeds it observations and a
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from collections import deque
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from starhub.fit import LinearFit
+from starhub.wire.reports import MAX_ENTRIES, SchedulerReport, SessionEntry
 
 POLICIES = ("fifo", "random", "goodspeed", "slo")
 
@@ -274,12 +276,14 @@ class Scheduler:
                                     cap=self.cap)
         self.sizes = dict(zip(sids, sizes, strict=True))
 
-    def snapshot(self) -> dict:
-        return {"policy": self.policy, "budget": self.budget, "max_batch": self.max_batch,
-                "time_model_ms": [round(float(c) * 1e3, 6) for c in self.time_model.coef],
-                "time_model_mape": self.time_model.mape,
-                "sessions": {str(sid): {"alpha": round(s.alpha, 3),
-                                        "goodput": round(s.goodput, 3),
-                                        "nodes": self.nodes_for(sid), "rounds": s.rounds,
-                                        "late": s.late}
-                             for sid, s in self.sessions.items()}}
+    def snapshot(self) -> SchedulerReport:
+        sessions = itertools.islice(self.sessions.items(), MAX_ENTRIES)
+        return SchedulerReport(
+            policy=self.policy, budget=self.budget, max_batch=self.max_batch,
+            time_model_ms=[round(float(c) * 1e3, 6) for c in self.time_model.coef],
+            time_model_mape=self.time_model.mape,
+            sessions={str(sid): SessionEntry(alpha=round(s.alpha, 3),
+                                             goodput=round(s.goodput, 3),
+                                             nodes=self.nodes_for(sid), rounds=s.rounds,
+                                             late=s.late)
+                      for sid, s in sessions})

@@ -53,6 +53,7 @@ from starhub.wire.messages import (
     StatsReport,
     TargetCard,
 )
+from starhub.wire.reports import VerifierReport
 from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.engine import VerifyEngine, measure_budget
@@ -80,11 +81,11 @@ class Verifier(Server):
     role = "verifier"
     log = log
 
-    def __init__(self, engine, hello: TargetCard, config: VerifierConfig,
+    def __init__(self, engine, card: TargetCard, config: VerifierConfig,
                  feature_dtype: torch.dtype = torch.float16):
         self.engine = engine
-        self.hello = hello
-        self.step_s = hello.step_ms / 1e3
+        self.card = card
+        self.step_s = card.step_ms / 1e3
         self.feature_dtype = feature_dtype
         self.config = config
         self.stats = VerifierStats()
@@ -104,13 +105,13 @@ class Verifier(Server):
     def for_model(cls, model, tokenizer, config: VerifierConfig,
                   name: str = "verifier") -> Verifier:
         cfg = model.config
-        hello = TargetCard(name=name, vocab_size=cfg.vocab_size,
+        card = TargetCard(name=name, vocab_size=cfg.vocab_size,
                            tokenizer_fp=tokenizer_fingerprint(tokenizer),
                            hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
                            step_ms=1e3 * measure_step(model))
         if not config.budget:
             config = replace(config, budget=max(measure_budget(model), 2))
-        return cls(VerifyEngine(model), hello, config, feature_dtype(model))
+        return cls(VerifyEngine(model), card, config, feature_dtype(model))
 
     # -- the loop ---------------------------------------------------------------------
     def serve(self, ready: Callable[[str], None] = lambda address: None,
@@ -178,7 +179,7 @@ class Verifier(Server):
     def handle(self, identity: bytes, msg: Message) -> None:
         """Route one valid message; a PROPOSE waits for a pass (``step``)."""
         if isinstance(msg, DrafterCard):
-            self.handle_welcome(identity, msg)
+            self.handle_drafter_card(identity, msg)
         elif isinstance(msg, Open):
             self.handle_open(identity, msg)
         elif isinstance(msg, Propose):
@@ -190,7 +191,7 @@ class Verifier(Server):
             self.reply(identity, Pong(nonce=msg.nonce))
         elif isinstance(msg, ObserverCard):  # `starhub status`, the benchmark
             self.observers.add(identity)
-            self.reply(identity, self.hello)
+            self.reply(identity, self.card)
         elif isinstance(msg, StatsQuery):
             detail = identity in self.table.peers or identity in self.observers
             self.reply(identity, StatsReport(body=verifier_view(self.snapshot(), detail)))
@@ -200,8 +201,8 @@ class Verifier(Server):
                                 f"DRAFTER_CARD, OPEN, PROPOSE and CLOSE (is this a hub's address?)",
                                 tag=msg.tag)
 
-    def handle_welcome(self, identity: bytes, msg: DrafterCard) -> None:
-        layers = self.hello.num_layers
+    def handle_drafter_card(self, identity: bytes, msg: DrafterCard) -> None:
+        layers = self.card.num_layers
         bad = [i for i in msg.feature_layers if not -(layers + 1) <= i <= layers]
         if bad:
             self.reply(identity, Reject(
@@ -210,12 +211,12 @@ class Verifier(Server):
             return
         self.table.join(DrafterPeer(identity=identity, card=msg))
         log.info("drafter %s (%s) joined", peer_name(identity), msg.drafter or "?")
-        self.reply(identity, self.hello)
+        self.reply(identity, self.card)
 
     def handle_open(self, identity: bytes, msg: Open) -> None:
         peer = self.table.peer(identity, msg, "DRAFTER_CARD")
         self.table.check_open(identity, len(msg.tokens), msg.ref)
-        check_ids(msg.tokens, self.hello.vocab_size, msg)
+        check_ids(msg.tokens, self.card.vocab_size, msg)
         prompt = msg.tokens.tolist()
         tag = self.table.new_tag()
         started = time.perf_counter()
@@ -242,9 +243,9 @@ class Verifier(Server):
                                 tag=msg.tag)
         check_tree(msg.parents, self.config.max_nodes, self.config.max_depth, msg.tag)
         self.table.check_grow(msg.tag, len(msg.tokens) + 1)
-        check_ids(msg.tokens, self.hello.vocab_size, msg)
+        check_ids(msg.tokens, self.card.vocab_size, msg)
         if msg.dist_ids is not None:
-            check_ids(msg.dist_ids.reshape(-1), self.hello.vocab_size, msg)
+            check_ids(msg.dist_ids.reshape(-1), self.card.vocab_size, msg)
         now = time.monotonic()
         session.last_seen = now
         if session.committed_at:
@@ -329,24 +330,21 @@ class Verifier(Server):
     def _half(self, feats: torch.Tensor | None) -> torch.Tensor | None:
         return None if feats is None else feats.to(self.feature_dtype)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> VerifierReport:
         st = self.stats
         wall = time.monotonic() - st.started
-        return {
-            "role": "verifier", "schedule": self.config.schedule,
-            "budget": self.config.budget, "max_batch": self.config.max_batch,
-            "sessions": len(self.table), "drafters": len(self.table.peers),
-            "cached_tokens": self.table.budget.cached,
-            "steps": st.steps, "rounds": st.rounds, "committed": st.committed,
-            "accepted": st.accepted, "opened": st.opened, "closed": st.closed,
-            "expired": st.expired, "wall_s": wall, "verify_s": st.verify_s,
-            "gather_s": st.gather_s, "prefill_s": st.prefill_s,
-            "mean_batch": st.rows / st.steps if st.steps else 0.0,
-            "verify_ms_per_step": 1e3 * st.verify_s / st.steps if st.steps else 0.0,
-            "fed_per_step": st.fed / st.steps if st.steps else 0.0,
-            "batch_hist": {str(k): v for k, v in sorted(st.batch_hist.items())},
-            "slo_rounds": st.deadlined, "slo_late": st.late,
-            "errors": dict(st.errors), "threads": torch.get_num_threads(),
-            "step_ms": 1e3 * self.step_s, "scheduler": self.scheduler.snapshot(),
-        }
+        return VerifierReport(
+            schedule=self.config.schedule, budget=self.config.budget,
+            max_batch=self.config.max_batch, sessions=len(self.table),
+            drafters=len(self.table.peers), cached_tokens=self.table.budget.cached,
+            steps=st.steps, rounds=st.rounds, committed=st.committed, accepted=st.accepted,
+            opened=st.opened, closed=st.closed, expired=st.expired, wall_s=wall,
+            verify_s=st.verify_s, gather_s=st.gather_s, prefill_s=st.prefill_s,
+            mean_batch=st.rows / st.steps if st.steps else 0.0,
+            verify_ms_per_step=1e3 * st.verify_s / st.steps if st.steps else 0.0,
+            fed_per_step=st.fed / st.steps if st.steps else 0.0,
+            batch_hist={str(k): v for k, v in sorted(st.batch_hist.items())},
+            slo_rounds=st.deadlined, slo_late=st.late, errors=dict(st.errors),
+            threads=torch.get_num_threads(), step_ms=1e3 * self.step_s,
+            scheduler=self.scheduler.snapshot())
 

@@ -42,6 +42,7 @@ from starhub.wire.messages import (
     StatsReport,
     TargetCard,
 )
+from starhub.wire.reports import PeerEntry, PeerReport
 
 settings.register_profile("ci", max_examples=300, deadline=None, derandomize=True,
                           database=None, suppress_health_check=list(HealthCheck))
@@ -126,7 +127,9 @@ valid_messages = st.one_of(
     st.builds(Close, tag=ints), st.builds(Error, tag=ints, code=small, message=text),
     st.builds(Ping, nonce=ints), st.builds(Pong, nonce=ints),
     st.builds(StatsQuery, peer=st.booleans(), counters=st.booleans(), peers=st.booleans()),
-    st.builds(StatsReport, body=st.dictionaries(text, anyint | text, max_size=3)),
+    st.builds(StatsReport, body=st.builds(PeerReport, peer=st.none() | st.builds(
+        PeerEntry, name=text, rounds=small, queue_s=ms, draft_s=ms, commits=small,
+        tokens=small, first=ms, last=ms))),
 )
 
 

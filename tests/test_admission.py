@@ -15,6 +15,7 @@ from starhub.client.connection import HubClient
 from starhub.launch import child_env, spawn_hub
 from starhub.launch.status import query_stats
 from starhub.wire.messages import DrafterCard, Reject, TargetCard
+from starhub.wire.reports import HubReport
 from targets import attach
 from tests.conftest import HubThread
 
@@ -28,7 +29,7 @@ def run_target(hub: str, model_dir, prompts, out, name: str) -> list[dict]:
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def stats(address: str) -> dict:
+def stats(address: str) -> HubReport:
     """The hub's STATS as an observer, which sees each target's entries."""
     return query_stats(address, timeout_s=10)
 
@@ -41,7 +42,7 @@ def test_a_freed_slot_is_reused_by_a_new_target_process(tiny_dir, tmp_path):
     hub = HubThread(NgramDrafter(), max_targets=1, peer_grace_s=0.3, retry_after_s=0.5)
     try:
         holder = HubClient(hub.address, timeout_s=10)
-        assert isinstance(holder.hello(TargetCard(name="holder", vocab_size=49152)), DrafterCard)
+        assert isinstance(holder.greet(TargetCard(name="holder", vocab_size=49152)), DrafterCard)
         waiting = HubClient(hub.address, timeout_s=10)
         waiting.send(TargetCard(name="waiting", vocab_size=49152))
         reply = waiting.recv()
@@ -49,17 +50,17 @@ def test_a_freed_slot_is_reused_by_a_new_target_process(tiny_dir, tmp_path):
         waiting.close()
         holder.close()
         time.sleep(1.5)  # the holder never opened a session: its slot frees after the grace
-        assert stats(hub.address)["admitted"] == 0
+        assert stats(hub.address).admitted == 0
 
         first = run_target(hub.address, tiny_dir, prompts, tmp_path / "a.jsonl", "first")
         assert not first[0]["stats"]["standalone"], first[0]["stats"]["note"]
         time.sleep(1.5)
-        assert stats(hub.address)["admitted"] == 0
+        assert stats(hub.address).admitted == 0
         second = run_target(hub.address, tiny_dir, prompts, tmp_path / "b.jsonl", "second")
         assert not second[0]["stats"]["standalone"], second[0]["stats"]["note"]
         assert second[0]["output_ids"] == first[0]["output_ids"]
         body = stats(hub.address)
-        assert body["rejections"] == 1 and body["max_targets"] == 1
+        assert body.rejections == 1 and body.max_targets == 1
     finally:
         hub.stop()
 
@@ -71,7 +72,7 @@ def test_a_rejected_target_decodes_alone_then_asks_again(tiny_model):
     hub = HubThread(NgramDrafter(), max_targets=1, peer_grace_s=0.3, retry_after_s=0.5)
     try:
         holder = HubClient(hub.address, timeout_s=10)
-        holder.hello(TargetCard(name="holder", vocab_size=model.config.vocab_size))
+        holder.greet(TargetCard(name="holder", vocab_size=model.config.vocab_size))
         with attach(model, tok, hub.address, name="late") as session:
             assert not session.connected
             alone = session.generate("one two one two", max_new_tokens=8)
@@ -94,7 +95,7 @@ def test_a_target_whose_idle_slot_was_freed_says_hello_again_and_keeps_speculati
     try:
         with attach(model, tok, hub.address, name="idle") as session:
             time.sleep(1.5)
-            assert stats(hub.address)["admitted"] == 0
+            assert stats(hub.address).admitted == 0
             result = session.generate("one two one two one two", max_new_tokens=8)
             assert not result.stats.standalone and not result.stats.note
     finally:
@@ -116,10 +117,10 @@ def test_a_session_no_tree_helps_decodes_plainly_and_stays_lossless(tiny_model, 
         assert result.stats.plain_rounds > 0 and result.stats.plain_tokens > 60
         assert result.stats.rounds >= 1, "the hub probed with a tree at least once"
         body = stats(hub.address)
-        assert body["plain_rounds"] == result.stats.plain_rounds
-        assert body["depth"] == "auto"
-        target = body["control"]["targets"][0]
-        assert target["verify_samples"] >= 1, \
+        assert body.plain_rounds == result.stats.plain_rounds
+        assert body.depth == "auto"
+        target = body.control.targets[0]
+        assert target.verify_samples >= 1, \
             "each tree round's COMMIT reports the target's verification time"
-        intercept, per_node = target["verify_ms_fit"]
+        intercept, per_node = target.verify_ms_fit
         assert intercept + 4 * per_node > 0

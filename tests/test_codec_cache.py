@@ -2,6 +2,7 @@
 messages as before them, gets the error code that names it."""
 
 import math
+import types
 import typing
 
 import msgpack
@@ -30,6 +31,7 @@ from starhub.wire.messages import (
     StatsReport,
     TargetCard,
 )
+from starhub.wire.reports import MAX_KEYS, SchedulerReport, SessionEntry, VerifierReport
 
 
 def one_of_each():
@@ -56,8 +58,22 @@ def one_of_each():
         Ping(nonce=12),
         Pong(nonce=12),
         StatsQuery(peer=True),
-        StatsReport(body={"r_q": 1.5, "peers": [1, 2]}),
+        StatsReport(body=verifier_report()),
     ]
+
+
+def verifier_report() -> VerifierReport:
+    """A verifier's STATS with every nested part, one session included."""
+    return VerifierReport(
+        schedule="goodspeed", budget=64, max_batch=0, sessions=1, drafters=1, cached_tokens=9,
+        steps=4, rounds=4, committed=9, accepted=5, opened=1, closed=0, expired=0, wall_s=2.5,
+        verify_s=0.4, gather_s=0.01, prefill_s=0.1, mean_batch=1.0, verify_ms_per_step=100.0,
+        fed_per_step=3.0, batch_hist={"1": 4}, slo_rounds=0, slo_late=0, errors={},
+        threads=2, step_ms=40.0,
+        scheduler=SchedulerReport(policy="goodspeed", budget=64, max_batch=0,
+                                  time_model_ms=[30.0, 1.5], time_model_mape=None,
+                                  sessions={"7": SessionEntry(alpha=0.5, goodput=2.0, nodes=8,
+                                                              rounds=4, late=0)}))
 
 
 def assert_same(back, msg):
@@ -92,6 +108,7 @@ FIELD_RULES_WRONG = {
     bool: [0, 1, "true", None, 1.5],
     list: ["x", 7, None, {"a": 1}, ["x"], [True], [1.5]],
     dict: [7, "x", None, [1], True],
+    types.UnionType: [7, "x", None, [1], True, {}, {"role": "nobody"}],
 }
 """For each kind of header field, values msgpack can carry that are not of that kind."""
 
@@ -219,3 +236,27 @@ def test_the_codec_benchmark_runs_and_writes_json(tmp_path, capsys):
     assert {"PROPOSE-60", "COMMIT-4+features", "loopback COMMIT->PROPOSE"} <= set(doc["rows"])
     assert doc["torch_threads"] >= 1
     assert "torch threads" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("body", [
+    {"role": "hub"},  # a hub's report without its fields
+    {"role": "peer", "peer": {"name": 7}},
+    {"role": "peer", "peer": {"name": "x" * (MAX_TEXT + 1)}},
+    {"role": "peer", "peer": {"name": "t"}, "r_q": 1.5},  # a field no peer report has
+    {"r_q": 1.5},  # the untyped body of protocol v5
+])
+def test_a_stats_report_body_of_the_wrong_shape_or_size_is_a_bad_field(body):
+    frames = [bytes(f) for f in encode(StatsReport(tag=3, body=verifier_report()))]
+    with pytest.raises(ProtocolError) as info:
+        decode(with_header(frames, body=body))
+    assert info.value.code == ErrorCode.BAD_FIELD and info.value.tag == 3
+
+
+def test_a_stats_report_may_not_make_its_reader_hold_unbounded_maps():
+    header = msgpack.unpackb(encode(StatsReport(body=verifier_report()))[0])
+    header["body"]["batch_hist"] = {str(k): 1 for k in range(MAX_KEYS + 1)}
+    with pytest.raises(ProtocolError) as info:
+        decode([msgpack.packb(header)])
+    assert info.value.code == ErrorCode.BAD_FIELD
+    header["body"]["batch_hist"] = {str(k): 1 for k in range(MAX_KEYS)}
+    assert len(decode([msgpack.packb(header)]).body.batch_hist) == MAX_KEYS

@@ -126,10 +126,10 @@ def test_a_session_the_hub_drops_is_forgotten_by_the_child(drafters):
 
 def test_targets_are_checked_against_what_the_child_drafts_for(drafters):
     local, remote = drafters
-    hello = TargetCard(name="t", vocab_size=local.head.vocab_size + 1, hidden_size=0, num_layers=2)
-    assert remote.check_target(hello) == local.check_target(hello) is not None
-    hello = TargetCard(name="t", vocab_size=local.head.vocab_size, hidden_size=0, num_layers=2)
-    assert remote.check_target(hello) is None
+    card = TargetCard(name="t", vocab_size=local.head.vocab_size + 1, hidden_size=0, num_layers=2)
+    assert remote.check_target(card) == local.check_target(card) is not None
+    card = TargetCard(name="t", vocab_size=local.head.vocab_size, hidden_size=0, num_layers=2)
+    assert remote.check_target(card) is None
 
 
 def test_a_drafter_that_cannot_load_fails_the_start_with_its_reason(tmp_path, monkeypatch):

@@ -84,7 +84,7 @@ def test_drafters_get_generate_tokens_from_a_batched_verifier(tiny_model, verifi
         assert out == _reference(model, prompt, 24)
         assert stats.rounds < 24 and stats.mean_accept_len > 1.5
     body = verifier.verifier.snapshot()
-    assert body["rounds"] > 0 and body["sessions"] == 0 and body["closed"] == len(PROMPTS)
+    assert body.rounds > 0 and body.sessions == 0 and body.closed == len(PROMPTS)
 
 
 def test_budgets_never_exceed_what_the_verifier_accepts_from_a_chain_drafter(tiny_model):
@@ -101,7 +101,7 @@ def test_budgets_never_exceed_what_the_verifier_accepts_from_a_chain_drafter(tin
         v.stop()
     assert out == _reference(model, PROMPTS[1], 24)
     assert stats.tree_nodes > stats.rounds * 2, "the random budgets must have grown trees"
-    assert v.verifier.snapshot()["errors"] == {}
+    assert v.verifier.snapshot().errors == {}
 
 
 def test_drafter_resumes_after_the_verifier_restarts(tiny_model):
@@ -197,7 +197,7 @@ def test_verifier_answers_bad_input_with_errors_and_keeps_serving(tiny_model, ve
         assert reply.TYPE == "COMMIT" and len(reply.tokens) >= 1
         a.sock.send_multipart(encode(Close(tag=tag)))
         body = a.ask(StatsQuery()).body
-        assert body["sessions"] == 0 and body["errors"]["BAD_FIELD"] == 1
+        assert body.sessions == 0 and body.errors["BAD_FIELD"] == 1
     finally:
         a.close()
         b.close()

@@ -110,9 +110,9 @@ def test_a_killed_target_leaves_the_others_undisturbed_and_its_sessions_expire(t
         assert [p.wait(300) for p in procs[1:]] == [0, 0]
         client = HubClient(hub.address, timeout_s=10)
         deadline = time.monotonic() + 2 + 5
-        while client.request(StatsQuery()).body["active_sessions"] and time.monotonic() < deadline:
+        while client.request(StatsQuery()).body.active_sessions and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert client.request(StatsQuery()).body["active_sessions"] == 0
+        assert client.request(StatsQuery()).body.active_sessions == 0
         client.close()
     results = [r for out in outs[1:] for r in iter_results(out)]
     assert len(results) == 6

@@ -279,7 +279,7 @@ def verifier_attacks(draw, greedy: int, sampled: int, vocab: int):
 def test_the_verifier_answers_hostile_messages_with_an_error_and_changes_nothing(verifier,
                                                                                  data):
     v = verifier
-    attacks = verifier_attacks(v.greedy.tag, v.sampled.tag, v.verifier.hello.vocab_size)
+    attacks = verifier_attacks(v.greedy.tag, v.sampled.tag, v.verifier.card.vocab_size)
     sender, msg, code = data.draw(attacks)
     before = verifier.state()
     refused(verifier.send(sender, msg), code)

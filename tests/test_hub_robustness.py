@@ -45,7 +45,7 @@ class Peer:
         assert self.sock.poll(int(timeout_s * 1000)), "no reply from the hub"
         return decode(self.sock.recv_multipart())
 
-    def hello(self) -> DrafterCard:
+    def greet(self) -> DrafterCard:
         self.send(TargetCard(name="peer", vocab_size=1000))
         reply = self.recv()
         assert isinstance(reply, DrafterCard)
@@ -76,7 +76,7 @@ REPEATING = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
 @pytest.fixture
 def healthy(ngram_hub):
     peer = Peer(ngram_hub.address)
-    peer.hello()
+    peer.greet()
     prop = peer.open(REPEATING)
     yield peer, prop
     peer.close()
@@ -86,7 +86,7 @@ def test_each_malformed_message_gets_an_error_and_the_hub_keeps_serving(ngram_hu
     good, prop = healthy
     bad = Peer(ngram_hub.address)
     other = Peer(ngram_hub.address)
-    other.hello()
+    other.greet()
 
     bad.send_raw([os.urandom(64)])
     expect_error(bad, ErrorCode.BAD_FRAME)
@@ -103,7 +103,7 @@ def test_each_malformed_message_gets_an_error_and_the_hub_keeps_serving(ngram_hu
     bad.send(Open(ref=3, prompt_len=1, tokens=np.array([1, 2], np.int32)))
     assert expect_error(bad, ErrorCode.NO_CARD).ref == 3
 
-    bad.hello()
+    bad.greet()
     bad.send(Commit(tag=123456, seq=0, accepted=0, tokens=np.array([1], np.int32)))
     assert expect_error(bad, ErrorCode.UNKNOWN_TAG).tag == 123456
 
@@ -152,7 +152,7 @@ def test_a_stale_commit_is_refused_without_harming_the_session(ngram_hub, health
 def test_a_vanished_peer_does_not_disturb_others(ngram_hub, healthy):
     good, prop = healthy
     ghost = Peer(ngram_hub.address)
-    ghost.hello()
+    ghost.greet()
     ghost.send(Open(ref=1, prompt_len=2, tokens=np.array([1, 2, 3], np.int32)))
     ghost.close()
     good.send(Commit(tag=prop.tag, seq=prop.seq, accepted=0, tokens=np.array([5], np.int32)))
@@ -167,13 +167,13 @@ def test_sessions_are_released_after_their_ttl():
     hub = HubThread(NgramDrafter(), ttl_s=0.3)
     try:
         peer = Peer(hub.address)
-        peer.hello()
+        peer.greet()
         prop = peer.open([1, 2, 3])
         time.sleep(1.2)
         peer.send(StatsQuery())
         stats = peer.recv()
-        assert stats.body["active_sessions"] == 0
-        assert stats.body["sessions_expired"] == 1
+        assert stats.body.active_sessions == 0
+        assert stats.body.sessions_expired == 1
         peer.send(Commit(tag=prop.tag, seq=prop.seq, accepted=0, tokens=np.array([4], np.int32)))
         expect_error(peer, ErrorCode.UNKNOWN_TAG)
         peer.close()
@@ -185,7 +185,7 @@ def test_close_releases_the_session(ngram_hub, healthy):
     good, prop = healthy
     good.send(Close(tag=prop.tag))
     good.send(StatsQuery())
-    assert good.recv().body["active_sessions"] == 0
+    assert good.recv().body.active_sessions == 0
 
 
 def test_admission_limit_rejects_extra_targets():
@@ -196,7 +196,7 @@ def test_admission_limit_rejects_extra_targets():
     hub = HubThread(NgramDrafter(), max_targets=1)
     try:
         first, second = Peer(hub.address), Peer(hub.address)
-        first.hello()
+        first.greet()
         second.send(TargetCard(name="late", vocab_size=1000))
         reply = second.recv()
         assert isinstance(reply, Reject) and "admission limit" in reply.reason

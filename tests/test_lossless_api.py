@@ -117,12 +117,12 @@ def test_lookup_branches_are_accepted_and_output_stays_generate(tiny_model, toke
             result = session.generate(prompt, max_new_tokens=64)
             assert result.output_ids == reference(model, result.prompt_ids, 64)
         client = HubClient(hub.address, timeout_s=10)
-        client.hello(TargetCard(name="probe", vocab_size=model.config.vocab_size))
+        client.greet(TargetCard(name="probe", vocab_size=model.config.vocab_size))
         body = client.request(StatsQuery()).body
         client.close()
     if lookup == "on":
-        assert body["lookup_round_share"] > 0.5 and body["lookup_token_share"] > 0.3
-        assert body["mean_accept_len"] > 1.5
+        assert body.lookup_round_share > 0.5 and body.lookup_token_share > 0.3
+        assert body.mean_accept_len > 1.5
     else:
-        assert body["lookup_round_share"] == body["lookup_token_share"] == 0
-        assert body["mean_accept_len"] < 1.2
+        assert body.lookup_round_share == body.lookup_token_share == 0
+        assert body.mean_accept_len < 1.2

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import urllib.request
 
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -103,7 +104,7 @@ def drive_rounds(address: str, rounds: int = 3) -> HubClient:
     import numpy as np
 
     client = HubClient(address, timeout_s=10)
-    client.hello(TargetCard(name="probe", vocab_size=1000))
+    client.greet(TargetCard(name="probe", vocab_size=1000))
     prompt = np.array([1, 2, 3, 1, 2, 3, 1, 2], dtype=np.int32)
     reply = client.request(Open(ref=7, prompt_len=7, tokens=prompt), ref=7)
     for _ in range(rounds):
@@ -139,12 +140,12 @@ def test_stats_request_returns_the_metrics(ngram_hub):
     body = client.request(StatsQuery()).body
     for name in ("system_tok_s", "t_idle_ms", "r_q", "r_p", "load", "mean_accept_len",
                  "accept_rate_by_depth", "accept_len_hist", "threads"):
-        assert name in body
-    assert body["rounds"] == 3 and body["peers"] == 1
-    own = client.request(StatsQuery(peer=True)).body["peer"]
-    assert own["name"] == "probe" and own["rounds"] == 3 and own["commits"] == 2
-    counters = client.request(StatsQuery(counters=True)).body["counters"]
-    assert counters["rounds"] == 3 and counters["peers"] == []
+        assert name in msgspec.to_builtins(body)
+    assert body.rounds == 3 and body.peers == 1
+    own = client.request(StatsQuery(peer=True)).body.peer
+    assert own.name == "probe" and own.rounds == 3 and own.commits == 2
+    counters = client.request(StatsQuery(counters=True)).body.counters
+    assert counters.rounds == 3 and counters.peers == []
     client.close()
 
 

@@ -21,6 +21,7 @@ from starhub.wire.messages import (
     StatsReport,
     TargetCard,
 )
+from starhub.wire.reports import PeerEntry, PeerReport
 
 
 def roundtrip(msg, limits=Limits()):
@@ -46,7 +47,7 @@ def test_every_message_roundtrips_with_its_arrays():
         Commit(tag=9, seq=3, accepted=0, tokens=np.arange(16, dtype=np.int32)),
         Close(tag=9),
         StatsQuery(counters=True),
-        StatsReport(body={"r_q": 1.5}),
+        StatsReport(body=PeerReport(peer=PeerEntry(name="t", rounds=3, draft_s=0.5))),
     ]
     for msg in msgs:
         back = roundtrip(msg)

@@ -77,7 +77,7 @@ def test_observations_move_acceptance_and_goodspeed_budgets():
     assert sched.nodes_for(1) > sched.nodes_for(2)
     assert sched.nodes_for(1) + sched.nodes_for(2) <= 44 - 2
     sched.close(1)
-    assert 1 not in sched.snapshot()["sessions"]
+    assert "1" not in sched.snapshot().sessions
 
 
 def test_verify_time_model_recovers_its_coefficients_and_reports_held_out_error():

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from msgspec import to_builtins
 
 from starhub.client.connection import HubClient, HubUnavailable
 from starhub.drafters.base import TreeShape
@@ -27,6 +28,7 @@ from starhub.launch.plan import build_plan
 from starhub.launch.status import query_stats
 from starhub.server.isolation import AGGREGATES_ONLY
 from starhub.wire.messages import DrafterCard, Open, Opened, StatsQuery, TargetCard
+from starhub.wire.reports import HubReport, PeerReport, VerifierReport
 from starhub.wire.security import (
     ClientCurve,
     SecurityError,
@@ -217,12 +219,12 @@ def test_curve_hub_refuses_unknown_keys_and_plain_clients(keys):
             refused = HubClient(hub.address, timeout_s=REFUSED_WITHIN_S, curve=curve)
             try:
                 with pytest.raises(HubUnavailable, match="no reply"):
-                    refused.hello(TargetCard(name="intruder", vocab_size=1000))
+                    refused.greet(TargetCard(name="intruder", vocab_size=1000))
                 with pytest.raises(HubUnavailable, match="no reply|refused the connection"):
                     refused.ping()  # a second request fails too, and never blocks
             finally:
                 refused.close()
-        assert allowed.hello(TargetCard(name="allowed", vocab_size=1000)).drafter == "ngram"
+        assert allowed.greet(TargetCard(name="allowed", vocab_size=1000)).drafter == "ngram"
         assert [p.name for p in hub.hub.table.peers.values()] == ["allowed"]
     finally:
         allowed.close()
@@ -266,7 +268,7 @@ def test_client_identities_are_random():
 
 # -- STATS by introduction ------------------------------------------------------------------
 
-def _stats(address: str, **request) -> dict:
+def _stats(address: str, **request) -> HubReport | VerifierReport | PeerReport:
     client = HubClient(address, timeout_s=30)
     try:
         return client.request(StatsQuery(**request)).body
@@ -284,22 +286,24 @@ def test_hub_stats_without_hello_show_aggregates_only(tiny_model):
             assert result.stats.hub_draft_s > 0, "a known target still gets its own totals"
 
             stranger = _stats(hub.address, counters=True, peers=True)
-            assert stranger[AGGREGATES_ONLY] is True
-            assert stranger["rounds"] == result.stats.rounds and stranger["peers"] == 1
-            assert "targets" not in stranger["control"] and "n_max" in stranger["control"]
-            assert "peers" not in stranger["counters"] and stranger["counters"]["rounds"] > 0
+            assert stranger.aggregates_only is True
+            assert stranger.rounds == result.stats.rounds and stranger.peers == 1
+            assert stranger.control.targets is None and "n_max" in to_builtins(stranger.control)
+            assert stranger.counters.peers is None and stranger.counters.rounds > 0
             assert "secret-target" not in repr(stranger)
-            assert _stats(hub.address, peer=True) == {"peer": {}}
+            assert AGGREGATES_ONLY in to_builtins(stranger)
+            assert _stats(hub.address, peer=True) == PeerReport(peer=None)
 
             target = session._gen.client.request(StatsQuery(counters=True, peers=True))
-            assert AGGREGATES_ONLY not in target.body
-            assert [t["name"] for t in target.body["control"]["targets"]] == ["secret-target"]
+            assert not target.body.aggregates_only
+            assert AGGREGATES_ONLY not in to_builtins(target.body)
+            assert [t.name for t in target.body.control.targets] == ["secret-target"]
 
             observed = query_stats(hub.address, timeout_s=30, peers=True)
-            assert AGGREGATES_ONLY not in observed
-            assert [p[0] for p in observed["counters"]["peers"]] == ["secret-target"]
-            assert [t["name"] for t in observed["control"]["targets"]] == ["secret-target"]
-            assert observed["admitted"] == 1, "an observer takes no admission slot"
+            assert not observed.aggregates_only
+            assert [p[0] for p in observed.counters.peers] == ["secret-target"]
+            assert [t.name for t in observed.control.targets] == ["secret-target"]
+            assert observed.admitted == 1, "an observer takes no admission slot"
     finally:
         hub.stop()
 
@@ -314,16 +318,17 @@ def test_verifier_stats_without_welcome_hide_sessions(tiny_model):
                                  ref=1)
         assert isinstance(opened, Opened)
         own = drafter.request(StatsQuery()).body
-        assert str(opened.tag) in own["scheduler"]["sessions"]
+        assert str(opened.tag) in own.scheduler.sessions
 
         stranger = _stats(verifier.address)
-        assert stranger[AGGREGATES_ONLY] is True and stranger["sessions"] == 1
-        assert "sessions" not in stranger["scheduler"] and "policy" in stranger["scheduler"]
+        assert stranger.aggregates_only is True and stranger.sessions == 1
+        assert stranger.scheduler.sessions is None and stranger.scheduler.policy
+        assert "sessions" not in to_builtins(stranger.scheduler)
         assert str(opened.tag) not in repr(stranger)
 
         observed = query_stats(verifier.address, timeout_s=30)
-        assert str(opened.tag) in observed["scheduler"]["sessions"]
-        assert observed["drafters"] == 1, "an observer is not counted as a drafter"
+        assert str(opened.tag) in observed.scheduler.sessions
+        assert observed.drafters == 1, "an observer is not counted as a drafter"
     finally:
         drafter.close()
         verifier.stop()

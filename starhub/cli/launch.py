@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import msgspec
+
 from starhub.launch.config import load_config, schema_text
 from starhub.launch.plan import build_plan, check_commands, describe
 from starhub.launch.ray_backend import RayBackend, ray_address
@@ -117,7 +119,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     except HubUnavailable as exc:
         print(f"starhub status: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(body, indent=1, sort_keys=True) if args.json
+    print(json.dumps(msgspec.to_builtins(body), indent=1, sort_keys=True) if args.json
           else report(args.address, body))
     return 0
 

@@ -114,10 +114,10 @@ class HubClient(Connection):
     def __init__(self, address: str, timeout_s: float = 30.0, limits: Limits = Limits(),
                  curve: ClientCurve | None = None):
         super().__init__(address, timeout_s, limits, curve, prefix="t", role="target")
-        self.welcome: DrafterCard | None = None
+        self.drafter_card: DrafterCard | None = None
 
-    def hello(self, hello: TargetCard) -> DrafterCard:
-        self.send(hello)
+    def greet(self, card: TargetCard) -> DrafterCard:
+        self.send(card)
         reply = self.recv()
         if isinstance(reply, Reject):
             raise HubUnavailable(f"the hub rejected this target: {reply.reason}",
@@ -125,7 +125,7 @@ class HubClient(Connection):
         if not isinstance(reply, DrafterCard):
             raise HubUnavailable(f"expected DRAFTER_CARD, got {reply.TYPE}: "
                                  f"{getattr(reply, 'message', '')}")
-        self.welcome = reply
+        self.drafter_card = reply
         return reply
 
     def request(self, msg: Message, tag: int = 0, ref: int = 0) -> Message:

@@ -22,6 +22,7 @@ import numpy as np
 from starhub.control.estimators import Acceptance, Ema
 from starhub.fit import LinearFit
 from starhub.options import AUTO, MAX_AUTO_DEPTH
+from starhub.wire.reports import MAX_ENTRIES, ControlReport, TargetEntry, Typical
 
 PLAIN_TOKENS = 16
 """Tokens a target decodes on its own per plain round: the round trip is paid once."""
@@ -359,35 +360,33 @@ class Controller:
             if now - since > max(10.0, 5 * self.config.retry_after_s):
                 del self.rejected_recently[identity]
 
-    def snapshot(self, now: float) -> dict:
+    def snapshot(self, now: float) -> ControlReport:
         load = self._load()
         self._forget_rejected(now)
         s, z, e, step, depth = self.typical()
         per_target = []
-        for target in self.targets.values():
+        for target in list(self.targets.values())[:MAX_ENTRIES]:
             rates = [self.predicted_tok_s(self.sessions[t], load) for t in target.sessions]
-            per_target.append({
-                "name": target.name, "sessions": len(target.sessions),
-                "step_ms": 1e3 * target.step_s(),
-                "standalone_tok_s": 1.0 / target.step_s() if target.step_s() else None,
-                "predicted_tok_s": sum(rates) if rates else None,
-                "t_c_ms": 1e3 * target.t_c.get(self.config.t_c_prior_s),
-                "verify_ms_fit": [1e3 * w for w in target.verify.weights],
-                "verify_samples": target.verify.samples,
-            })
-        return {
-            "depth": self.config.depth, "max_targets": self.config.max_targets,
-            "admitted": len(self.targets), "rejections": self.rejections,
-            "rejected_waiting": len(self.rejected_recently),
-            "n_max": _n_max(s, z, e, step), "n_full": _n_full(s, z),
-            "typical": {"S_ms": 1e3 * s, "Z_ms": 1e3 * z, "tau": e, "step_ms": 1e3 * step,
-                        "depth": depth},
-            "draft_ms_fit": [1e3 * w for w in self.draft.weights],
-            "overhead_ms": 1e3 * self.overhead.get(0.0),
-            "hub_load_ms": 1e3 * load,
-            "acceptance_by_depth": self.hub_acceptance.by_depth(),
-            "targets": per_target,
-        }
+            per_target.append(TargetEntry(
+                name=target.name, sessions=len(target.sessions),
+                step_ms=1e3 * target.step_s(),
+                standalone_tok_s=1.0 / target.step_s() if target.step_s() else None,
+                predicted_tok_s=sum(rates) if rates else None,
+                t_c_ms=1e3 * target.t_c.get(self.config.t_c_prior_s),
+                verify_ms_fit=[1e3 * w for w in target.verify.weights],
+                verify_samples=target.verify.samples))
+        return ControlReport(
+            depth=self.config.depth, max_targets=self.config.max_targets,
+            admitted=len(self.targets), rejections=self.rejections,
+            rejected_waiting=len(self.rejected_recently),
+            n_max=_n_max(s, z, e, step), n_full=_n_full(s, z),
+            typical=Typical(S_ms=1e3 * s, Z_ms=1e3 * z, tau=e, step_ms=1e3 * step,
+                            depth=depth),
+            draft_ms_fit=[1e3 * w for w in self.draft.weights],
+            overhead_ms=1e3 * self.overhead.get(0.0),
+            hub_load_ms=1e3 * load,
+            acceptance_by_depth=self.hub_acceptance.by_depth(),
+            targets=per_target)
 
 
 def _n_max(s: float, z: float, e: float, step: float) -> int | None:

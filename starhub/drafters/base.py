@@ -56,14 +56,14 @@ class TargetNeeds:
     hidden_size: int = 0
     tokenizer_fp: str = ""
 
-    def mismatch(self, hello: TargetCard) -> str | None:
-        if self.vocab_size and hello.vocab_size != self.vocab_size:
+    def mismatch(self, card: TargetCard) -> str | None:
+        if self.vocab_size and card.vocab_size != self.vocab_size:
             return (f"{self.who} drafts a {self.vocab_size}-token vocabulary, the target has "
-                    f"{hello.vocab_size}")
-        if self.hidden_size and hello.hidden_size and hello.hidden_size != self.hidden_size:
+                    f"{card.vocab_size}")
+        if self.hidden_size and card.hidden_size and card.hidden_size != self.hidden_size:
             return (f"{self.who} reads {self.hidden_size}-wide features, the target's hidden "
-                    f"size is {hello.hidden_size}")
-        if self.tokenizer_fp and hello.tokenizer_fp and hello.tokenizer_fp != self.tokenizer_fp:
+                    f"size is {card.hidden_size}")
+        if self.tokenizer_fp and card.tokenizer_fp and card.tokenizer_fp != self.tokenizer_fp:
             return f"{self.who} uses a different tokenizer than the target"
         return None
 
@@ -133,9 +133,9 @@ class Drafter(ABC):
         """What a target must match for this drafter to serve it."""
         return TargetNeeds()
 
-    def check_target(self, hello: TargetCard) -> str | None:
-        """Why this drafter cannot serve the target that sent ``hello``, or None."""
-        return self.needs().mismatch(hello)
+    def check_target(self, card: TargetCard) -> str | None:
+        """Why this drafter cannot serve the target that sent ``card``, or None."""
+        return self.needs().mismatch(card)
 
     def wake(self) -> None:
         """``admit`` has more jobs. A drafter that waits on something other than its own

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import astuple, dataclass, field, fields
 from wsgiref.simple_server import WSGIServer
 
+from starhub.wire.reports import HubReport
+
 SCALARS = ("rounds", "draft_s", "draft_layers", "wait_s", "idle_s", "sched_s", "idle_gaps",
            "iterations", "return_s", "returns", "commits", "committed_tokens", "proposed_nodes",
            "plain_rounds", "plain_tokens", "batches", "batched", "batch_s", "predraft_hits",
@@ -347,7 +349,7 @@ COUNTERS = {"rounds": "draft rounds", "commits": "verification rounds (COMMITs)"
 class PrometheusCollector:
     """Reads a fresh hub snapshot at every scrape, so nothing is counted twice."""
 
-    def __init__(self, snapshot: Callable[[], dict], counters: Callable[[], dict]):
+    def __init__(self, snapshot: Callable[[], HubReport], counters: Callable[[], dict]):
         self.snapshot = snapshot
         self.counters = counters
 
@@ -360,11 +362,11 @@ class PrometheusCollector:
 
         snap, raw = self.snapshot(), self.counters()
         for name in GAUGES:
-            if isinstance(snap.get(name), int | float):
-                yield GaugeMetricFamily(f"starhub_{name}", _HELP.get(name, name),
-                                        value=snap[name])
+            value = getattr(snap, name)
+            if isinstance(value, int | float):
+                yield GaugeMetricFamily(f"starhub_{name}", _HELP.get(name, name), value=value)
         for name, doc in COUNTERS.items():
-            yield CounterMetricFamily(f"starhub_{name}", doc, value=snap.get(name, 0))
+            yield CounterMetricFamily(f"starhub_{name}", doc, value=getattr(snap, name))
         seconds = CounterMetricFamily("starhub_hub_seconds", "hub wall time by activity",
                                       labels=["activity"])
         for activity, key in (("draft", "draft_s"), ("idle", "idle_s"), ("sched", "sched_s"),
@@ -373,7 +375,7 @@ class PrometheusCollector:
         yield seconds
         rate = GaugeMetricFamily("starhub_accept_rate", "fraction of rounds whose draft "
                                  "token at this depth was accepted", labels=["depth"])
-        for k, value in enumerate(snap["accept_rate_by_depth"], 1):
+        for k, value in enumerate(snap.accept_rate_by_depth, 1):
             rate.add_metric([str(k)], value)
         yield rate
         hist = {int(k): v for k, v in raw["accept_len_hist"].items()}
@@ -387,7 +389,7 @@ class PrometheusCollector:
                                     buckets=buckets,
                                     sum_value=sum(k * v for k, v in hist.items()))
         errors = CounterMetricFamily("starhub_errors", "ERROR replies by code", labels=["code"])
-        for code, count in snap.get("errors", {}).items():
+        for code, count in snap.errors.items():
             errors.add_metric([code], count)
         yield errors
 

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 
+import msgspec
 import torch
 
 from starhub.control.plane import AUTO, Controller
@@ -45,6 +46,7 @@ from starhub.wire.messages import (
     StatsReport,
     TargetCard,
 )
+from starhub.wire.reports import Counters, HubReport, PeerEntry, PeerReport
 from starhub.wire.tree import accepted_path
 
 log = logging.getLogger("starhub.hub")
@@ -116,10 +118,10 @@ class Hub(Server):
             raise ProtocolError(ErrorCode.REJECTED, "the hub is shutting down", tag=msg.tag,
                                 ref=getattr(msg, "ref", 0))
         if isinstance(msg, TargetCard):
-            self.handle_hello(identity, msg)
+            self.handle_target_card(identity, msg)
         elif isinstance(msg, ObserverCard):
             self.observers.add(identity)
-            self.reply(identity, self.welcome())
+            self.reply(identity, self.drafter_card())
         elif isinstance(msg, Ping):
             self.reply(identity, Pong(nonce=msg.nonce))
         elif isinstance(msg, StatsQuery):
@@ -137,7 +139,7 @@ class Hub(Server):
             raise ProtocolError(ErrorCode.BAD_TYPE, f"a hub does not accept {msg.TYPE}",
                                 tag=msg.tag)
 
-    def handle_hello(self, identity: bytes, msg: TargetCard) -> None:
+    def handle_target_card(self, identity: bytes, msg: TargetCard) -> None:
         reason = self.drafter.check_target(msg)
         retry = 0.0
         if reason is None:
@@ -154,9 +156,9 @@ class Hub(Server):
                                    hidden_size=msg.hidden_size, num_layers=msg.num_layers))
         log.info("target %s (%s) joined; %d admitted", msg.name, peer_name(identity),
                  len(self.table.peers))
-        self.reply(identity, self.welcome())
+        self.reply(identity, self.drafter_card())
 
-    def welcome(self) -> DrafterCard:
+    def drafter_card(self) -> DrafterCard:
         shape = self.config.shape
         return DrafterCard(drafter=self.drafter.name,
                            feature_layers=list(self.drafter.feature_layers),
@@ -279,7 +281,7 @@ class Hub(Server):
                          self.metrics.summary_line(len(self.table), len(self.table.peers)),
                          len(self.table.peers), self.control.n_max(), self.control.rejections)
 
-    def stats(self) -> dict:
+    def stats(self) -> HubReport:
         snap = self.metrics.snapshot(len(self.table), len(self.table.peers))
         control = self.control.snapshot(time.monotonic())
         snap.update(drafter=self.drafter.name,
@@ -287,21 +289,22 @@ class Hub(Server):
                     topk=self.config.shape.topk, max_nodes=self.config.shape.max_nodes,
                     queue=len(self.worker.buffer),
                     threads=self.config.threads or torch.get_num_threads(),
-                    max_targets=self.config.max_targets, admitted=control["admitted"],
-                    n_max=control["n_max"], n_full=control["n_full"],
+                    max_targets=self.config.max_targets, admitted=control.admitted,
+                    n_max=control.n_max, n_full=control.n_full,
                     cached_tokens=self.table.budget.cached,
-                    rejections=control["rejections"], control=control)
-        return snap
+                    rejections=control.rejections, control=control)
+        return msgspec.convert(snap, HubReport)
 
-    def stats_reply(self, identity: bytes, request: StatsQuery) -> dict:
+    def stats_reply(self, identity: bytes, request: StatsQuery) -> HubReport | PeerReport:
         """STATS_REPORT body: the snapshot; ``peer`` asks for the sender's own totals (its
         time split), ``counters`` adds raw totals for windowed rates. Other targets' entries
         only go to a peer that sent a card (``starhub.server.isolation``)."""
         if request.peer:
             totals = self.metrics.totals_of(identity)
-            return {"peer": totals.to_dict() if totals else {}}
+            return PeerReport(peer=PeerEntry(**totals.to_dict()) if totals else None)
         body = self.stats()
         if request.counters:
-            body["counters"] = self.metrics.counters(peers=request.peers)
+            body.counters = msgspec.convert(self.metrics.counters(peers=request.peers),
+                                            Counters)
         return hub_view(body, identity in self.table.peers or identity in self.observers)
 

@@ -8,7 +8,10 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from starhub.wire.messages import ObserverCard, StatsQuery
+from starhub.wire.reports import HubReport, VerifierReport
 from starhub.wire.security import ClientCurve, SecurityError, client_curve
 
 if TYPE_CHECKING:
@@ -43,7 +46,8 @@ def status_keys(workers: WorkerSection) -> ClientCurve | None:
 
 
 def query_stats(address: str, timeout_s: float = 5.0, peers: bool = False,
-                curve: ClientCurve | None = None, observe: bool = True) -> dict:
+                curve: ClientCurve | None = None, observe: bool = True
+                ) -> HubReport | VerifierReport:
     """One ``STATS`` request; ``peers`` adds each peer's totals (``counters.peers``).
     ``observe`` sends an OBSERVER_CARD first, for per-target entries."""
     # deferred: torch load only when this runs
@@ -88,16 +92,14 @@ class StatusPoller:
                 self.line = f"no STATS from {self.address}: {exc}"
             self._stop.wait(self.interval_s)
 
-    def summarize(self, body: dict, now: float) -> str:
-        if self.edge:
-            up, rounds = body.get("drafters", 0), body.get("rounds", 0)
-            tokens = body.get("committed", 0)
+    def summarize(self, body: HubReport | VerifierReport, now: float) -> str:
+        if isinstance(body, VerifierReport):
+            up, rounds, tokens = body.drafters, body.rounds, body.committed
             tau = tokens / rounds if rounds else 0.0
             who = "drafters"
         else:
-            up, rounds = body.get("peers", 0), body.get("rounds", 0)
-            tokens = body.get("tokens", 0)
-            tau, who = body.get("mean_accept_len", 0.0), "targets"
+            up, rounds, tokens = body.peers, body.rounds, body.tokens
+            tau, who = body.mean_accept_len, "targets"
         rate = tok = 0.0
         if self._last is not None and now > self._last[0]:
             dt = now - self._last[0]
@@ -120,47 +122,48 @@ def table(rows: list[list[str]]) -> str:
                      for r in rows)
 
 
-def hub_report(address: str, body: dict) -> str:
+def hub_report(address: str, body: HubReport) -> str:
     """The ``starhub status`` text for a hub: its settings and load, then one row per target."""
-    head = (f"hub {address}: {body.get('drafter')} drafter, depth {body.get('depth')}, "
-            f"topk {body.get('topk')}, max_nodes {body.get('max_nodes')}, "
-            f"threads {body.get('threads')}\n"
-            f"peers {body.get('peers')}, sessions {body.get('active_sessions')}, admitted "
-            f"{body.get('admitted')} (max_targets {body.get('max_targets')}, n_max "
-            f"{_fmt(body.get('n_max'), 'd')}, n_full {_fmt(body.get('n_full'), 'd')}), "
-            f"rejections {body.get('rejections')}\n"
-            f"rounds {body.get('rounds')}, r_q {_fmt(body.get('r_q'))}/s, load "
-            f"{_fmt(body.get('load'), '.2f')}, t_s {_fmt(body.get('t_s_ms'), '.2f')} ms, "
-            f"tau {_fmt(body.get('mean_accept_len'), '.2f')}, "
-            f"{_fmt(body.get('system_tok_s'))} tok/s, plain rounds {body.get('plain_rounds')}")
-    control = {t["name"]: t for t in body.get("control", {}).get("targets", [])}
+    head = (f"hub {address}: {body.drafter} drafter, depth {body.depth}, "
+            f"topk {body.topk}, max_nodes {body.max_nodes}, threads {body.threads}\n"
+            f"peers {body.peers}, sessions {body.active_sessions}, admitted "
+            f"{body.admitted} (max_targets {body.max_targets}, n_max "
+            f"{_fmt(body.n_max, 'd')}, n_full {_fmt(body.n_full, 'd')}), "
+            f"rejections {body.rejections}\n"
+            f"rounds {body.rounds}, r_q {_fmt(body.r_q)}/s, load "
+            f"{_fmt(body.load, '.2f')}, t_s {_fmt(body.t_s_ms, '.2f')} ms, "
+            f"tau {_fmt(body.mean_accept_len, '.2f')}, "
+            f"{_fmt(body.system_tok_s)} tok/s, plain rounds {body.plain_rounds}")
+    control = {t.name: t for t in body.control.targets or []}
     rows = [["target", "state", "rounds", "tokens", "tok/s", "step ms", "alone tok/s",
              "predicted tok/s", "t_c ms"]]
-    for name, rounds, _queue, _draft, _commits, tokens, first, last in \
-            body.get("counters", {}).get("peers", []):
-        c = control.get(name, {})
-        rows.append([name, "admitted" if name in control else "-", str(rounds), str(tokens),
+    peers = body.counters.peers if body.counters else None
+    for name, rounds, _queue, _draft, _commits, tokens, first, last in peers or []:
+        c = control.get(name)
+        rows.append([name, "admitted" if c else "-", str(rounds), str(tokens),
                      _fmt(tokens / (last - first) if last > first else None),
-                     _fmt(c.get("step_ms")), _fmt(c.get("standalone_tok_s")),
-                     _fmt(c.get("predicted_tok_s")), _fmt(c.get("t_c_ms"))])
+                     *(_fmt(getattr(c, key, None)) for key in
+                       ("step_ms", "standalone_tok_s", "predicted_tok_s", "t_c_ms"))])
     if len(rows) == 1:
         return head + "\nno targets yet"
     return head + "\n\n" + table(rows)
 
 
-def verifier_report(address: str, body: dict) -> str:
-    rounds = body.get("rounds", 0)
-    head = (f"verifier {address}: schedule {body.get('schedule')}, budget "
-            f"{body.get('budget')}, max_batch {body.get('max_batch') or 'auto'}, threads "
-            f"{body.get('threads')}\n"
-            f"drafters {body.get('drafters')}, sessions {body.get('sessions')}, steps "
-            f"{body.get('steps')}, rounds {rounds}, mean batch "
-            f"{_fmt(body.get('mean_batch'), '.2f')}, verify "
-            f"{_fmt(body.get('verify_ms_per_step'))} ms/step, tau "
-            f"{_fmt(body.get('committed', 0) / rounds if rounds else None, '.2f')}")
-    sched = body.get("scheduler")
-    return head + (f"\nscheduler: {json.dumps(sched, sort_keys=True)}" if sched else "")
+def verifier_report(address: str, body: VerifierReport) -> str:
+    rounds = body.rounds
+    head = (f"verifier {address}: schedule {body.schedule}, budget "
+            f"{body.budget}, max_batch {body.max_batch or 'auto'}, threads "
+            f"{body.threads}\n"
+            f"drafters {body.drafters}, sessions {body.sessions}, steps "
+            f"{body.steps}, rounds {rounds}, mean batch "
+            f"{_fmt(body.mean_batch, '.2f')}, verify "
+            f"{_fmt(body.verify_ms_per_step)} ms/step, tau "
+            f"{_fmt(body.committed / rounds if rounds else None, '.2f')}")
+    sched = msgspec.to_builtins(body.scheduler)
+    return head + f"\nscheduler: {json.dumps(sched, sort_keys=True)}"
 
 
-def report(address: str, body: dict) -> str:
-    return (verifier_report if body.get("role") == "verifier" else hub_report)(address, body)
+def report(address: str, body: HubReport | VerifierReport) -> str:
+    if isinstance(body, VerifierReport):
+        return verifier_report(address, body)
+    return hub_report(address, body)

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from msgspec.structs import replace
+
+from starhub.wire.reports import HubReport, VerifierReport
+
 OBSERVER_LIMIT = 256
 AGGREGATES_ONLY = "aggregates_only"
-"""Set in a body that had its per-peer parts removed."""
+"""Set (``Report.aggregates_only``) in a report that had its per-peer parts removed."""
 
 
 class Observers:
@@ -38,28 +42,19 @@ class Observers:
         return len(self._seen)
 
 
-def _without(table: object, key: str) -> object:
-    return {k: v for k, v in table.items() if k != key} if isinstance(table, dict) else table
-
-
-def hub_view(body: dict, detail: bool) -> dict:
-    """A hub's STATS body, without its per-target parts unless ``detail``: the control
-    plane's ``targets`` and the raw counters' ``peers``."""
+def hub_view(report: HubReport, detail: bool) -> HubReport:
+    """A hub's STATS, without its per-target parts unless ``detail``: the control plane's
+    ``targets`` and the raw counters' ``peers``."""
     if detail:
-        return body
-    out = {**body, AGGREGATES_ONLY: True}
-    for key, inner in (("control", "targets"), ("counters", "peers")):
-        if key in out:
-            out[key] = _without(out[key], inner)
-    return out
+        return report
+    counters = report.counters and replace(report.counters, peers=None)
+    return replace(report, aggregates_only=True, counters=counters,
+                   control=replace(report.control, targets=None))
 
 
-def verifier_view(body: dict, detail: bool) -> dict:
-    """A verifier's STATS body, without its scheduler's per-session entries unless
-    ``detail``."""
+def verifier_view(report: VerifierReport, detail: bool) -> VerifierReport:
+    """A verifier's STATS, without its scheduler's per-session entries unless ``detail``."""
     if detail:
-        return body
-    out = {**body, AGGREGATES_ONLY: True}
-    if "scheduler" in out:
-        out["scheduler"] = _without(out["scheduler"], "sessions")
-    return out
+        return report
+    return replace(report, aggregates_only=True,
+                   scheduler=replace(report.scheduler, sessions=None))

@@ -25,6 +25,8 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
+from starhub.wire.reports import StatsBody
+
 VERSION = 6
 MAX_TREE_NODES = 1024
 MAX_TOKENS = 1 << 20
@@ -311,11 +313,11 @@ class StatsQuery(Message, tag="STATS_QUERY"):
     peers: bool = False
 
 
-class StatsReport(Message, tag="STATS_REPORT"):
-    """The answer to STATS_QUERY: the server's metrics snapshot (``starhub.hub.metrics``,
-    the verifier's ``snapshot``), as msgpack's plain values."""
+class StatsReport(Message, tag="STATS_REPORT", kw_only=True):
+    """The answer to STATS_QUERY: a hub's report, a verifier's, or (``peer``) the
+    sender's own totals; ``starhub.wire.reports`` types and bounds each."""
 
-    body: dict[str, Any] = msgspec.field(default_factory=dict)
+    body: StatsBody
 
 
 MESSAGES: tuple[type[Message], ...] = (
