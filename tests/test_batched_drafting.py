@@ -231,7 +231,7 @@ def test_a_batching_predrafting_hub_stays_lossless_for_concurrent_targets(tiny_m
             assert result.output_ids == reference(model, result.prompt_ids, 24)
             assert result.stats.rounds > 0 and result.stats.note == ""
         stats = hub.hub.stats()
-        assert stats["rounds"] > 0 and stats["batch_mean"] >= 1.0
+        assert stats.rounds > 0 and stats.batch_mean >= 1.0
     finally:
         hub.stop()
 
