@@ -19,10 +19,12 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import astuple, dataclass, field, fields
+from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
 
-from starhub.wire.reports import HubReport
+import msgspec
+
+from starhub.wire.reports import HubReport, PeerEntry
 
 SCALARS = ("rounds", "draft_s", "draft_layers", "wait_s", "idle_s", "sched_s", "idle_gaps",
            "iterations", "return_s", "returns", "commits", "committed_tokens", "proposed_nodes",
@@ -34,23 +36,6 @@ SCALARS = ("rounds", "draft_s", "draft_layers", "wait_s", "idle_s", "sched_s", "
 _PENDING_LIMIT = 1 << 16
 DEPARTED_LIMIT = 256
 """Totals kept for peers that have left, so memory stays bounded as targets come and go."""
-
-
-@dataclass
-class PeerTotals:
-    """One target's share of the hub's work, for its own time split and per-target rates."""
-
-    name: str = ""
-    rounds: int = 0
-    queue_s: float = 0.0
-    draft_s: float = 0.0
-    commits: int = 0
-    tokens: int = 0
-    first: float = 0.0
-    last: float = 0.0
-
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass
@@ -94,17 +79,17 @@ class HubMetrics:
     errors: Counter = field(default_factory=Counter)
     sessions_opened: int = 0
     sessions_expired: int = 0
-    peers: dict[bytes, PeerTotals] = field(default_factory=dict)
+    peers: dict[bytes, PeerEntry] = field(default_factory=dict)
     departed: OrderedDict = field(default_factory=OrderedDict)
     _busy_until: float | None = None
     _proposed_at: dict[int, float] = field(default_factory=dict)
 
-    def peer(self, identity: bytes, name: str = "") -> PeerTotals:
+    def peer(self, identity: bytes, name: str = "") -> PeerEntry:
         totals = self.peers.get(identity)
         if totals is None and identity in self.departed:
             totals = self.peers[identity] = self.departed.pop(identity)
         if totals is None:
-            totals = self.peers[identity] = PeerTotals(name=name or identity.hex()[:8])
+            totals = self.peers[identity] = PeerEntry(name=name or identity.hex()[:8])
         elif name:
             totals.name = name
         return totals
@@ -117,7 +102,7 @@ class HubMetrics:
             while len(self.departed) > DEPARTED_LIMIT:
                 self.departed.popitem(last=False)
 
-    def totals_of(self, identity: bytes) -> PeerTotals | None:
+    def totals_of(self, identity: bytes) -> PeerEntry | None:
         return self.peers.get(identity) or self.departed.get(identity)
 
     def chose(self, label: str) -> None:
@@ -218,7 +203,7 @@ class HubMetrics:
                    accept_len_hist=_str_keys(self.accept_lengths),
                    accepted_at_depth=_str_keys(self.accepted_at_depth),
                    choices=dict(self.choices),
-                   peers=[[totals.name, *astuple(totals)[1:]]
+                   peers=[list(msgspec.structs.astuple(totals))
                           for totals in [*self.departed.values(), *self.peers.values()][-512:]]
                    if peers else [])
         return out

@@ -46,7 +46,7 @@ from starhub.wire.messages import (
     StatsReport,
     TargetCard,
 )
-from starhub.wire.reports import Counters, HubReport, PeerEntry, PeerReport
+from starhub.wire.reports import Counters, HubReport, PeerReport
 from starhub.wire.tree import accepted_path
 
 log = logging.getLogger("starhub.hub")
@@ -301,7 +301,7 @@ class Hub(Server):
         only go to a peer that sent a card (``starhub.server.isolation``)."""
         if request.peer:
             totals = self.metrics.totals_of(identity)
-            return PeerReport(peer=PeerEntry(**totals.to_dict()) if totals else None)
+            return PeerReport(peer=msgspec.structs.replace(totals) if totals else None)
         body = self.stats()
         if request.counters:
             body.counters = msgspec.convert(self.metrics.counters(peers=request.peers),

@@ -47,7 +47,7 @@ class Report(msgspec.Struct, tag_field="role", forbid_unknown_fields=True, kw_on
 
 
 class PeerEntry(Entry):
-    """One target's share of a hub's work (``starhub.hub.metrics.PeerTotals``)."""
+    """One target's share of a hub's work; the hub's metrics keep one per target and add to it."""
 
     name: Name = ""
     rounds: int = 0
