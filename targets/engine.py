@@ -7,13 +7,14 @@ each session back its cache plus its accepted path. Rows never see each other or
 padding, so each row's logits are the ones it would get alone: greedy output stays
 token-identical to ``generate()``, and sampling uses the star target's acceptance rules.
 
-Nothing here knows about sockets or roles: the edge verifier drives it, and a star target
-serving several requests can use it the same way.
+Nothing here knows about sockets or roles: the edge verifier drives it, and so does a
+serving star target (``targets.serve.batcher``) for its requests in flight.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,19 @@ class VerifyEngine:
         first, feats = target.prefill(list(prompt))
         self.sessions[sid] = target
         return first, feats
+
+    def open_chunks(self, sid: int, prompt: list[int], chunk: int,
+                    sampling: Sampling = Sampling(), seed: int = 0,
+                    feature_layers: list[int] | None = None
+                    ) -> Generator[None, None, tuple[int, torch.Tensor | None]]:
+        """``open``, ``chunk`` prompt tokens a step of the returned generator, so that a long
+        prompt's prefill can alternate with other sessions' passes. The session is not to
+        be verified before the generator has returned."""
+        if sid in self.sessions:
+            raise KeyError(f"session {sid} is already open")
+        target = TargetModel(self.model, sampling, seed, feature_layers)
+        self.sessions[sid] = target
+        return target.prefill_chunks(list(prompt), chunk)
 
     def close(self, sid: int) -> None:
         self.sessions.pop(sid, None)

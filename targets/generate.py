@@ -98,6 +98,15 @@ def measure_step(model, steps: int = 8) -> float:
     return settled[len(settled) // 2]
 
 
+def target_card(model, tokenizer, name: str, step_s: float) -> TargetCard:
+    """What a target tells a hub about itself: its model's shape and its plain speed."""
+    cfg = model.config
+    return TargetCard(name=name, vocab_size=cfg.vocab_size,
+                      tokenizer_fp=tokenizer_fingerprint(tokenizer),
+                      hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
+                      step_ms=1e3 * step_s)
+
+
 def feature_dtype(model) -> torch.dtype:
     """Features travel at half precision: bf16 models keep bf16, others send fp16."""
     dtype = next(model.parameters()).dtype
@@ -155,11 +164,7 @@ class SpeculativeGenerator:
         return True
 
     def card(self) -> TargetCard:
-        cfg = self.model.config
-        return TargetCard(name=self.name, vocab_size=cfg.vocab_size,
-                          tokenizer_fp=tokenizer_fingerprint(self.tokenizer),
-                          hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
-                          step_ms=1e3 * self.step_s)
+        return target_card(self.model, self.tokenizer, self.name, self.step_s)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> GenerationResult:

@@ -8,6 +8,7 @@ can send its COMMIT first and compact while the hub drafts.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,24 @@ class TargetModel:
         out = self._forward(prompt)
         self.last = self.next_token(out.logits[0, -1], len(prompt))
         return self.last, self.features_of(out)
+
+    def prefill_chunks(self, prompt: list[int], chunk: int
+                       ) -> Generator[None, None, tuple[int, torch.Tensor | None]]:
+        """``prefill``, ``chunk`` tokens a forward pass: yields between passes, so that a
+        caller can run other work between them; returns what ``prefill`` returns."""
+        if len(prompt) <= chunk:
+            return self.prefill(prompt)
+        feats = []
+        for start in range(0, len(prompt), chunk):
+            with torch.inference_mode():
+                out = self._forward(prompt[start:start + chunk])
+                if self.feature_layers:
+                    feats.append(self.features_of(out))
+            if start + chunk < len(prompt):
+                yield
+        with torch.inference_mode():
+            self.last = self.next_token(out.logits[0, -1], len(prompt))
+        return self.last, torch.cat(feats) if feats else None
 
     @torch.inference_mode()
     def step(self) -> int:

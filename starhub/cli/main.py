@@ -14,6 +14,7 @@ from pathlib import Path
 from bench import cli as bench_cli
 from starhub.cli import edge as edge_cli
 from starhub.cli import launch as launch_cli
+from starhub.cli import serve as serve_cli
 from starhub.cli.demo import run_demo
 from starhub.hub.shutdown import drain
 from starhub.launch import READY, spawn_hub
@@ -188,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "compared with. auto (default): the usable cores split evenly "
                            "between the targets")
     _add_weight_args(demo)
+    serve_cli.add_parser(sub, _add_weight_args)
     edge_cli.add_parsers(sub)
     bench_cli.add_parser(sub)
     launch_cli.add_parsers(sub)
@@ -339,7 +341,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
 
 COMMANDS = {"hub": cmd_hub, "target": cmd_target, "generate": cmd_generate, "demo": cmd_demo,
             "keys": cmd_keys, "bench": bench_cli.main, "train-eagle": cmd_train_eagle,
-            **edge_cli.COMMANDS, **launch_cli.COMMANDS}
+            "serve": serve_cli.cmd_serve, **edge_cli.COMMANDS, **launch_cli.COMMANDS}
 
 
 def main(argv: list[str] | None = None) -> int:

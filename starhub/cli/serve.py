@@ -1,0 +1,132 @@
+"""``starhub serve``: a target behind an OpenAI-compatible HTTP server.
+
+It prints ``STARHUB READY http://HOST:PORT`` on stdout once it answers requests."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from starhub.launch import READY
+from starhub.options import DEFAULT_THREADS, threads_arg
+from starhub.server.limits import positive_int
+from starhub.wire import security
+
+DEFAULT_PORT = 8000
+DEFAULT_MAX_CONCURRENCY = 16
+
+log = logging.getLogger("starhub.serve")
+
+
+def add_parser(sub: argparse._SubParsersAction, add_weight_args) -> None:
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server for a target, drafted for by a hub",
+        description="Serve a target model over HTTP: POST /v1/completions and "
+                    "/v1/chat/completions (streaming or not), GET /v1/models, /health and "
+                    "/metrics (Prometheus). Requests in flight are verified together in "
+                    "one forward pass per round, and each is a session at the hub, which "
+                    "drafts their trees together. Without a hub, or while it is away, "
+                    "requests are decoded on their own (still batched); the output is the "
+                    "same either way. Prints 'STARHUB READY http://HOST:PORT' when ready.")
+    p.add_argument("--hub", default=None,
+                   help="hub address, e.g. tcp://127.0.0.1:5555 (omit to serve without drafts)")
+    p.add_argument("--model", default="default",
+                   help="'default' (the embedded model), a model folder, a .gguf file, or a "
+                        "model id already in the local Hugging Face cache")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name requests give as 'model' (default: the model's own name)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=port_arg, default=DEFAULT_PORT,
+                   help=f"HTTP port (default {DEFAULT_PORT}; 0 picks a free one)")
+    p.add_argument("--threads", type=threads_arg, default=DEFAULT_THREADS,
+                   help="torch threads of the model. auto (default): every core this process "
+                        "may use")
+    p.add_argument("--max-concurrency", type=positive_int,
+                   default=DEFAULT_MAX_CONCURRENCY,
+                   help="requests in flight at once; past it, 429 with Retry-After "
+                        f"(default {DEFAULT_MAX_CONCURRENCY})")
+    p.add_argument("--prefill-chunk", type=positive_int, default=512,
+                   help="prompt tokens per prefill pass: a long prompt alternates with the "
+                        "other requests' passes chunk by chunk (default 512)")
+    p.add_argument("--name", default="serve", help="this target's name at the hub")
+    p.add_argument("--hub-timeout", type=float, default=3.0,
+                   help="seconds a hub reply may take at least: past max(this, 10x the "
+                        "typical round trip) the hub counts as gone; requests go on alone "
+                        "and the server reconnects in the background")
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="join chat messages as plain text instead of the model's template")
+    add_weight_args(p)
+    security.add_client_args(p)
+    p.add_argument("--log-level", default="info")
+
+
+def port_arg(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--port: '{text}' is not a number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"--port: {port} is not in 0..65535")
+    return port
+
+
+def served_name(spec: str) -> str:
+    if spec == "default":
+        from starhub.models.loading import DEFAULT_NAME  # deferred: loads torch
+
+        return DEFAULT_NAME
+    path = Path(spec)
+    return path.stem if path.suffix == ".gguf" else path.name if path.exists() else spec
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    # deferred: torch, transformers and the HTTP stack load only when this runs
+    import uvicorn
+
+    from starhub.models.loading import load_model, set_threads
+    from starhub.options import resolve_threads
+    from targets.serve.app import OpenAIServer
+    from targets.serve.batcher import Batcher
+
+    security.use_client_curve(security.client_curve_from_args(args))
+    threads = set_threads(resolve_threads(args.threads))
+    model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear,
+                                  device=args.device, device_map=args.device_map)
+    batcher = Batcher(model, tokenizer, args.hub, name=args.name, timeout_s=args.hub_timeout,
+                      prefill_chunk=args.prefill_chunk)
+    name = args.served_model_name or served_name(args.model)
+    context = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
+    server = OpenAIServer(batcher, tokenizer, name, args.max_concurrency, context,
+                          chat_template=not args.no_chat_template)
+    batcher.start()
+    log.info("serving '%s' (%s weights, torch threads=%d), hub=%s%s, max concurrency %d",
+             name, model.dtype, threads, args.hub or "none",
+             "" if batcher.hub_connected or not args.hub else " (not reachable yet)",
+             args.max_concurrency)
+    config = uvicorn.Config(server.app(), host=args.host, port=args.port,
+                            log_level="warning", timeout_graceful_shutdown=30,
+                            access_log=False)
+    http = uvicorn.Server(config)
+
+    async def main() -> None:
+        task = asyncio.create_task(http.serve())
+        while not http.started and not task.done():
+            await asyncio.sleep(0.05)
+        if http.started:
+            host, port = http.servers[0].sockets[0].getsockname()[:2]
+            print(f"{READY}http://{host}:{port}", flush=True)
+            log.info("listening on http://%s:%d", host, port)
+        await task
+        server.shutting_down = True
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        batcher.stop()
+    return 0 if http.started else 1

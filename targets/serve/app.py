@@ -1,0 +1,314 @@
+"""The HTTP face of a serving target: OpenAI's completions and chat completions (streamed
+by server-sent events or not), models, health and Prometheus metrics, on FastAPI.
+
+Every request becomes a ``targets.serve.batcher.Request``; its tokens come back as events
+from the engine thread, through an asyncio queue, and leave as text. A client that goes
+away cancels its request at once, which frees its session here and at the hub.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from starhub.models.prompts import encode_prompt
+from targets.acceptance import Sampling
+from targets.generate import GenerationStats
+from targets.serve import batcher as engine
+from targets.serve.metrics import ServeMetrics
+from targets.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    SamplingRequest,
+)
+from targets.serve.text import TextStream
+
+DISCONNECT_POLL_S = 0.5
+
+
+class OpenAIServer:
+    """``batcher`` runs the model; this answers HTTP for it. ``model_name`` is what
+    requests must name; ``max_concurrency`` requests may be in flight, more get 429."""
+
+    def __init__(self, batcher: engine.Batcher, tokenizer, model_name: str,
+                 max_concurrency: int = 16, context_len: int = 2048,
+                 chat_template: bool = True):
+        self.batcher = batcher
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_concurrency = max_concurrency
+        self.context_len = context_len
+        self.chat_template = chat_template
+        self.metrics = ServeMetrics(batcher)
+        self.inflight = 0
+        self.shutting_down = False
+        self.created = int(time.time())
+
+    # -- the app ----------------------------------------------------------------------
+    def app(self) -> FastAPI:
+        app = FastAPI(title="starhub serve", version="1",
+                      description="OpenAI-compatible speculative decoding target")
+        app.add_exception_handler(OpenAIError, self._on_error)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.prometheus)
+        app.get("/v1/models")(self.models)
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
+        return app
+
+    async def _on_error(self, request: Request, exc: OpenAIError) -> JSONResponse:
+        self.metrics.requests.labels(request.url.path, str(exc.status)).inc()
+        headers = {}
+        if exc.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    async def health(self) -> JSONResponse:
+        s = self.batcher.stats
+        body = {"status": "shutting_down" if self.shutting_down else "ok",
+                "model": self.model_name, "hub": self.batcher.hub,
+                "hub_connected": self.batcher.hub_connected, "running": s.running,
+                "waiting": s.waiting, "inflight": self.inflight,
+                "max_concurrency": self.max_concurrency,
+                "mean_accept_len": s.committed / s.rounds if s.rounds else 0.0,
+                "mean_verify_batch": s.rows / s.passes if s.passes else 0.0,
+                "output_tokens": s.tokens}
+        return JSONResponse(body, status_code=503 if self.shutting_down else 200)
+
+    async def prometheus(self) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created,
+             "owned_by": "starhub", "max_model_len": self.context_len}]}
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._parse(request, CompletionRequest)
+        prompt = body.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = self.batcher.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise OpenAIError(400, f"prompt: token ids must be in [0, {vocab})", "prompt")
+        return await self._respond(request, body, ids, body.max_tokens, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self._parse(request, ChatCompletionRequest)
+        ids = encode_prompt(self.tokenizer, body.conversation(), self.chat_template)
+        return await self._respond(request, body, ids, body.limit, chat=True)
+
+    # -- one request ------------------------------------------------------------------
+    async def _parse(self, request: Request, schema: type[SamplingRequest]) -> SamplingRequest:
+        if self.shutting_down:
+            raise OpenAIError(503, "the server is shutting down", retry_after_s=5)
+        try:
+            raw = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise OpenAIError(400, "the body is not valid JSON") from None
+        if not isinstance(raw, dict):
+            raise OpenAIError(400, "the body must be a JSON object")
+        try:
+            body = schema.model_validate(raw)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            param = ".".join(str(p) for p in err["loc"]) or None
+            message = err["msg"].removeprefix("Value error, ")
+            raise OpenAIError(400, f"{param}: {message}" if param else message,
+                              param) from None
+        if body.model != self.model_name:
+            raise OpenAIError(404, f"the model '{body.model}' does not exist; this server "
+                              f"serves '{self.model_name}'", "model", "model_not_found")
+        return body
+
+    async def _respond(self, request: Request, body: SamplingRequest, ids: list[int],
+                       max_tokens: int | None, chat: bool) -> Response:
+        if not ids:
+            raise OpenAIError(400, "the prompt is empty", "prompt" if not chat else "messages")
+        room = self.context_len - len(ids)
+        max_tokens = max_tokens if max_tokens is not None else room
+        if max_tokens > room:
+            raise OpenAIError(400, f"this model's context is {self.context_len} tokens; the "
+                              f"prompt has {len(ids)} and max_tokens asks {max_tokens} more",
+                              "max_tokens")
+        if self.inflight >= self.max_concurrency:
+            raise OpenAIError(429, f"the server is at its {self.max_concurrency} concurrent "
+                              f"requests (--max-concurrency); retry shortly", retry_after_s=1)
+        seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7])
+        req = engine.Request(prompt=ids, max_tokens=max_tokens,
+                             sampling=Sampling(body.temperature, body.top_p), seed=seed)
+        call = Call(self, request, req, body, chat)
+        if body.stream:
+            return StreamingResponse(call.sse(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return JSONResponse(await call.whole())
+
+
+class Call:
+    """One request from arrival to its last byte."""
+
+    def __init__(self, server: OpenAIServer, http: Request, req: engine.Request,
+                 body: SamplingRequest, chat: bool):
+        self.server = server
+        self.http = http
+        self.req = req
+        self.body = body
+        self.chat = chat
+        self.route = http.url.path
+        self.arrived = time.perf_counter()
+        self.first_at: float | None = None
+        self.text = TextStream(server.tokenizer, body.stops)
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.finish_reason: str | None = None
+        self.stats: GenerationStats | None = None
+        self.server.inflight += 1  # counted from admission, so that 429 sees bursts
+
+    async def events(self) -> AsyncIterator[str]:
+        """Text pieces as the engine commits tokens; sets ``finish_reason`` at the end.
+        Leaving early (a stop string, a client gone) cancels the request."""
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[engine.Event] = asyncio.Queue()
+        self.req.sink = lambda event: loop.call_soon_threadsafe(inbox.put_nowait, event)
+        rid = self.server.batcher.submit(self.req)
+        done = False
+        try:
+            while True:
+                event = await inbox.get()
+                if event.tokens and self.first_at is None:
+                    self.first_at = time.perf_counter()
+                piece = self.text.push(event.tokens)
+                if event.done:
+                    done = True
+                    self.stats = event.stats
+                    if event.done == "error":
+                        raise OpenAIError(500, event.error)
+                    self.finish_reason = "stop" if self.text.stopped else event.done
+                    piece += self.text.flush()
+                    if piece:
+                        yield piece
+                    return
+                if piece:
+                    yield piece
+                if self.text.stopped:
+                    self.finish_reason = "stop"
+                    return
+        finally:
+            if not done:
+                self.server.batcher.cancel(rid)
+            self.server.inflight -= 1
+            self.server.metrics.finished(self.arrived, self.first_at, len(self.text.ids),
+                                         len(self.req.prompt))
+
+    async def whole(self) -> dict:
+        """The complete response; a client that disconnects first cancels the request."""
+        async def collect() -> str:
+            pieces = []
+            async with contextlib.aclosing(self.events()) as events:
+                async for piece in events:
+                    pieces.append(piece)
+            return "".join(pieces)
+
+        task = asyncio.ensure_future(collect())
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await self.http.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                self.server.metrics.requests.labels(self.route, "499").inc()
+                return {}
+        text = task.result()
+        self.server.metrics.requests.labels(self.route, "200").inc()
+        choice = {"index": 0, "finish_reason": self.finish_reason, "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if self.body.return_token_ids:
+            choice["token_ids"] = list(self.text.ids)
+        return self._envelope([choice], usage=self.usage(), spec=True,
+                              prompt_ids=self.body.return_token_ids)
+
+    async def sse(self) -> AsyncIterator[str]:
+        status = "200"
+        try:
+            if self.chat:
+                yield self._chunk({"role": "assistant", "content": ""}, None)
+            async with contextlib.aclosing(self.events()) as events:
+                async for piece in events:
+                    yield self._chunk({"content": piece} if self.chat else piece, None)
+            yield self._chunk({} if self.chat else "", self.finish_reason, last=True)
+            if self.body.include_usage:
+                yield _sse(self._envelope([], usage=self.usage()))
+        except OpenAIError as exc:
+            status = str(exc.status)
+            yield _sse(exc.body())
+        except asyncio.CancelledError:
+            status = "499"
+            raise
+        finally:
+            self.server.metrics.requests.labels(self.route, status).inc()
+        yield "data: [DONE]\n\n"
+
+    # -- shapes -----------------------------------------------------------------------
+    def _chunk(self, delta: dict | str, finish: str | None, last: bool = False) -> str:
+        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if self.chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        if last and self.body.return_token_ids:
+            choice["token_ids"] = list(self.text.ids)
+        body = self._envelope([choice], spec=last, chunk=True,
+                              prompt_ids=last and self.body.return_token_ids)
+        if self.body.include_usage:
+            body["usage"] = None
+        return _sse(body)
+
+    def _envelope(self, choices: list[dict], usage: dict | None = None, spec: bool = False,
+                  chunk: bool = False, prompt_ids: bool = False) -> dict:
+        obj = "chat.completion" if self.chat else "text_completion"
+        body = {"id": self.id, "object": obj + (".chunk" if chunk and self.chat else ""),
+                "created": self.created, "model": self.server.model_name, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        if spec:
+            body["spec_decode"] = self.spec()
+        if prompt_ids:
+            body["prompt_token_ids"] = list(self.req.prompt)
+        return body
+
+    def usage(self) -> dict:
+        prompt, out = len(self.req.prompt), len(self.text.ids)
+        return {"prompt_tokens": prompt, "completion_tokens": out,
+                "total_tokens": prompt + out}
+
+    def spec(self) -> dict:
+        """Per-request speculation figures (an extension field, as vLLM reports them)."""
+        s = self.stats
+        if s is None:
+            return {}
+        committed = sum(int(k) * v for k, v in s.accept_len_hist.items())
+        return {"rounds": s.rounds, "mean_accept_len": round(s.mean_accept_len, 3),
+                "accepted_draft_tokens": committed - s.rounds, "draft_tokens": s.tree_nodes,
+                "plain_steps": max(0, s.new_tokens - committed - 1),
+                "hub": s.rounds > 0 or s.plain_rounds > 0}
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"

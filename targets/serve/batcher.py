@@ -1,0 +1,544 @@
+"""Continuous batching for a serving target: every request in flight is a session of one
+``VerifyEngine`` and, while a hub serves this process, a session of its own at the hub.
+
+One engine thread owns the model, the engine and the hub connection. Each turn of its loop:
+
+1. takes in new requests and drops cancelled ones (their hub session is CLOSEd at once);
+2. prefills one chunk of the oldest new prompt; a finished prefill emits the first token
+   and OPENs the request's hub session, so a long prompt never holds the others up for
+   more than one chunk;
+3. reads the hub's replies: a PROPOSE gives a request its tree (or a number of plain steps);
+   an ERROR, or a hub past its deadline, sends the request on alone;
+4. verifies, in one forward pass, every request that has something to verify: a hub tree,
+   or a plain step (an empty tree) when the hub said plain or there is no hub. A request
+   joins or leaves between passes, and a pass never waits for a batch to fill, only,
+   briefly, for the rest of the trees the hub is drafting for the requests of the last pass;
+5. emits each request's new tokens, then COMMITs them to the hub, or CLOSEs the session
+   when the request is done.
+
+The hub drafts the trees of all our sessions in one batch, as it does for many targets.
+Whatever the hub does, each request's tokens are the target's own (``targets.verify``), so
+the output is the same with or without it, whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from starhub.client.connection import HubClient, HubUnavailable
+from starhub.client.link import Link
+from starhub.client.round_stats import clip_output, count_round, mean_accept_len
+from starhub.wire.messages import (
+    Close,
+    Commit,
+    DrafterCard,
+    Error,
+    ErrorCode,
+    Message,
+    Open,
+    Propose,
+)
+from starhub.wire.tree import DraftTree
+from targets.acceptance import Sampling
+from targets.engine import VerifyEngine
+from targets.generate import (
+    GenerationStats,
+    check_propose,
+    feature_dtype,
+    measure_step,
+    target_card,
+)
+from targets.verify import Verdict
+
+log = logging.getLogger("starhub.serve")
+
+EMPTY_TREE = DraftTree(np.zeros(0, np.int32), np.zeros(0, np.int32))
+"""A plain step in a batched pass: the root alone, whose next token is the bonus."""
+
+Sink = Callable[["Event"], None]
+
+
+@dataclass
+class Event:
+    """What the engine thread tells a request: new ``tokens``, then one with ``done`` set
+    (``stop``: end of sequence; ``length``: max_tokens; ``error``: see ``error``)."""
+
+    tokens: list[int] = field(default_factory=list)
+    done: str = ""
+    error: str = ""
+    stats: GenerationStats | None = None
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling = Sampling()
+    seed: int = 0
+    sink: Sink = print
+    """Called on the engine thread with each ``Event``: it must not block."""
+    rid: int = 0
+
+
+@dataclass
+class Slot:
+    """A request in flight."""
+
+    req: Request
+    stats: GenerationStats
+    prefill: Generator | None = None
+    produced: int = 0
+    decoding: bool = False
+    client: HubClient | None = None
+    """The connection its hub session lives on (None: it decodes alone)."""
+    tag: int = 0
+    ref: int = 0
+    seq: int = -1
+    waiting_since: float | None = None
+    """When it sent what the hub must answer (OPEN or COMMIT), until the answer comes."""
+    cohort: int = 0
+    """The pass whose COMMIT it waits on: the hub drafts a pass's trees together."""
+    tree: DraftTree | None = None
+    plain_left: int = 0
+    plain_tokens: list[int] = field(default_factory=list)
+    plain_feats: list[torch.Tensor] = field(default_factory=list)
+    plain_started: float = 0.0
+
+    @property
+    def ready(self) -> bool:
+        """Has something to verify in the next pass."""
+        if not self.decoding:
+            return False
+        return self.client is None or self.tree is not None or self.plain_left > 0
+
+
+@dataclass
+class BatcherStats:
+    """Totals since start, read by the server's metrics (plain ints: reads need no lock)."""
+
+    passes: int = 0
+    rows: int = 0
+    """Requests verified, summed over passes: ``rows / passes`` is the mean verify batch."""
+    prefill_chunks: int = 0
+    rounds: int = 0
+    """Rounds that verified a hub tree."""
+    committed: int = 0
+    """Tokens those rounds produced, bonus included: ``committed / rounds`` is τ."""
+    plain_steps: int = 0
+    tokens: int = 0
+    running: int = 0
+    waiting: int = 0
+    last_batch: int = 0
+
+
+class Batcher:
+    """Serves ``Request``s on ``model`` from one engine thread, with drafts from the hub at
+    ``hub`` when there is one (``None``: decode alone, still batched)."""
+
+    _refs = itertools.count(1)
+
+    def __init__(self, model, tokenizer, hub: str | None = None, name: str = "serve",
+                 timeout_s: float = 3.0, prefill_chunk: int = 512,
+                 client_options: dict | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.hub = hub
+        self.name = name
+        self.prefill_chunk = prefill_chunk
+        self.client_options = client_options or {}
+        eos = model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.vocab_size = model.config.vocab_size
+        self.engine = VerifyEngine(model)
+        self.step_s = measure_step(model) if hub else 0.0
+        self.stats = BatcherStats()
+        self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._cancelled: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._slots: dict[int, Slot] = {}
+        self._new: deque[Slot] = deque()
+        self._rids = itertools.count(1)
+        self._pass_s = 0.05
+        self._pass_no = 0
+        self.link = Link(hub, self._greet, name, floor_s=timeout_s) if hub else None
+        if self.link is not None:
+            self.link.connect()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
+
+    # -- the outside's side (any thread) ----------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, req: Request) -> int:
+        """Queue a request; its events go to ``req.sink``. Returns its id, for ``cancel``."""
+        req.rid = next(self._rids)
+        self._inbox.put(req)
+        self._wake.set()
+        return req.rid
+
+    def cancel(self, rid: int) -> None:
+        """Stop a request (its client went away): its sessions here and at the hub end at
+        the engine thread's next turn; it gets no more events."""
+        self._cancelled.put(rid)
+        self._wake.set()
+
+    @property
+    def hub_connected(self) -> bool:
+        return self.link is not None and self.link.client is not None
+
+    @property
+    def active(self) -> int:
+        return len(self._slots)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        if self.link is not None:
+            self.link.close()
+
+    # -- the hub connection -----------------------------------------------------------
+    def _greet(self) -> tuple[HubClient, DrafterCard]:
+        client = HubClient(self.hub, timeout_s=max(self.link.floor_s, 5.0),
+                           **self.client_options)
+        try:
+            return client, client.greet(target_card(self.model, self.tokenizer, self.name,
+                                                    self.step_s))
+        except HubUnavailable:
+            client.close()
+            raise
+
+    def _client(self) -> HubClient | None:
+        """The connection new sessions open on; sessions of any other go on alone."""
+        client = self.link.current() if self.link is not None else None
+        for slot in self._slots.values():
+            if slot.client is not None and slot.client is not client:
+                self._alone(slot, "the hub connection was replaced")
+        return client
+
+    def _send(self, slot: Slot, msg: Message) -> bool:
+        try:
+            slot.client.send(msg)
+            return True
+        except HubUnavailable as exc:
+            self._lost(str(exc))
+            return False
+
+    def _lost(self, reason: str) -> None:
+        """The hub missed a deadline or broke the protocol: every request goes on alone
+        and the link reconnects in the background, for the requests that come next."""
+        if self.link is not None and self.link.client is not None:
+            self.link.failed(reason)
+        for slot in self._slots.values():
+            if slot.client is not None:
+                self._alone(slot, reason, close=False)
+
+    def _alone(self, slot: Slot, reason: str, close: bool = True) -> None:
+        """The request decodes on its own from here; its hub session is closed if it had
+        one and the connection still stands."""
+        if slot.client is not None and close and slot.tag:
+            with contextlib.suppress(HubUnavailable):
+                slot.client.send(Close(tag=slot.tag))
+        log.debug("%s: request %d goes on alone: %s", self.name, slot.req.rid, reason)
+        slot.stats.note = slot.stats.note or reason
+        if slot.plain_left:  # the hub's plain round: finish it as plain steps
+            slot.plain_left = 0
+        slot.client, slot.tag, slot.tree, slot.waiting_since = None, 0, None, None
+        slot.plain_tokens, slot.plain_feats = [], []
+
+    def _read_hub(self, client: HubClient | None, wait_s: float) -> None:
+        """Take every reply that has come (waiting up to ``wait_s`` for the first)."""
+        if client is None:
+            if wait_s > 0:
+                self._wake.wait(wait_s)
+            return
+        timeout = wait_s
+        while True:
+            try:
+                if not client.sock.poll(int(timeout * 1000)):
+                    return
+                msg = client.recv(0)
+            except HubUnavailable as exc:
+                self._lost(str(exc))
+                return
+            self._on_reply(msg)
+            timeout = 0
+
+    def _on_reply(self, msg: Message) -> None:
+        slot = self._slot_for(msg)
+        if slot is None:  # its request ended while the hub drafted: end the session too
+            if isinstance(msg, Propose) and self.link is not None and self.link.client:
+                with contextlib.suppress(HubUnavailable):
+                    self.link.client.send(Close(tag=msg.tag))
+            return
+        if isinstance(msg, Error):
+            if msg.code == ErrorCode.NO_CARD:
+                self._lost("the hub no longer knows this target")
+            else:
+                self._alone(slot, f"hub error {msg.code}: {msg.message}", close=False)
+            return
+        if not isinstance(msg, Propose):
+            self._lost(f"expected PROPOSE, got {msg.TYPE}")
+            return
+        if msg.seq <= slot.seq:
+            return  # a replay of an earlier round: never applied twice
+        try:
+            check_propose(msg, slot_target(self.engine, slot), self.vocab_size)
+        except HubUnavailable as exc:
+            self._lost(str(exc))
+            return
+        if slot.waiting_since is not None and self.link is not None:
+            took = time.perf_counter() - slot.waiting_since
+            slot.stats.hub_wait_s += took
+            self.link.observe(took)
+        slot.tag, slot.seq, slot.waiting_since = msg.tag, msg.seq, None
+        if msg.plain:
+            slot.plain_left, slot.plain_started = msg.plain, time.perf_counter()
+        else:
+            slot.tree = DraftTree(msg.tokens, msg.parents, msg.dist_ids, msg.dist_probs)
+
+    def _slot_for(self, msg: Message) -> Slot | None:
+        for slot in self._slots.values():
+            if slot.client is None:
+                continue
+            if (msg.tag and msg.tag == slot.tag) or (
+                    getattr(msg, "ref", 0) and msg.ref == slot.ref and not slot.tag):
+                return slot
+        return None
+
+    def _overdue(self) -> bool:
+        if self.link is None:
+            return False
+        now, deadline = time.perf_counter(), self.link.deadline_s
+        late = [s for s in self._slots.values()
+                if s.waiting_since is not None and now - s.waiting_since > deadline]
+        if late:
+            self._lost(f"no reply from the hub within {deadline:.3g}s")
+        return bool(late)
+
+    # -- the engine thread ------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._turn()
+        except Exception as exc:  # a bug, not a peer: fail every request loudly
+            log.exception("%s: the engine thread failed", self.name)
+            for slot in list(self._slots.values()):
+                self._finish(slot, "error", f"the engine failed: {exc}")
+            raise
+        finally:
+            for slot in list(self._slots.values()):
+                self._finish(slot, "error", "the server is shutting down")
+
+    def _turn(self) -> None:
+        self._intake()
+        client = self._client()
+        self._read_hub(client, 0)
+        self._overdue()
+        self._prefill_one(client)
+        work = [s for s in self._slots.values() if s.ready]
+        waiting = [s for s in self._slots.values() if s.waiting_since is not None]
+        if work and waiting:
+            work = self._coalesce(client, work, waiting)
+        if work:
+            self._pass(work)
+        elif waiting:
+            self._read_hub(client, 0.002)
+        elif not self._new:
+            self._wake.wait(0.05)
+            self._wake.clear()
+        self.stats.running = sum(s.decoding for s in self._slots.values())
+        self.stats.waiting = len(self._new)
+
+    def _intake(self) -> None:
+        while True:
+            try:
+                req = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            slot = Slot(req=req, stats=GenerationStats(started_at=time.time(),
+                                                       threads=torch.get_num_threads()))
+            self._slots[req.rid] = slot
+            self._new.append(slot)
+        while True:
+            try:
+                rid = self._cancelled.get_nowait()
+            except queue.Empty:
+                break
+            slot = self._slots.get(rid)
+            if slot is not None:
+                self._release(slot)
+
+    def _prefill_one(self, client: HubClient | None) -> None:
+        """One chunk of the oldest new prompt; when it is the last, the request starts
+        decoding and OPENs its hub session."""
+        if not self._new:
+            return
+        slot = self._new[0]
+        req = slot.req
+        start = time.perf_counter()
+        if slot.prefill is None:
+            layers = list(self.link.card.feature_layers) if client is not None else []
+            slot.prefill = self.engine.open_chunks(req.rid, req.prompt, self.prefill_chunk,
+                                                   req.sampling, req.seed, layers)
+            slot.client = client
+        self.stats.prefill_chunks += 1
+        try:
+            next(slot.prefill)
+            slot.stats.prefill_s += time.perf_counter() - start
+            return
+        except StopIteration as done:
+            first, feats = done.value
+        slot.stats.prefill_s += time.perf_counter() - start
+        self._new.popleft()
+        slot.prefill, slot.decoding = None, True
+        if self._emit(slot, [first]) or slot.client is None:
+            return
+        if client is not slot.client:  # replaced while prefilling
+            slot.client = None
+            return
+        slot.ref = next(self._refs)
+        slot.waiting_since = time.perf_counter()
+        slot.cohort = -1
+        self._send(slot, Open(prompt_len=len(req.prompt), temperature=req.sampling.temperature,
+                              top_p=req.sampling.top_p, seed=req.seed,
+                              step_ms=1e3 * self.step_s, ref=slot.ref,
+                              tokens=torch.tensor([*req.prompt, first], dtype=torch.int32),
+                              features=self._half(feats)))
+
+    def _coalesce(self, client: HubClient | None, work: list[Slot], waiting: list[Slot]
+                  ) -> list[Slot]:
+        """Wait a little for the trees the hub is still drafting for the requests verified
+        with these in the last pass, so that they stay in one batch: the hub drafts a
+        pass's trees together, but the first COMMIT can start a batch of its own."""
+        last = self._pass_no
+        if not any(s.cohort == last for s in waiting):
+            return work
+        until = time.perf_counter() + 0.3 * self._pass_s
+        while time.perf_counter() < until and not self._stop.is_set():
+            self._read_hub(client, max(0.0, until - time.perf_counter()))
+            if not any(s.waiting_since is not None and s.cohort == last
+                       for s in self._slots.values()):
+                break
+        return [s for s in self._slots.values() if s.ready]
+
+    def _pass(self, work: list[Slot]) -> None:
+        """Verify every ready request in one forward pass, then emit and answer the hub."""
+        trees = [s.tree if s.tree is not None else EMPTY_TREE for s in work]
+        start = time.perf_counter()
+        verdicts = self.engine.verify([(s.req.rid, t) for s, t in zip(work, trees,
+                                                                    strict=True)])
+        took = time.perf_counter() - start
+        self._pass_s = took if self.stats.passes == 0 else 0.8 * self._pass_s + 0.2 * took
+        self._pass_no += 1
+        self.stats.passes += 1
+        self.stats.rows += len(work)
+        self.stats.last_batch = len(work)
+        for slot, tree, verdict in zip(work, trees, verdicts, strict=True):
+            slot.stats.verify_s += took
+            if slot.tree is not None:
+                self._after_tree(slot, tree, verdict, took)
+            elif slot.plain_left:
+                self._after_plain_step(slot, verdict)
+            else:
+                self.stats.plain_steps += 1
+                self._emit(slot, verdict.tokens)
+
+    def _after_tree(self, slot: Slot, tree: DraftTree, verdict: Verdict, took: float) -> None:
+        slot.tree = None
+        accepted = len(verdict.path)
+        count_round(slot.stats, accepted, len(tree))
+        self.stats.rounds += 1
+        self.stats.committed += len(verdict.tokens)
+        commit = Commit(tag=slot.tag, seq=slot.seq, accepted=accepted, verify_ms=1e3 * took,
+                        step_ms=1e3 * self.step_s,
+                        tokens=torch.tensor(verdict.tokens, dtype=torch.int32),
+                        features=self._half(verdict.features))
+        if self._emit(slot, verdict.tokens):
+            return
+        self._commit(slot, commit)
+
+    def _after_plain_step(self, slot: Slot, verdict: Verdict) -> None:
+        """One of the plain steps the hub asked for; the last one COMMITs them all."""
+        self.stats.plain_steps += 1
+        slot.plain_left -= 1
+        slot.plain_tokens.extend(verdict.tokens)
+        if verdict.features is not None:
+            slot.plain_feats.append(verdict.features)
+        if self._emit(slot, verdict.tokens) or slot.plain_left:
+            return
+        took = time.perf_counter() - slot.plain_started
+        slot.stats.plain_rounds += 1
+        slot.stats.plain_tokens += len(slot.plain_tokens)
+        slot.stats.plain_s += took
+        feats = torch.cat(slot.plain_feats) if slot.plain_feats else None
+        commit = Commit(tag=slot.tag, seq=slot.seq, accepted=0, verify_ms=1e3 * took,
+                        step_ms=1e3 * self.step_s,
+                        tokens=torch.tensor(slot.plain_tokens, dtype=torch.int32),
+                        features=self._half(feats))
+        slot.plain_tokens, slot.plain_feats = [], []
+        self._commit(slot, commit)
+
+    def _commit(self, slot: Slot, commit: Commit) -> None:
+        slot.waiting_since = time.perf_counter()
+        slot.cohort = self._pass_no
+        self._send(slot, commit)
+
+    def _emit(self, slot: Slot, tokens: list[int]) -> bool:
+        """Hand the request its new tokens; True when they end it (it is then released)."""
+        req = slot.req
+        ends = slot.produced + len(tokens) >= req.max_tokens or any(t in self.eos
+                                                                   for t in tokens)
+        tokens = clip_output(tokens, req.max_tokens - slot.produced, self.eos)
+        slot.produced += len(tokens)
+        self.stats.tokens += len(tokens)
+        if tokens and not ends:
+            req.sink(Event(tokens=tokens))
+        if ends:
+            reason = "stop" if tokens and tokens[-1] in self.eos else "length"
+            self._finish(slot, reason, tokens=tokens)
+        return ends
+
+    def _finish(self, slot: Slot, reason: str, error: str = "",
+                tokens: list[int] | None = None) -> None:
+        stats = slot.stats
+        stats.new_tokens = slot.produced
+        stats.wall_s = time.time() - stats.started_at
+        stats.tokens_per_s = slot.produced / max(stats.wall_s, 1e-9)
+        stats.mean_accept_len = mean_accept_len(stats)
+        stats.standalone = stats.rounds == 0 and stats.plain_rounds == 0
+        stats.step_ms = 1e3 * self.step_s
+        self._release(slot)
+        slot.req.sink(Event(tokens=tokens or [], done=reason, error=error, stats=stats))
+
+    def _release(self, slot: Slot) -> None:
+        """Free the request here and at the hub."""
+        if slot.client is not None and slot.tag:
+            with contextlib.suppress(HubUnavailable):
+                slot.client.send(Close(tag=slot.tag))
+        slot.client = None
+        self._slots.pop(slot.req.rid, None)
+        with contextlib.suppress(ValueError):
+            self._new.remove(slot)
+        self.engine.close(slot.req.rid)
+
+    def _half(self, feats: torch.Tensor | None) -> torch.Tensor | None:
+        return None if feats is None else feats.to(feature_dtype(self.model))
+
+
+def slot_target(engine: VerifyEngine, slot: Slot):
+    """The request's own decoding stream in the engine."""
+    return engine.sessions[slot.req.rid]

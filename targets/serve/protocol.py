@@ -1,0 +1,134 @@
+"""The OpenAI API's request bodies and error shape, as far as a serving target speaks them.
+
+Requests are validated here, before anything reaches the model: a field this server cannot
+honour losslessly (``n`` > 1, logprobs, penalties, ``echo``) is a 400 that names it, not a
+silent change of meaning. Unknown fields are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class OpenAIError(Exception):
+    """An error answered in the OpenAI shape: ``{"error": {message, type, param, code}}``."""
+
+    TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
+             429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=2 ** 63)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool | int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    return_token_ids: bool = False
+    """Extension: the prompt's and the output's token ids in the response."""
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.n != 1:
+            raise ValueError("n: this server returns one choice per request; n must be 1")
+        if self.logprobs not in (None, False, 0):
+            raise ValueError("logprobs: not supported by this server")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty/frequency_penalty: not supported (they would "
+                             "change the target's distribution); leave them at 0")
+        stops = self.stops
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop: up to 4 non-empty strings")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream=true")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if isinstance(self.prompt, list):
+            if len(self.prompt) == 0:
+                raise ValueError("prompt: empty")
+            if isinstance(self.prompt[0], str | list) and len(self.prompt) != 1:
+                raise ValueError("prompt: one prompt per request (a batch of prompts is "
+                                 "not supported; send them as concurrent requests)")
+        if self.echo:
+            raise ValueError("echo: not supported by this server")
+        if self.suffix:
+            raise ValueError("suffix: not supported by this server")
+        return self
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def conversation(self) -> list[dict]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
