@@ -59,6 +59,25 @@ def spawn_hub(args: list[str], threads: int = 1, timeout_s: float = 180.0,
     return HubProcess(proc, wait_ready(proc, "hub", timeout_s))
 
 
+@dataclass
+class ServeProcess(HubProcess):
+    """A ``starhub serve`` process; ``address`` is its base URL (http://HOST:PORT)."""
+
+    @property
+    def url(self) -> str:
+        return self.address
+
+
+def spawn_serve(args: list[str], threads: int = 1, timeout_s: float = 180.0,
+                log_file=None) -> ServeProcess:
+    """Run ``starhub serve ARGS`` on an ephemeral loopback port and wait until it answers."""
+    cmd = [sys.executable, "-m", "starhub", "serve", "--host", "127.0.0.1", "--port", "0",
+           "--threads", str(threads), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
+                            env=child_env(threads))
+    return ServeProcess(proc, wait_ready(proc, "serve", timeout_s))
+
+
 def wait_ready(proc: subprocess.Popen, what: str, timeout_s: float,
                prefixes: tuple[str, ...] = (READY,), drain: bool = True) -> str:
     """Wait for ``proc``'s first stdout line that starts with one of ``prefixes``; return

@@ -109,6 +109,8 @@ class Slot:
     """When it sent what the hub must answer (OPEN or COMMIT), until the answer comes."""
     cohort: int = 0
     """The pass whose COMMIT it waits on: the hub drafts a pass's trees together."""
+    opening: Open | None = None
+    """Its OPEN, until the hub answers it: sent again if the hub had forgotten us."""
     tree: DraftTree | None = None
     plain_left: int = 0
     plain_tokens: list[int] = field(default_factory=list)
@@ -257,6 +259,7 @@ class Batcher:
         if slot.plain_left:  # the hub's plain round: finish it as plain steps
             slot.plain_left = 0
         slot.client, slot.tag, slot.tree, slot.waiting_since = None, 0, None, None
+        slot.opening = None
         slot.plain_tokens, slot.plain_feats = [], []
 
     def _read_hub(self, client: HubClient | None, wait_s: float) -> None:
@@ -266,7 +269,7 @@ class Batcher:
                 self._wake.wait(wait_s)
             return
         timeout = wait_s
-        while True:
+        while not client.sock.closed:  # closed: dropped since this turn began
             try:
                 if not client.sock.poll(int(timeout * 1000)):
                     return
@@ -286,7 +289,7 @@ class Batcher:
             return
         if isinstance(msg, Error):
             if msg.code == ErrorCode.NO_CARD:
-                self._lost("the hub no longer knows this target")
+                self._rejoin()
             else:
                 self._alone(slot, f"hub error {msg.code}: {msg.message}", close=False)
             return
@@ -304,11 +307,29 @@ class Batcher:
             took = time.perf_counter() - slot.waiting_since
             slot.stats.hub_wait_s += took
             self.link.observe(took)
-        slot.tag, slot.seq, slot.waiting_since = msg.tag, msg.seq, None
+        slot.tag, slot.seq, slot.waiting_since, slot.opening = msg.tag, msg.seq, None, None
         if msg.plain:
             slot.plain_left, slot.plain_started = msg.plain, time.perf_counter()
         else:
             slot.tree = DraftTree(msg.tokens, msg.parents, msg.dist_ids, msg.dist_probs)
+
+    def _rejoin(self) -> None:
+        """The hub no longer knows us (it frees the slot of a target that held no session
+        for a while, or it restarted): our card again, on a new connection, then every
+        OPEN it refused once more. Sessions it had are gone: their requests go on alone."""
+        reopen = [s for s in self._slots.values()
+                  if s.client is not None and s.opening is not None]
+        for slot in self._slots.values():
+            if slot.client is not None and slot.opening is None:
+                self._alone(slot, "the hub no longer knows this target", close=False)
+        if not self.link.connect():  # on failure it retries in the background
+            for slot in reopen:
+                self._alone(slot, self.link.note, close=False)
+            return
+        for slot in reopen:
+            slot.client, slot.ref = self.link.client, next(self._refs)
+            slot.opening.ref, slot.waiting_since = slot.ref, time.perf_counter()
+            self._send(slot, slot.opening)
 
     def _slot_for(self, msg: Message) -> Slot | None:
         for slot in self._slots.values():
@@ -413,11 +434,12 @@ class Batcher:
         slot.ref = next(self._refs)
         slot.waiting_since = time.perf_counter()
         slot.cohort = -1
-        self._send(slot, Open(prompt_len=len(req.prompt), temperature=req.sampling.temperature,
-                              top_p=req.sampling.top_p, seed=req.seed,
-                              step_ms=1e3 * self.step_s, ref=slot.ref,
-                              tokens=torch.tensor([*req.prompt, first], dtype=torch.int32),
-                              features=self._half(feats)))
+        slot.opening = Open(prompt_len=len(req.prompt), temperature=req.sampling.temperature,
+                            top_p=req.sampling.top_p, seed=req.seed, step_ms=1e3 * self.step_s,
+                            ref=slot.ref,
+                            tokens=torch.tensor([*req.prompt, first], dtype=torch.int32),
+                            features=self._half(feats))
+        self._send(slot, slot.opening)
 
     def _coalesce(self, client: HubClient | None, work: list[Slot], waiting: list[Slot]
                   ) -> list[Slot]:

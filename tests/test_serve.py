@@ -1,0 +1,161 @@
+"""``starhub serve`` on the tiny model, with an n-gram hub process: the HTTP surface (errors,
+capacity, disconnects, stop strings) and lossless batching, through the real server."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import urllib.parse
+
+import pytest
+import torch
+from openai import OpenAI
+from serving import free_port, health, post, scrape, wait_until
+
+from starhub.launch.spawn import spawn_hub, spawn_serve
+from targets.generate import SpeculativeGenerator
+
+PROMPTS = ["the quick brown fox", "one two three four five", "hello world, again",
+           "a b c d e f g", "numbers: 1 2 3", "lorem ipsum dolor"]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dir):
+    """An n-gram hub with Prometheus metrics and a server of the tiny model (2 at once)."""
+    metrics = free_port()
+    with spawn_hub(["--drafter", "ngram", "--depth", "4", "--metrics-port", str(metrics)]) \
+            as hub:
+        with spawn_serve(["--hub", hub.address, "--model", str(tiny_dir),
+                          "--max-concurrency", "2"]) as server:
+            yield server.url, f"http://127.0.0.1:{metrics}/metrics", tiny_dir.name
+
+
+def client(url: str) -> OpenAI:
+    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def reference(model, ids: list[int], new: int) -> list[int]:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def test_models_and_health_name_the_served_model(stack):
+    url, _, name = stack
+    assert [m.id for m in client(url).models.list().data] == [name]
+    body = health(url)
+    assert body["status"] == "ok" and body["model"] == name and body["hub_connected"] is True
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "temperature": 3}, 400, "temperature"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
+    ({"prompt": [1, 2, 10 ** 9]}, 400, "prompt"),
+    ({"prompt": "x", "logprobs": 3}, 400, None),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, None),
+    ({"prompt": "x", "model": "nope"}, 404, "model"),
+    ({}, 400, "model"),
+])
+def test_bad_requests_get_an_openai_error_naming_the_field(stack, body, status, param):
+    url, _, name = stack
+    body = {"model": name, **body} if "model" not in body and body else body
+    code, reply, _ = post(url, "/v1/completions", body)
+    assert code == status
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert reply["error"]["param"] == param or param in reply["error"]["message"]
+
+
+def test_a_body_that_is_not_json_is_a_400(stack):
+    url, _, _ = stack
+    code, reply, _ = post(url, "/v1/chat/completions", b"{not json")
+    assert code == 400 and "JSON" in reply["error"]["message"]
+
+
+def test_batched_greedy_requests_equal_generate(stack, tiny_model):
+    model, tokenizer = tiny_model
+    url, hub_metrics, name = stack
+    api = client(url)
+    results: dict[int, list[int]] = {}
+
+    def ask(i: int) -> None:
+        reply = api.completions.create(model=name, prompt=PROMPTS[i], max_tokens=24,
+                                       temperature=0, extra_body={"return_token_ids": True})
+        results[i] = reply.choices[0].model_extra["token_ids"]
+        assert reply.usage.completion_tokens == len(results[i])
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, ids in results.items():
+        prompt = tokenizer(PROMPTS[i])["input_ids"]
+        assert ids == reference(model, prompt, 24), PROMPTS[i]
+    assert scrape(hub_metrics)["starhub_rounds_total"] > 0
+
+
+def test_seeded_sampling_equals_the_targets_own_seeded_sampling(stack, tiny_model):
+    model, tokenizer = tiny_model
+    url, _, name = stack
+    reply = client(url).completions.create(model=name, prompt=PROMPTS[0], max_tokens=20,
+                                           temperature=0.8, top_p=0.9, seed=7,
+                                           extra_body={"return_token_ids": True})
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    alone = SpeculativeGenerator(model, tokenizer).generate(ids, 20, 0.8, 0.9, seed=7)
+    assert reply.choices[0].model_extra["token_ids"] == alone.output_ids
+
+
+def test_a_stop_string_ends_the_text_before_it(stack, tiny_model):
+    url, _, name = stack
+    api = client(url)
+    full = api.completions.create(model=name, prompt=PROMPTS[1], max_tokens=24,
+                                  temperature=0).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip(), "the tiny model's text has no usable middle"
+    cut = api.completions.create(model=name, prompt=PROMPTS[1], max_tokens=24, temperature=0,
+                                 stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
+    streamed = api.completions.create(model=name, prompt=PROMPTS[1], max_tokens=24,
+                                      temperature=0, stop=[stop], stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut.text
+
+
+def open_stream(url: str, name: str, max_tokens: int = 1500) -> http.client.HTTPConnection:
+    """A streamed completion whose first event has been read; the rest is left unread."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"model": name, "prompt": PROMPTS[2], "max_tokens": max_tokens, "stream": True,
+         "temperature": 0}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.read1(64).startswith(b"data: ")
+    return conn
+
+
+def test_past_max_concurrency_a_request_gets_429_with_retry_after(stack):
+    url, _, name = stack
+    held = [open_stream(url, name) for _ in range(2)]
+    try:
+        code, reply, headers = post(url, "/v1/completions", {"model": name, "prompt": "x"})
+        assert code == 429 and reply["error"]["type"] == "rate_limit_error"
+        assert int(headers["Retry-After"]) >= 1
+    finally:
+        for conn in held:
+            conn.close()
+    assert wait_until(lambda: health(url)["inflight"] == 0)
+    code, _, _ = post(url, "/v1/completions", {"model": name, "prompt": "x", "max_tokens": 2})
+    assert code == 200
+
+
+def test_a_client_that_disconnects_frees_its_session_here_and_at_the_hub(stack):
+    url, hub_metrics, name = stack
+    conn = open_stream(url, name)
+    assert wait_until(lambda: scrape(hub_metrics)["starhub_active_sessions"] == 1)
+    conn.close()
+    assert wait_until(lambda: health(url)["inflight"] == 0, 10)
+    assert wait_until(lambda: scrape(hub_metrics)["starhub_active_sessions"] == 0, 10)
+    assert scrape(url + "/metrics")["starhub_serve_active_sessions"] == 0

@@ -1,0 +1,147 @@
+"""``starhub serve`` on the embedded model with a default hub, called by the official
+``openai`` client: chat and completions, streamed and not, alone and 8 at once, and a hub
+that dies mid-load. Every output is token for token what transformers' generate() gives."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from openai import OpenAI
+
+from serving import free_port, health, scrape, wait_until
+from starhub.launch.spawn import spawn_hub, spawn_serve
+from starhub.models.loading import DEFAULT_NAME, load_model
+from starhub.models.prompts import encode_prompt
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers greater than 10.",
+    "Give me a tip for learning a new language.",
+    "Write a Python function that reverses a string.",
+    "What causes the seasons on Earth?",
+    "Suggest a name for a friendly robot.",
+]
+NEW = 40
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("default")
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    """generate()'s greedy tokens for each prompt as a chat message."""
+    net, tokenizer = model
+    out = {}
+    for prompt in PROMPTS:
+        ids = encode_prompt(tokenizer, prompt)
+        out[prompt] = net.generate(torch.tensor([ids]), max_new_tokens=NEW,
+                                   do_sample=False)[0, len(ids):].tolist()
+    return out
+
+
+@pytest.fixture(scope="module")
+def stack():
+    """A hub with its default flags (and metrics), and a server with its defaults."""
+    metrics = free_port()
+    with spawn_hub(["--metrics-port", str(metrics)]) as hub, \
+            spawn_serve(["--hub", hub.address], threads=2) as server:
+        yield server.url, f"http://127.0.0.1:{metrics}/metrics"
+
+
+def chat(api: OpenAI, prompt: str, stream: bool) -> tuple[list[int], str, dict]:
+    """(token ids, text, spec_decode) of one greedy chat completion."""
+    body = {"model": DEFAULT_NAME, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": NEW, "temperature": 0, "extra_body": {"return_token_ids": True}}
+    if not stream:
+        reply = api.chat.completions.create(**body)
+        extra = reply.choices[0].model_extra
+        return extra["token_ids"], reply.choices[0].message.content, reply.model_extra[
+            "spec_decode"]
+    text, ids, spec = [], None, None
+    for chunk in api.chat.completions.create(**body, stream=True):
+        choice = chunk.choices[0]
+        text.append(choice.delta.content or "")
+        if choice.finish_reason:
+            ids, spec = choice.model_extra["token_ids"], chunk.model_extra["spec_decode"]
+    return ids, "".join(text), spec
+
+
+def test_chat_and_completions_streamed_or_not_equal_generate(stack, model, expected):
+    url, hub_metrics = stack
+    _, tokenizer = model
+    api = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    before = scrape(hub_metrics)["starhub_rounds_total"]
+    for prompt, stream in ((PROMPTS[0], False), (PROMPTS[1], True)):
+        ids, text, spec = chat(api, prompt, stream)
+        assert ids == expected[prompt]
+        assert text == tokenizer.decode(expected[prompt], skip_special_tokens=True)
+        assert spec["rounds"] > 0 and spec["mean_accept_len"] > 1.2, spec
+    prompt_ids = encode_prompt(tokenizer, PROMPTS[2])
+    plain = api.completions.create(model=DEFAULT_NAME, prompt=prompt_ids, max_tokens=NEW,
+                                   temperature=0, extra_body={"return_token_ids": True})
+    assert plain.choices[0].model_extra["token_ids"] == expected[PROMPTS[2]]
+    assert plain.usage.prompt_tokens == len(prompt_ids)
+    assert plain.usage.completion_tokens == NEW
+    pieces = api.completions.create(model=DEFAULT_NAME, prompt=prompt_ids, max_tokens=NEW,
+                                    temperature=0, stream=True,
+                                    stream_options={"include_usage": True})
+    chunks = list(pieces)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
+    assert chunks[-1].usage.completion_tokens == NEW
+    assert scrape(hub_metrics)["starhub_rounds_total"] > before + 10
+
+
+def test_eight_concurrent_streams_equal_generate_in_shared_passes(stack, expected):
+    url, _ = stack
+    api = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    before = scrape(url + "/metrics")
+    results: dict[str, list[int]] = {}
+
+    def ask(prompt: str) -> None:
+        results[prompt] = chat(api, prompt, stream=True)[0]
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == expected
+    after = scrape(url + "/metrics")
+    passes = after["starhub_serve_verify_passes_total"] - before[
+        "starhub_serve_verify_passes_total"]
+    rows = after["starhub_serve_verify_rows_total"] - before["starhub_serve_verify_rows_total"]
+    assert rows / passes > 2, f"mean verify batch {rows / passes:.2f}"
+
+
+def test_a_hub_killed_mid_load_loses_no_request_and_is_used_again(expected):
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    hub = spawn_hub(["--bind", address])
+    with spawn_serve(["--hub", address, "--hub-timeout", "1"], threads=1) as server:
+        api = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        results: dict[str, list[int]] = {}
+        threads = [threading.Thread(target=lambda p=p: results.update(
+            {p: chat(api, p, stream=True)[0]})) for p in PROMPTS[:4]]
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        hub.proc.send_signal(signal.SIGKILL)
+        hub.proc.wait()
+        for t in threads:
+            t.join()
+        assert results == {p: expected[p] for p in PROMPTS[:4]}
+        with spawn_hub(["--bind", address]):
+            assert wait_until(lambda: health(server.url)["hub_connected"], 30)
+            ids, _, spec = chat(api, PROMPTS[5], stream=False)
+            assert ids == expected[PROMPTS[5]]
+            assert spec["rounds"] > 0, "the server did not go back to the hub"
