@@ -159,3 +159,13 @@ def test_a_client_that_disconnects_frees_its_session_here_and_at_the_hub(stack):
     assert wait_until(lambda: health(url)["inflight"] == 0, 10)
     assert wait_until(lambda: scrape(hub_metrics)["starhub_active_sessions"] == 0, 10)
     assert scrape(url + "/metrics")["starhub_serve_active_sessions"] == 0
+
+
+def test_after_the_hub_frees_an_idle_servers_slot_requests_use_the_hub_again(stack):
+    url, hub_metrics, name = stack
+    api = client(url)
+    assert wait_until(lambda: scrape(hub_metrics)["starhub_peers"] == 0, 20), \
+        "the hub kept the idle server's slot"
+    reply = api.completions.create(model=name, prompt=PROMPTS[3], max_tokens=16, temperature=0)
+    assert reply.model_extra["spec_decode"]["hub"] is True
+    assert scrape(hub_metrics)["starhub_peers"] == 1
