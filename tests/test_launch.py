@@ -293,3 +293,64 @@ def test_sigint_mid_run_stops_every_process(tmp_path):
     assert not left, f"still running after SIGINT: {left}"
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+
+
+def test_serve_config_plans_http_servers_on_consecutive_ports():
+    from starhub.cli.main import build_parser
+
+    dep = load_config(CONFIGS / "serve-cpu.toml")
+    plan = build_plan(dep)  # serving targets need no prompts
+    assert [p.role for p in plan.workers] == ["serve", "serve"] and plan.prompts is None
+    ports = [p.args[p.args.index("--port") + 1] for p in plan.workers]
+    assert ports == ["8000", "8001"]
+    parser = build_parser()
+    check_commands(plan, parser)
+    for spec in plan.processes:
+        parser.parse_args(spec.command(hub="tcp://10.0.0.1:5555")[3:])
+    with pytest.raises(ConfigError, match="targets.http_port"):
+        build_plan(load_config(CONFIGS / "serve-cpu.toml", ["targets.http_port=65535"]))
+
+
+def test_a_serving_launch_prints_each_url_serves_it_and_stops_on_sigint(tmp_path, tiny_dir):
+    from openai import OpenAI
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "starhub", "launch", "configs/serve-cpu.toml", "--out-dir",
+         str(tmp_path / "out"), "--set", f"targets.model={json.dumps(str(tiny_dir))}",
+         "--set", "hub.drafter=ngram", "--set", "targets.http_port=0"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=_default_sigint)
+    lines: list[str] = []
+    urls: dict[str, str] = {}
+    both = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if m := re.search(r"\] (target\d) serving at (http://\S+)", line):
+                urls[m[1]] = m[2]
+                if len(urls) == 2:
+                    both.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert both.wait(300), "".join(lines)
+        for url in urls.values():
+            api = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            reply = api.completions.create(model=tiny_dir.name, prompt="one two three",
+                                           max_tokens=8, temperature=0)
+            assert reply.usage.completion_tokens == 8
+            status = subprocess.run([sys.executable, "-m", "starhub", "status", url],
+                                    capture_output=True, text=True, timeout=60)
+            assert status.returncode == 0 and "(connected)" in status.stdout, status.stdout
+        pids = started_pids("".join(lines))
+        assert set(pids) == {"hub", "target0", "target1"}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(120) == 130
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [n for n, p in pids.items() if psutil.pid_exists(p)]

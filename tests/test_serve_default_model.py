@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 from openai import OpenAI
-
 from serving import free_port, health, scrape, wait_until
+
 from starhub.launch.spawn import spawn_hub, spawn_serve
 from starhub.models.loading import DEFAULT_NAME, load_model
 from starhub.models.prompts import encode_prompt

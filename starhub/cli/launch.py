@@ -13,7 +13,7 @@ from starhub.launch.config import load_config, schema_text
 from starhub.launch.plan import build_plan, check_commands, describe
 from starhub.launch.ray_backend import RayBackend, ray_address
 from starhub.launch.runner import Launcher, LocalBackend
-from starhub.launch.status import query_stats, report
+from starhub.launch.status import query_stats, report, serve_report, server_health
 from starhub.models.prompts import read_prompts
 from starhub.wire.security import add_client_args, client_curve_from_args
 
@@ -64,13 +64,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="print every table and key a deployment file may hold, and exit")
 
     s = sub.add_parser(
-        "status", help="a running hub's (or verifier's) targets and key metrics",
+        "status", help="a running hub's (or verifier's, or server's) targets and key metrics",
         description="Ask a hub or an edge verifier for STATS and print its settings, load "
                     "and one row per target: rounds, tokens, speed, its standalone speed "
                     "and t_c. It sends an OBSERVER_CARD (no admission slot, no session), "
-                    "which the server asks before it shows per-target entries.")
-    s.add_argument("address", help="e.g. tcp://127.0.0.1:5555 (the address its "
-                                   "'STARHUB READY' line or `starhub launch` printed)")
+                    "which the server asks before it shows per-target entries. Given a serving "
+                    "target's URL (http://HOST:PORT), it shows that server's model, hub, load "
+                    "and tau from its /health.")
+    s.add_argument("address", help="e.g. tcp://127.0.0.1:5555 or http://127.0.0.1:8000 (the "
+                                   "address its 'STARHUB READY' line or `starhub launch` "
+                                   "printed)")
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
     s.add_argument("--json", action="store_true", help="print the raw STATS body as JSON")
     add_client_args(s)
@@ -113,6 +116,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     # deferred: torch load only when this runs
     from starhub.client.connection import HubUnavailable
 
+    if args.address.startswith(("http://", "https://")):
+        try:
+            body = server_health(args.address, args.timeout)
+        except (OSError, ValueError) as exc:
+            print(f"starhub status: no answer from {args.address}: {exc}", file=sys.stderr)
+            return 1
+        print(json.dumps(body, indent=1, sort_keys=True) if args.json
+              else serve_report(args.address, body))
+        return 0
     curve = client_curve_from_args(args)
     try:
         body = query_stats(args.address, args.timeout, peers=True, curve=curve)

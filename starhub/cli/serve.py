@@ -59,7 +59,6 @@ def add_parser(sub: argparse._SubParsersAction, add_weight_args) -> None:
                    help="join chat messages as plain text instead of the model's template")
     add_weight_args(p)
     security.add_client_args(p)
-    p.add_argument("--log-level", default="info")
 
 
 def port_arg(text: str) -> int:

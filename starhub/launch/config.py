@@ -123,6 +123,14 @@ class TargetsSection(WorkerSection, kw_only=True):
     dtype: Dtype = "auto"
     linear: Linear = "auto"
     device_map: Annotated[str | None, DEVICE_MAP] = None
+    serve: Annotated[bool, doc("run each target as `starhub serve`, an OpenAI-compatible "
+                               "HTTP server, until stopped (no prompts needed)")] = False
+    http_host: Annotated[str | None, doc("serve: address to listen on (default: loopback "
+                                         "locally, every interface on Ray)")] = None
+    http_port: Annotated[Annotated[int, Meta(ge=0, le=65535)],
+                         doc("serve: target i listens on http_port + i (0: free ports)")] = 0
+    max_concurrency: Annotated[Positive, doc("serve: requests in flight per target; past "
+                                             "it, 429")] = 16
 
 
 class VerifierSection(ServerSection, kw_only=True):

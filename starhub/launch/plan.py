@@ -25,12 +25,13 @@ prompt and output files are on the machine the process runs on."""
 class ProcessSpec:
     name: str
     role: str
-    """hub, target, verifier or drafter: also the ``starhub`` subcommand."""
+    """hub, target, serve, verifier or drafter: also the ``starhub`` subcommand."""
     args: list[str]
     """Everything after ``python -m starhub``, with placeholders."""
     threads: int
     serves: bool
-    """Prints ``STARHUB READY <address>`` and runs until stopped (hub, verifier)."""
+    """Prints ``STARHUB READY <address>`` and runs until stopped (hub, verifier, serving
+    targets)."""
     section: str
     gpu: int | None = None
     ray_options: dict = field(default_factory=dict)
@@ -61,7 +62,11 @@ def build_plan(dep: Deployment, prompts: str | None = None) -> Plan:
     """The processes of ``dep``; ``prompts`` (from the command line) wins over the config's."""
     workers = dep.workers
     prompts = prompts or workers.prompts
-    if workers.count and not prompts:
+    serving = dep.topology == "star" and dep.targets.serve
+    if serving and dep.targets.http_port and dep.targets.http_port + workers.count > 65536:
+        raise ConfigError(f"{dep.source}: targets.http_port: {dep.targets.http_port} + "
+                          f"{workers.count} targets runs past port 65535")
+    if workers.count and not prompts and not serving:
         group = "targets" if dep.topology == "star" else "drafters"
         raise ConfigError(f"{dep.source}: {group}.prompts: the {workers.count} {group} need "
                           f"prompts; pass --prompts FILE or set {group}.prompts (or set "
@@ -170,6 +175,8 @@ def _gpu(w, index: int) -> int | None:
 def _target(dep: Deployment, pre: list[str], i: int) -> ProcessSpec:
     t, threads = dep.targets, _threads(dep, dep.targets)
     name = f"{t.name}{i}"
+    if t.serve:
+        return _server_target(dep, pre, i, name, threads)
     args = [*pre, "target", *_flags([("--hub", HUB), ("--model", t.model),
                                      ("--dtype", t.dtype), ("--linear", t.linear),
                                      ("--device-map", t.device_map),
@@ -177,6 +184,23 @@ def _target(dep: Deployment, pre: list[str], i: int) -> ProcessSpec:
     if not t.chat_template:
         args.append("--no-chat-template")
     return ProcessSpec(name, "target", args, threads, False, "targets", _gpu(t, i),
+                       _ray_options(t, threads))
+
+
+def _server_target(dep: Deployment, pre: list[str], i: int, name: str,
+                   threads: int) -> ProcessSpec:
+    """A target as ``starhub serve``: it prints its URL when ready and runs until stopped."""
+    t = dep.targets
+    host = t.http_host or ("0.0.0.0" if dep.backend == "ray" else "127.0.0.1")
+    args = [*pre, "serve", *_flags([
+        ("--hub", HUB), ("--model", t.model), ("--dtype", t.dtype), ("--linear", t.linear),
+        ("--device-map", t.device_map), ("--threads", threads), ("--name", name),
+        ("--host", host), ("--port", t.http_port + i if t.http_port else 0),
+        ("--max-concurrency", t.max_concurrency), ("--device", t.device),
+        *_client_keys(t)])]
+    if not t.chat_template:
+        args.append("--no-chat-template")
+    return ProcessSpec(name, "serve", args, threads, True, "targets", _gpu(t, i),
                        _ray_options(t, threads))
 
 
@@ -253,7 +277,7 @@ def describe(plan: Plan, out_dir: str, ray_address: str | None) -> str:
             python = sys.executable
             prompts = str(Path(plan.prompts).resolve()) if plan.prompts else ""
             out = str(Path(out_dir).resolve() / spec.out_name)
-        when = "" if spec.serves else f", once the {kind} is ready"
+        when = "" if spec is plan.server else f", once the {kind} is ready"
         lines.append(f"{spec.name}: {where}{when}")
         cmd = spec.command(python, hub=f"<{kind} address>", prompts=prompts, out=out)
         lines.append("  " + shlex.join(cmd))

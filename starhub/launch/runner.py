@@ -110,6 +110,8 @@ class Launcher:
         self.dep = plan.deployment
         self.kind = "hub" if self.dep.topology == "star" else "verifier"
         self.address: str | None = None
+        self.urls: dict[str, str] = {}
+        """Serving targets' addresses, as each announced it."""
 
     # --- output ----------------------------------------------------------------------
     def say(self, text: str) -> None:
@@ -155,8 +157,13 @@ class Launcher:
                 self.stream.flush()
                 self._draw_status()
             codes[name] = state["code"]
-            if state.get("address"):
+            if not state.get("address"):
+                continue
+            if name == self.plan.server.name:
                 self.address = state["address"]
+            elif name not in self.urls:
+                self.urls[name] = state["address"]
+                self.say(f"{name} serving at {state['address']}")
         return codes
 
     # --- lifecycle -------------------------------------------------------------------
@@ -208,7 +215,7 @@ class Launcher:
                 poller = StatusPoller(address, self.dep.status_interval_s,
                                       len(self.plan.workers), self.kind == "verifier",
                                       status_keys(self.dep.workers)).start()
-            if not self.plan.workers:
+            if not self.plan.workers or self.serving:
                 self.say(f"serving at {address} until Ctrl-C")
             self._supervise(poller)
             self._finish()
@@ -225,21 +232,29 @@ class Launcher:
                 poller.stop()
             self._stop_all()
 
+    @property
+    def serving(self) -> bool:
+        """Whether the workers are servers, which run until stopped."""
+        return any(p.serves for p in self.plan.workers)
+
     def _supervise(self, poller: StatusPoller | None) -> None:
         server = self.plan.server.name
         workers = [p.name for p in self.plan.workers]
         while True:
             codes = self.pump()
             for name in workers:
-                if codes[name] not in (None, 0):
+                if codes[name] not in (None, 0) or (self.serving and codes[name] == 0):
                     raise self._failed(name, codes[name])
             if codes[server] is not None:
                 raise self._failed(server, codes[server])
-            if workers and all(codes[n] == 0 for n in workers):
+            if workers and not self.serving and all(codes[n] == 0 for n in workers):
                 return
             if poller is not None and poller.line:
-                done = sum(codes[n] == 0 for n in workers)
-                self._show_status(f"{poller.line} | done {done}/{len(workers)}")
+                if self.serving:
+                    tail = f"serving {len(self.urls)}/{len(workers)}"
+                else:
+                    tail = f"done {sum(codes[n] == 0 for n in workers)}/{len(workers)}"
+                self._show_status(f"{poller.line} | {tail}")
             time.sleep(self.backend.poll_s)
 
     def _finish(self) -> None:

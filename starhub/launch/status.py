@@ -163,6 +163,30 @@ def verifier_report(address: str, body: VerifierReport) -> str:
     return head + f"\nscheduler: {json.dumps(sched, sort_keys=True)}"
 
 
+def server_health(url: str, timeout_s: float = 5.0) -> dict:
+    """A serving target's ``/health``: model, hub, load and speculation figures."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:  # 503 while shutting down still has a body
+        return json.loads(exc.read())
+
+
+def serve_report(url: str, body: dict) -> str:
+    """The ``starhub status`` text for a serving target."""
+    hub = body.get("hub") or "none"
+    return (f"server {url}: model {body.get('model')}, {body.get('status')}\n"
+            f"hub {hub} ({'connected' if body.get('hub_connected') else 'not connected'})\n"
+            f"load {body.get('inflight')}/{body.get('max_concurrency')} requests "
+            f"({body.get('running')} decoding, {body.get('waiting')} prefilling), "
+            f"tau {_fmt(body.get('mean_accept_len'), '.2f')}, mean verify batch "
+            f"{_fmt(body.get('mean_verify_batch'), '.2f')}, output tokens "
+            f"{body.get('output_tokens')}")
+
+
 def report(address: str, body: HubReport | VerifierReport) -> str:
     if isinstance(body, VerifierReport):
         return verifier_report(address, body)
