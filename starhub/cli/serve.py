@@ -110,6 +110,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             log_level="warning", timeout_graceful_shutdown=30,
                             access_log=False)
     http = uvicorn.Server(config)
+    server.stopping = lambda: http.should_exit
 
     async def main() -> None:
         task = asyncio.create_task(http.serve())
@@ -120,7 +121,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"{READY}http://{host}:{port}", flush=True)
             log.info("listening on http://%s:%d", host, port)
         await task
-        server.shutting_down = True
 
     try:
         asyncio.run(main())

@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -51,8 +51,13 @@ class OpenAIServer:
         self.chat_template = chat_template
         self.metrics = ServeMetrics(batcher)
         self.inflight = 0
-        self.shutting_down = False
+        self.stopping: Callable[[], bool] = lambda: False
+        """Whether the HTTP server has begun its graceful shutdown (set by its runner)."""
         self.created = int(time.time())
+
+    @property
+    def shutting_down(self) -> bool:
+        return self.stopping()
 
     # -- the app ----------------------------------------------------------------------
     def app(self) -> FastAPI:
