@@ -3,33 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
 from email.message import Message
 
-from prometheus_client.parser import text_string_to_metric_families
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Every unlabelled sample of a Prometheus endpoint, by sample name."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return {s.name: s.value for fam in text_string_to_metric_families(text)
-            for s in fam.samples if not s.labels}
-
-
-def health(url: str) -> dict:
-    try:
-        return json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())
-    except urllib.error.HTTPError as exc:
-        return json.loads(exc.read())
+from bench.serve_checks import free_port, scrape  # noqa: F401  (re-exported for tests)
+from starhub.launch.status import server_health as health  # noqa: F401
 
 
 def post(url: str, path: str, body: dict | bytes) -> tuple[int, dict, Message]:

@@ -16,17 +16,8 @@ from serving import free_port, health, scrape, wait_until
 from starhub.launch.spawn import spawn_hub, spawn_serve
 from starhub.models.loading import DEFAULT_NAME, load_model
 from starhub.models.prompts import encode_prompt
+from tests.test_e2e_default_model import PROMPTS
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Explain what a hash table is in two sentences.",
-    "List three prime numbers greater than 10.",
-    "Give me a tip for learning a new language.",
-    "Write a Python function that reverses a string.",
-    "What causes the seasons on Earth?",
-    "Suggest a name for a friendly robot.",
-]
 NEW = 40
 
 pytestmark = pytest.mark.slow
