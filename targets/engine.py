@@ -65,20 +65,40 @@ def measure_budget(model: PreTrainedModel, slack: float = 1.5, limit: int = 256)
 
 
 LAYOUTS = ("auto", "padded", "packed")
+COPY_BUDGET_BYTES = 256 << 20
+"""The most KV cache one batched pass may copy into its padded or packed layout."""
+
+
+def kv_bytes_per_token(model: PreTrainedModel) -> int:
+    """Bytes one cached token takes over every layer (keys and values)."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    width = next(model.parameters()).element_size()
+    return 2 * cfg.num_hidden_layers * kv * head_dim * width
 
 
 class VerifyEngine:
     """Sessions over one loaded model, verified alone or many per forward pass.
 
     ``layout`` says how a pass lays its sessions out: ``padded`` (a batch row each),
-    ``packed`` (one sequence), or ``auto``, whichever wastes less work for that pass."""
+    ``packed`` (one sequence), or ``auto``, whichever wastes less work for that pass.
+    A batched pass copies its sessions' caches into that layout; ``copy_budget`` bounds
+    the copy in bytes: a session too long to share it is verified on its own, in place,
+    and a padded layout past it is packed instead."""
 
-    def __init__(self, model: PreTrainedModel, layout: str = "auto"):
+    def __init__(self, model: PreTrainedModel, layout: str = "auto",
+                 copy_budget: int = COPY_BUDGET_BYTES):
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout '{layout}' ({', '.join(LAYOUTS)})")
         self.model = model
         self.layout = layout
+        self.copy_budget = copy_budget
+        self.token_bytes = kv_bytes_per_token(model)
         self.sessions: dict[int, TargetModel] = {}
+        self.copied_bytes = 0
+        """The largest cache copy a batched pass has made so far."""
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -123,17 +143,37 @@ class VerifyEngine:
 
     @torch.inference_mode()
     def verify(self, work: list[tuple[int, DraftTree]]) -> list[Verdict]:
-        """Verify each (session, tree) pair, all in one forward pass."""
+        """Verify each (session, tree) pair: all in one forward pass, but for sessions whose
+        caches the copy budget cannot hold, which get a pass each."""
         targets = [self.sessions[sid] for sid, _ in work]
         if len(set(map(id, targets))) != len(targets):
             raise ValueError("a session can have one tree per batch")
-        if len(work) == 1:
-            return [targets[0].verify(work[0][1])]
-        return _verify_batch(self.model, targets, [tree for _, tree in work], self.layout)
+        verdicts: list[Verdict | None] = [None] * len(work)
+        together, room = [], self.copy_budget // self.token_bytes
+        for i in sorted(range(len(work)), key=lambda i: targets[i].cached):
+            if targets[i].cached <= room:
+                together.append(i)
+                room -= targets[i].cached
+            else:
+                verdicts[i] = targets[i].verify(work[i][1])
+        if len(together) == 1:
+            verdicts[together[0]] = targets[together[0]].verify(work[together[0]][1])
+        elif together:
+            layout = self.layout
+            cached = [targets[i].cached for i in together]
+            if len(together) * max(cached) * self.token_bytes > self.copy_budget:
+                layout = "packed"
+            batch, copied = _verify_batch(self.model, [targets[i] for i in together],
+                                          [work[i][1] for i in together], layout)
+            self.copied_bytes = max(self.copied_bytes, copied * self.token_bytes)
+            for i, verdict in zip(together, batch, strict=True):
+                verdicts[i] = verdict
+        return verdicts
 
 
 def _verify_batch(model: PreTrainedModel, targets: list[TargetModel],
-                  trees: list[DraftTree], how: str = "auto") -> list[Verdict]:
+                  trees: list[DraftTree], how: str = "auto") -> tuple[list[Verdict], int]:
+    """The verdicts, and how many cache entries the layout copied."""
     for target in targets:
         target.compact()
     cached = [t.cache.get_seq_length() for t in targets]
@@ -141,6 +181,7 @@ def _verify_batch(model: PreTrainedModel, targets: list[TargetModel],
     pack = how == "packed" or (how == "auto" and _packing_pays(model.config, cached,
                                                                list(map(len, feeds))))
     layout = _packed if pack else _padded
+    copied = sum(cached) if pack else len(targets) * max(cached)
     ids, positions, mask, cache, spans = layout(model, targets, trees, feeds, cached)
     past = cache.get_seq_length()
     device = targets[0].device
@@ -162,7 +203,7 @@ def _verify_batch(model: PreTrainedModel, targets: list[TargetModel],
         target.last = bonus
         verdicts.append(Verdict(path=path, tokens=[int(tree.tokens[i]) for i in path] + [bonus],
                                 features=feats))
-    return verdicts
+    return verdicts, copied
 
 
 Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache, list[tuple[int, int]]]

@@ -104,3 +104,38 @@ def test_auto_layout_packs_ragged_short_rows_and_pads_long_caches(tiny_model):
     assert _packing_pays(config, cached=[40, 50, 60, 45], fed=[3, 4, 5, 6])
     assert not _packing_pays(config, cached=[4000, 5000, 6000, 4500], fed=[5, 5, 5, 6])
     assert not _packing_pays(config, cached=[40, 50], fed=[4, 4]), "equal rows: no padding"
+
+
+def test_a_session_too_long_for_the_copy_budget_is_verified_alone_in_place(tiny_model):
+    model, _ = tiny_model
+    drafter = _drafter(model)
+    long_prompt = [(7 * i) % 500 + 3 for i in range(300)]
+    prompts = [long_prompt, PROMPTS[0], PROMPTS[2]]
+    engine = VerifyEngine(model, "padded", copy_budget=0)
+    engine.copy_budget = 64 * engine.token_bytes  # room for the short sessions only
+    singles = [TargetModel(model) for _ in prompts]
+    for sid, prompt in enumerate(prompts):
+        assert engine.open(sid, prompt)[0] == singles[sid].prefill(prompt)[0]
+    for _ in range(3):
+        trees = [drafter.propose(DraftContext(tokens=[*p, t.last]), SHAPES[0])
+                 for p, t in zip(prompts, singles, strict=True)]
+        together = engine.verify(list(enumerate(trees)))
+        alone = [t.verify(tree) for t, tree in zip(singles, trees, strict=True)]
+        assert [v.tokens for v in together] == [v.tokens for v in alone]
+        prompts = [[*p, *v.tokens[:-1]] for p, v in zip(prompts, alone, strict=True)]
+    assert 0 < engine.copied_bytes <= engine.copy_budget
+
+
+def test_an_empty_tree_in_a_batch_is_one_plain_step(tiny_model):
+    from targets.serve.batcher import EMPTY_TREE
+
+    model, _ = tiny_model
+    for sampling in (Sampling(), Sampling(temperature=0.9)):
+        engine = VerifyEngine(model)
+        singles = [TargetModel(model, sampling, seed=s) for s in range(3)]
+        for sid, prompt in enumerate(PROMPTS):
+            engine.open(sid, prompt, sampling, seed=sid)
+            singles[sid].prefill(prompt)
+        for _ in range(4):
+            verdicts = engine.verify([(sid, EMPTY_TREE) for sid in range(3)])
+            assert [v.tokens for v in verdicts] == [[t.step()] for t in singles]
