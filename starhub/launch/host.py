@@ -9,7 +9,6 @@ once, so one actor thread can serve them all and the launcher polls.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -20,7 +19,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from starhub.launch.spawn import READY
+from starhub.launch.spawn import READY, die_with_parent
 
 WORKDIR = "{workdir}"
 """In arguments: this host's scratch folder (prompts shipped in, outputs fetched back)."""
@@ -28,21 +27,6 @@ WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
 KEEP_LINES = 5000
 DRAIN_S = 2.0
 """Once the process has exited: how long ``tick`` waits for the last of its output."""
-
-
-try:
-    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux
-    _PRCTL = None
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the process that started it dies, so a launcher or
-    actor killed outright leaves nothing behind. libc is loaded before the fork: the child
-    only makes the call."""
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def node_ip() -> str:
@@ -94,7 +78,7 @@ class ProcessHost:
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, text=True, errors="replace",
                                      env=full_env, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent())
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         return self.where()
