@@ -207,6 +207,145 @@ def test_bench_cli_no_longer_imports_the_starhub_cli():
     assert hub_defaults() == {k: getattr(hub, k) for k in hub_defaults()}
 
 
+
+# --- placement on Ray, and collecting outputs --------------------------------------
+
+def ray_node(ip: str, cpus: float, gpus: float = 0.0, **labels: str) -> dict:
+    resources = {"CPU": cpus, "memory": 1e10, f"node:{ip}": 1.0}
+    if gpus:
+        resources["GPU"] = gpus
+    return {"Alive": True, "NodeManagerAddress": ip, "Resources": resources,
+            "Labels": {"ray.io/node-id": "x", **labels}}
+
+
+def test_a_gpu_deployment_on_a_cpu_cluster_is_refused_naming_what_no_node_has():
+    from starhub.launch.ray_backend import placement_problems
+
+    plan = build_plan(load_config(CONFIGS / "ray-cluster.toml"), "p.jsonl")
+    problems = placement_problems(plan.processes, [ray_node("10.0.0.1", 16)])
+    assert problems == [
+        "hub asks for 4 CPU, 1 GPU on a node labelled role=draft: no node has 1 GPU; "
+        "no node has the label role=draft",
+        "8 processes (target0 .. target7) each ask for 4 CPU, 1 GPU: no node has 1 GPU"]
+    gpu_nodes = [ray_node("10.0.0.1", 8, 1, role="draft"),
+                 *[ray_node(f"10.0.1.{i}", 8, 2) for i in range(4)]]
+    assert placement_problems(plan.processes, gpu_nodes) == []
+    dead = [{**n, "Alive": False} for n in gpu_nodes]
+    assert len(placement_problems(plan.processes, dead)) == 2
+
+
+def test_a_deployment_larger_than_the_whole_cluster_is_refused_with_the_totals():
+    from starhub.launch.ray_backend import placement_problems
+
+    dep = load_config(CONFIGS / "local-cpu.toml", ["backend=ray", "hub.num_cpus=1",
+                                                    "targets.num_cpus=1", "targets.count=4",
+                                                    "hub.bind=tcp://127.0.0.1:0"])
+    plan = build_plan(dep, "p.jsonl")
+    assert placement_problems(plan.processes, [ray_node("10.0.0.1", 4)]) == [
+        "the 5 processes run at once and together ask for 5 CPU: more CPU than the whole "
+        "cluster has"]
+    assert placement_problems(plan.processes, [ray_node("10.0.0.1", 4),
+                                               ray_node("10.0.0.2", 1)]) == []
+
+
+def test_ray_label_selectors_match_like_rays():
+    from starhub.launch.ray_backend import label_matches
+
+    labels = {"role": "draft", "zone": "b"}
+    assert label_matches(labels, "role", "draft")
+    assert not label_matches(labels, "role", "!draft")
+    assert label_matches(labels, "zone", "in(a, b)")
+    assert not label_matches(labels, "zone", "!in(a,b)")
+    assert not label_matches(labels, "gpu", "a100") and label_matches(labels, "gpu", "!a100")
+
+
+class FakeHandle:
+    """A process that reports what the launcher does with it in ``events``."""
+
+    def __init__(self, name: str, events: list, done) -> None:
+        self.name, self.events, self.done, self.where = name, events, done, {}
+        self.exited = False
+
+    def tick(self, since: int) -> dict:
+        code = 0 if self.done() else None
+        if code == 0 and not self.exited:
+            self.exited = True
+            self.events.append(("exited", self.name))
+        return {"lines": [], "next": 0, "code": code,
+                "address": "tcp://127.0.0.1:1" if self.name == "hub" else None}
+
+    def stop(self) -> None:
+        self.events.append(("stop", self.name))
+
+    def fetch_output(self, spec, out_dir: Path) -> None:
+        self.events.append(("fetch", self.name))
+        (out_dir / spec.out_name).write_text("")
+
+    def close(self) -> None:
+        self.events.append(("close", self.name))
+
+
+class FakeBackend:
+    """target0 finishes at once; target1 only after target0's output was fetched (or
+    after many polls, when it never is)."""
+
+    poll_s = 0.0
+
+    def __init__(self, refuse: str = "") -> None:
+        self.events: list = []
+        self.refuse = refuse
+        self.polls = 0
+
+    def check(self, processes) -> None:
+        from starhub.launch.runner import CannotPlace
+
+        if self.refuse:
+            raise CannotPlace(self.refuse)
+
+    def _target1_done(self) -> bool:
+        self.polls += 1
+        return ("fetch", "target0") in self.events or self.polls > 200
+
+    def start(self, spec, hub):
+        done = {"hub": lambda: False, "target0": lambda: True,
+                "target1": self._target1_done}[spec.name]
+        self.events.append(("start", spec.name))
+        return FakeHandle(spec.name, self.events, done)
+
+    def close(self) -> None:
+        self.events.append(("backend closed", ""))
+
+
+def fake_launch(tmp_path: Path, backend: FakeBackend) -> tuple[int, str]:
+    import io
+
+    from starhub.launch.runner import Launcher
+
+    dep = load_config(CONFIGS / "local-cpu.toml", ["status_interval_s=0"])
+    stream = io.StringIO()
+    code = Launcher(build_plan(dep, "p.jsonl"), backend, tmp_path, stream).run()
+    return code, stream.getvalue()
+
+
+def test_each_output_is_collected_and_its_host_released_as_soon_as_it_finishes(tmp_path):
+    backend = FakeBackend()
+    code, log = fake_launch(tmp_path, backend)
+    assert code == 0, log
+    events = backend.events
+    assert events.index(("close", "target0")) < events.index(("exited", "target1"))
+    assert events.index(("fetch", "target0")) < events.index(("close", "target0"))
+    # a finished target is neither polled nor stopped again; the hub is stopped last
+    assert ("stop", "target0") not in events and events.count(("close", "target0")) == 1
+    assert events[-3:] == [("stop", "hub"), ("close", "hub"), ("backend closed", "")]
+    assert (tmp_path / "target0.jsonl").exists() and "target0 done" in log
+
+
+def test_a_plan_the_backend_cannot_place_starts_nothing_and_fails(tmp_path):
+    backend = FakeBackend(refuse="no node has 1 GPU")
+    code, log = fake_launch(tmp_path, backend)
+    assert code == 1 and "no node has 1 GPU" in log
+    assert backend.events == [("backend closed", "")]
+
 # --- starhub status ----------------------------------------------------------------
 
 def test_status_prints_a_row_per_target_from_stats(tiny_model, ngram_hub):

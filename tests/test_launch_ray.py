@@ -1,6 +1,6 @@
 """The Ray backend against a real Ray instance started on this machine: a hub and two
 targets as actors, greedy output identical to generate(), and every actor and process gone
-afterwards."""
+afterwards; a deployment the cluster cannot place refused at once."""
 
 from __future__ import annotations
 
@@ -43,9 +43,34 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def stop_cluster(temp: str) -> None:
+    """Stop the Ray instance whose session lives under ``temp``, and only that one (``ray
+    stop`` would stop every Ray instance on the machine)."""
+    me = psutil.Process()
+    skip = {me.pid, *(p.pid for p in me.parents())}
+    procs = {p.pid: p for p in psutil.process_iter(["cmdline"])
+             if p.pid not in skip and temp in " ".join(p.info["cmdline"] or [])}
+    for p in list(procs.values()):
+        try:
+            procs.update({c.pid: c for c in p.children(recursive=True) if c.pid not in skip})
+        except psutil.NoSuchProcess:
+            pass
+    for p in procs.values():
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=15)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 @pytest.fixture
 def ray_head():
-    """``ray start --head`` with free ports; ``ray stop`` afterwards."""
+    """``ray start --head`` with free ports, stopped afterwards."""
     ray_cli = str(Path(sys.executable).with_name("ray"))
     if not Path(ray_cli).exists():
         ray_cli = shutil.which("ray") or ray_cli
@@ -67,7 +92,7 @@ def ray_head():
         assert out.returncode == 0, f"ray start failed:\n{out.stdout}\n{out.stderr}"
         yield f"127.0.0.1:{gcs}", env
     finally:
-        subprocess.run([ray_cli, "stop"], capture_output=True, env=env, timeout=180)
+        stop_cluster(temp)
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -118,3 +143,27 @@ max_new_tokens = {NEW}
     assert check.returncode == 0, check.stderr
     actors = json.loads(check.stdout.strip().splitlines()[-1])
     assert actors == {"named": [], "alive": []}
+
+
+def test_a_gpu_deployment_on_a_cpu_cluster_fails_at_once_naming_the_gpus(ray_head, tmp_path):
+    """configs/ray-cluster.toml (a GPU per process, the hub on a labelled node) against a
+    CPU-only head: refused before any actor is asked for, exit 1, nothing left behind."""
+    address, env = ray_head
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": 0, "prompt": PROMPTS[0]}) + "\n")
+    out = subprocess.run([sys.executable, "-m", "starhub", "launch", "configs/ray-cluster.toml",
+                          "--prompts", str(prompts), "--out-dir", str(tmp_path / "out")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={**env, "RAY_ADDRESS": address})
+    log = out.stderr
+    assert out.returncode == 1, log
+    assert "this Ray cluster cannot place the deployment" in log
+    assert "hub asks for 4 CPU, 1 GPU on a node labelled role=draft: no node has 1 GPU" in log
+    assert "8 processes (target0 .. target7) each ask for 4 CPU, 1 GPU: no node has 1 GPU" \
+        in log
+    assert re.search(r"the cluster has 4 CPU, 0 GPU on 1 alive node", log), log
+    assert " started " not in log
+    check = subprocess.run([sys.executable, "-c", LIST_ACTORS.format(address=address)],
+                           capture_output=True, text=True, env=env, timeout=120)
+    assert check.returncode == 0, check.stderr
+    assert json.loads(check.stdout.strip().splitlines()[-1]) == {"named": [], "alive": []}

@@ -1,5 +1,6 @@
 """``starhub demo``: a hub and a few targets on this machine, then each target's speed next
-to plain ``generate()`` on the same prompts, and whether its output was identical."""
+to plain ``generate()`` on the same prompts, and whether its output was identical. The hub
+and the targets die with the demo, even when it is killed outright."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 
-from starhub.launch import child_env, spawn_hub, target_command
+from starhub.launch import child_env, die_with_parent, spawn_hub, target_command
 from starhub.options import resolve_threads, usable_cores
 
 
@@ -32,7 +33,8 @@ def run_demo(args: argparse.Namespace, hub_flags: list[str]) -> int:
                                         "--linear", args.linear, "--device", args.device,
                                         "--max-new-tokens", str(args.max_new_tokens), "--shard",
                                         f"{i}/{args.targets}", "--name", f"target{i}"])
-            procs.append(subprocess.Popen(cmd, env=child_env(args.threads)))
+            procs.append(subprocess.Popen(cmd, env=child_env(args.threads),
+                                          preexec_fn=die_with_parent()))
             outs.append(out)
         codes = [p.wait() for p in procs]
         if any(codes):

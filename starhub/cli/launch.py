@@ -30,8 +30,9 @@ a deployment file (see configs/) looks like:
   threads = 1
 
 `starhub launch --schema` lists every key. Exit status: 0 when every target finished,
-1 when a process failed (its last log lines are printed), 2 for a bad config, 130 when
-stopped with Ctrl-C or SIGTERM."""
+1 when a process failed (its last log lines are printed) or Ray cannot place one (what it
+asks for and what the cluster has are printed), 2 for a bad config, 130 when stopped with
+Ctrl-C or SIGTERM."""
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

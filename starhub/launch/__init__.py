@@ -3,6 +3,14 @@ file, as local subprocesses or as Ray actors, and the helpers that spawn single 
 
 Importing this package loads neither torch nor transformers."""
 
-from starhub.launch.spawn import READY, HubProcess, child_env, spawn_hub, target_command
+from starhub.launch.spawn import (
+    READY,
+    HubProcess,
+    child_env,
+    die_with_parent,
+    spawn_hub,
+    target_command,
+)
 
-__all__ = ["READY", "HubProcess", "child_env", "spawn_hub", "target_command"]
+__all__ = ["READY", "HubProcess", "child_env", "die_with_parent", "spawn_hub",
+           "target_command"]

@@ -9,7 +9,6 @@ once, so one actor thread can serve them all and the launcher polls.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -20,27 +19,14 @@ import tempfile
 import threading
 from pathlib import Path
 
-from starhub.launch.spawn import READY
+from starhub.launch.spawn import READY, die_with_parent
 
 WORKDIR = "{workdir}"
 """In arguments: this host's scratch folder (prompts shipped in, outputs fetched back)."""
 WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
 KEEP_LINES = 5000
-
-
-try:
-    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux
-    _PRCTL = None
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the process that started it dies, so a launcher or
-    actor killed outright leaves nothing behind. libc is loaded before the fork: the child
-    only makes the call."""
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+DRAIN_S = 2.0
+"""Once the process has exited: how long ``tick`` waits for the last of its output."""
 
 
 def node_ip() -> str:
@@ -76,6 +62,7 @@ class ProcessHost:
         self.dropped = 0
         self.address: str | None = None
         self._lock = threading.Lock()
+        self._reader: threading.Thread | None = None
 
     def put_file(self, name: str, text: str) -> str:
         """Write a file into this host's scratch folder (prompts shipped from the launcher)."""
@@ -91,8 +78,9 @@ class ProcessHost:
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, text=True, errors="replace",
                                      env=full_env, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
-        threading.Thread(target=self._read, daemon=True).start()
+                                     preexec_fn=die_with_parent())
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         return self.where()
 
     def _read(self) -> None:
@@ -159,6 +147,13 @@ class ProcessHost:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def tick(self, since: int) -> dict:
-        """One poll for the launcher: new log lines, the exit code, the announced address."""
+        """One poll for the launcher: new log lines, the exit code, the announced address.
+        With the exit code come the process's last lines: the reader is given ``DRAIN_S`` to
+        reach the end of its output (once; a grandchild that holds the pipe open does not
+        hold up the code)."""
+        code = self.poll()
+        if code is not None and self._reader is not None:
+            self._reader.join(DRAIN_S)
+            self._reader = None
         lines, upto = self.read_log(since)
-        return {"lines": lines, "next": upto, "code": self.poll(), "address": self.address}
+        return {"lines": lines, "next": upto, "code": code, "address": self.address}

@@ -1,6 +1,7 @@
 """Run a plan: start the server, wait until it is ready, start the workers with its
-address, stream every process's log with a prefix, keep a status line, and stop everything
-when the batch is done, when a process fails, or on Ctrl-C / SIGTERM.
+address, stream every process's log with a prefix, keep a status line, collect each
+worker's output as soon as it finishes (and release its host), and stop everything when the
+batch is done, when a process fails, or on Ctrl-C / SIGTERM.
 
 The supervision is the same for both backends; a backend only knows how to start one
 process (``LocalBackend`` here, ``RayBackend`` in ``ray_backend``)."""
@@ -38,6 +39,9 @@ class Handle(Protocol):
 
 class Backend(Protocol):
     poll_s: float
+
+    def check(self, processes: list[ProcessSpec]) -> None:
+        """Raise ``CannotPlace`` if the backend can never run these processes together."""
 
     def start(self, spec: ProcessSpec, hub: str | None) -> Handle: ...
     def close(self) -> None: ...
@@ -78,6 +82,9 @@ class LocalBackend:
         self.prompts = str(Path(prompts).resolve()) if prompts else None
         self.out_dir = out_dir
 
+    def check(self, processes: list[ProcessSpec]) -> None:
+        """This machine runs whatever it is given."""
+
     def start(self, spec: ProcessSpec, hub: str | None) -> LocalHandle:
         host = ProcessHost(spec.name)
         argv = spec.command(hub=hub, prompts=self.prompts,
@@ -92,6 +99,10 @@ class ProcessFailed(RuntimeError):
     pass
 
 
+class CannotPlace(ProcessFailed):
+    """The backend cannot give a process what it asks for (resources, labels)."""
+
+
 class Stopped(KeyboardInterrupt):
     """SIGTERM, handled like Ctrl-C."""
 
@@ -103,6 +114,8 @@ class Launcher:
         self.cursor: dict[str, int] = {}
         self.tails: dict[str, collections.deque] = {}
         self.logs: dict[str, TextIO] = {}
+        self.collected: set[str] = set()
+        """Workers that finished: output fetched, host released, no longer polled."""
         self.width = max(len(p.name) for p in plan.processes)
         self.tty = stream.isatty()
         self.status = ""
@@ -140,8 +153,11 @@ class Launcher:
 
     def pump(self) -> dict[str, int | None]:
         """Print new lines of every process; return each one's exit code (None: running)."""
-        codes = {}
+        codes: dict[str, int | None] = {}
         for name, handle in self.handles.items():
+            if name in self.collected:
+                codes[name] = 0
+                continue
             try:
                 state = handle.tick(self.cursor[name])
             except Exception as exc:  # e.g. the Ray actor or its node died
@@ -206,6 +222,7 @@ class Launcher:
         previous = signal.signal(signal.SIGTERM, _raise_stopped)
         poller = None
         try:
+            self.backend.check(self.plan.processes)
             self._start(self.plan.server, None)
             address = self._wait_ready()
             self.say(f"{self.kind} ready at {address}")
@@ -242,9 +259,12 @@ class Launcher:
         workers = [p.name for p in self.plan.workers]
         while True:
             codes = self.pump()
-            for name in workers:
-                if codes[name] not in (None, 0) or (self.serving and codes[name] == 0):
-                    raise self._failed(name, codes[name])
+            for spec in self.plan.workers:
+                code = codes[spec.name]
+                if code not in (None, 0) or (spec.serves and code == 0):
+                    raise self._failed(spec.name, code)
+                if code == 0 and spec.name not in self.collected:
+                    self._collect(spec)
             if codes[server] is not None:
                 raise self._failed(server, codes[server])
             if workers and not self.serving and all(codes[n] == 0 for n in workers):
@@ -257,9 +277,21 @@ class Launcher:
                 self._show_status(f"{poller.line} | {tail}")
             time.sleep(self.backend.poll_s)
 
+    def _collect(self, spec: ProcessSpec) -> None:
+        """A worker finished: its output goes to the output folder now, and its host (a Ray
+        actor and the resources it holds) is released."""
+        handle = self.handles[spec.name]
+        try:
+            handle.fetch_output(spec, self.out_dir)
+        except Exception as exc:
+            raise ProcessFailed(f"{spec.name}: finished, but its output could not be "
+                                f"fetched: {exc}") from None
+        self.collected.add(spec.name)
+        with contextlib.suppress(Exception):
+            handle.close()
+        self.say(f"{spec.name} done: {self.out_dir / spec.out_name}")
+
     def _finish(self) -> None:
-        for spec in self.plan.workers:
-            self.handles[spec.name].fetch_output(spec, self.out_dir)
         self._clear_status()
         self.status = ""
         self.say(f"all {len(self.plan.workers)} done; outputs in {self.out_dir}")
@@ -270,16 +302,17 @@ class Launcher:
         """Workers first, then the server; then the backend's own resources."""
         self._clear_status()
         self.status = ""
-        for name in reversed(list(self.handles)):
-            handle = self.handles[name]
+        running = {n: h for n, h in self.handles.items() if n not in self.collected}
+        for handle in reversed(list(running.values())):
             with contextlib.suppress(Exception):
                 handle.stop()
         with contextlib.suppress(Exception):
             self.pump()
-        for name, handle in self.handles.items():
+        for handle in running.values():
             with contextlib.suppress(Exception):
                 handle.close()
-            self.logs[name].close()
+        for log_file in self.logs.values():
+            log_file.close()
         self.backend.close()
 
 

@@ -1,15 +1,46 @@
-"""Start hubs and targets as real processes on loopback, for the CLI, benchmark and tests."""
+"""Start hubs and targets as real processes on loopback, for the CLI, benchmark and tests.
+Each one dies with the process that started it (``die_with_parent``), so a parent killed
+outright leaves no hub running."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 READY = "STARHUB READY "
+
+try:
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _PRCTL = None
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets SIGTERM when the process
+    that starts it dies, even by SIGKILL, and so stops as it would on Ctrl-C. None where
+    the system has no such call (not Linux): there a child outlives a parent killed
+    outright. libc is loaded before the fork: the child only makes the call.
+
+    Linux ties the signal to the thread that forks: start children from a thread that
+    lives as long as they should."""
+    if _PRCTL is None:
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the call: nobody would signal
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
 
 
 @dataclass
@@ -55,7 +86,7 @@ def spawn_hub(args: list[str], threads: int = 1, timeout_s: float = 180.0,
     cmd = [sys.executable, "-m", "starhub", *(pre_args or []), "hub", "--bind", "tcp://127.0.0.1:0",
            "--threads", str(threads), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
-                            env=child_env(threads))
+                            env=child_env(threads), preexec_fn=die_with_parent())
     return HubProcess(proc, wait_ready(proc, "hub", timeout_s))
 
 

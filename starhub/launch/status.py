@@ -13,6 +13,7 @@ import msgspec
 from starhub.wire.messages import ObserverCard, StatsQuery
 from starhub.wire.reports import HubReport, VerifierReport
 from starhub.wire.security import ClientCurve, SecurityError, client_curve
+from starhub.wire.text import printable
 
 if TYPE_CHECKING:
     from starhub.client.connection import HubClient
@@ -123,11 +124,13 @@ def table(rows: list[list[str]]) -> str:
 
 
 def hub_report(address: str, body: HubReport) -> str:
-    """The ``starhub status`` text for a hub: its settings and load, then one row per target."""
-    head = (f"hub {address}: {body.drafter} drafter, depth {body.depth}, "
+    """The ``starhub status`` text for a hub: its settings and load, then one row per target.
+    Names come from the server's report: printable and short here too, whatever it sent."""
+    head = (f"hub {address}: {printable(body.drafter)} drafter, "
+            f"depth {printable(str(body.depth))}, "
             f"topk {body.topk}, max_nodes {body.max_nodes}, threads {body.threads}\n"
             f"peers {body.peers}, sessions {body.active_sessions}, admitted "
-            f"{body.admitted} (max_targets {body.max_targets}, n_max "
+            f"{body.admitted} (max_targets {printable(str(body.max_targets))}, n_max "
             f"{_fmt(body.n_max, 'd')}, n_full {_fmt(body.n_full, 'd')}), "
             f"rejections {body.rejections}\n"
             f"rounds {body.rounds}, r_q {_fmt(body.r_q)}/s, load "
@@ -140,7 +143,7 @@ def hub_report(address: str, body: HubReport) -> str:
     peers = body.counters.peers if body.counters else None
     for name, rounds, _queue, _draft, _commits, tokens, first, last in peers or []:
         c = control.get(name)
-        rows.append([name, "admitted" if c else "-", str(rounds), str(tokens),
+        rows.append([printable(name), "admitted" if c else "-", str(rounds), str(tokens),
                      _fmt(tokens / (last - first) if last > first else None),
                      *(_fmt(getattr(c, key, None)) for key in
                        ("step_ms", "standalone_tok_s", "predicted_tok_s", "t_c_ms"))])
@@ -151,7 +154,7 @@ def hub_report(address: str, body: HubReport) -> str:
 
 def verifier_report(address: str, body: VerifierReport) -> str:
     rounds = body.rounds
-    head = (f"verifier {address}: schedule {body.schedule}, budget "
+    head = (f"verifier {address}: schedule {printable(body.schedule)}, budget "
             f"{body.budget}, max_batch {body.max_batch or 'auto'}, threads "
             f"{body.threads}\n"
             f"drafters {body.drafters}, sessions {body.sessions}, steps "

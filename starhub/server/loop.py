@@ -4,7 +4,9 @@ as they come; a housekeeping timer. The hub and the edge verifier subclass ``Ser
 keep only their handlers (``handle``), their housekeeping and their own tasks (the hub's
 drafting worker, the verifier's passes).
 
-Nothing a peer sends can stop the loop: bad input gets an ERROR and serving goes on.
+Nothing a peer sends can stop the loop: bad input gets an ERROR and serving goes on. Every
+bad message is answered and counted, but only a few are logged (``BadInputLog``), so that a
+flood of them cannot fill the disk.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
 
@@ -25,6 +28,60 @@ from starhub.wire.security import ServerSecurity, bind_server
 
 STOP_POLL_S = 0.1
 """How often ``run``'s ``stop`` callable is asked."""
+BAD_INPUT_WINDOW_S = 60.0
+BAD_INPUT_PER_PEER = 5
+BAD_INPUT_TOTAL = 50
+"""Bad messages logged in one window: from one peer, and from all peers together."""
+BAD_INPUT_PEERS = 4096
+"""Peers counted one by one in a window; more than that all count as over their share."""
+
+
+class BadInputLog:
+    """Logs bad input at a bounded rate: in each window of ``window_s``, up to ``per_peer``
+    lines for one peer and ``total`` for all; the rest are counted, and one line when the
+    window ends says how many messages from how many peers went unlogged."""
+
+    def __init__(self, log: logging.Logger, window_s: float = BAD_INPUT_WINDOW_S,
+                 per_peer: int = BAD_INPUT_PER_PEER, total: int = BAD_INPUT_TOTAL,
+                 clock: Callable[[], float] = time.monotonic):
+        self.log, self.window_s, self.per_peer, self.total = log, window_s, per_peer, total
+        self.clock = clock
+        self.start = clock()
+        self.logged: Counter[bytes] = Counter()
+        self.held: Counter[bytes] = Counter()
+        self.held_over = 0
+        """Held back from peers past ``BAD_INPUT_PEERS`` in this window."""
+
+    def record(self, identity: bytes, level: int, message: str, *args,
+               exc_info: bool = False) -> None:
+        """Log ``message % args`` about a message from ``identity``, if its share allows."""
+        self.roll()
+        if sum(self.logged.values()) < self.total and self.logged[identity] < self.per_peer:
+            self.logged[identity] += 1
+            self.log.log(level, message, *args, exc_info=exc_info)
+        elif identity in self.held or len(self.held) < BAD_INPUT_PEERS:
+            self.held[identity] += 1
+        else:
+            self.held_over += 1
+
+    def roll(self) -> None:
+        """Once the window is over: the count of what went unlogged, and a new window."""
+        now = self.clock()
+        if now - self.start < self.window_s:
+            return
+        held = sum(self.held.values()) + self.held_over
+        if held:
+            peers = len(self.held) + (1 if self.held_over else 0)
+            worst, most = self.held.most_common(1)[0] if self.held else (b"", 0)
+            self.log.warning("%d more bad messages from %s%d peer%s in the last %.0fs were "
+                             "answered with an ERROR but not logged (most from %s: %d)", held,
+                             "over " if self.held_over else "", peers,
+                             "" if peers == 1 else "s", now - self.start, peer_name(worst),
+                             most)
+        self.start = now
+        self.logged.clear()
+        self.held.clear()
+        self.held_over = 0
 
 
 class Server:
@@ -47,6 +104,7 @@ class Server:
         """Set after each message the receiver takes."""
         self.bound = ""
         self.linger_ms = 0
+        self.bad_input = BadInputLog(self.log)
 
     # -- what a subclass provides -------------------------------------------------------
     def handle(self, identity: bytes, msg: Message) -> None:
@@ -76,11 +134,12 @@ class Server:
             self.handle(identity, decode(frames, self.limits))
         except ProtocolError as exc:
             self.errors[exc.code.name] += 1
-            self.log.warning("peer %s: %s", peer_name(identity), exc.message)
+            self.bad_input.record(identity, logging.WARNING, "peer %s: %s", peer_name(identity),
+                                  exc.message)
             self.reply(identity, error_for(exc))
         except Exception:
-            self.log.exception("internal error handling a message from %s",
-                               peer_name(identity))
+            self.bad_input.record(identity, logging.ERROR, "internal error handling a message "
+                                  "from %s", peer_name(identity), exc_info=True)
             self.errors["INTERNAL"] += 1
             self.reply(identity, Error(code=int(ErrorCode.INTERNAL),
                                        message=f"internal error; see the {self.role}'s log"))
@@ -149,6 +208,7 @@ class Server:
     async def sweeper(self) -> None:
         while True:
             await asyncio.sleep(self.sweep_s)
+            self.bad_input.roll()
             self.housekeeping()
 
 

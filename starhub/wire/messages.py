@@ -26,6 +26,7 @@ import numpy as np
 from msgspec import Meta
 
 from starhub.wire.reports import StatsBody
+from starhub.wire.text import printable
 
 VERSION = 6
 MAX_TREE_NODES = 1024
@@ -143,6 +144,9 @@ class TargetCard(Message, tag="TARGET_CARD"):
     step_ms: Ms = 0.0
     """The target's own one-token step, measured: its standalone speed (0: unknown)."""
 
+    def __post_init__(self) -> None:  # shown in logs and `starhub status`
+        self.name = printable(self.name)
+
     def check_fields(self) -> None:
         if self.vocab_size <= 0:
             self.fail("vocab_size must be positive")
@@ -161,12 +165,18 @@ class DrafterCard(Message, tag="DRAFTER_CARD"):
     ttl_s: float = 0.0
     max_message_bytes: int = 0
 
+    def __post_init__(self) -> None:  # shown in logs and `starhub status`
+        self.drafter = printable(self.drafter)
+
 
 class ObserverCard(Message, tag="OBSERVER_CARD"):
     """Only watching (``starhub status``, the benchmark): no admission, no sessions; the
     server answers with its own card and shows this peer per-peer STATS."""
 
     name: Text = ""
+
+    def __post_init__(self) -> None:  # shown in logs
+        self.name = printable(self.name)
 
 
 class Reject(Message, tag="REJECT"):
