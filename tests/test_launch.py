@@ -493,3 +493,14 @@ def test_a_serving_launch_prints_each_url_serves_it_and_stops_on_sigint(tmp_path
     while any(psutil.pid_exists(p) for p in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [n for n, p in pids.items() if psutil.pid_exists(p)]
+
+
+def test_the_summarys_tau_counts_rounds_not_prompts_that_ran_plain(tmp_path):
+    from starhub.launch.runner import summary_line
+
+    stats = [{"rounds": 4, "accept_len_hist": {"2": 2, "4": 2}, "wall_s": 1.0},
+             {"rounds": 0, "accept_len_hist": {}, "wall_s": 1.0}]
+    out = tmp_path / "t.jsonl"
+    out.write_text("".join(json.dumps({"output_ids": [1, 2], "stats": s}) + "\n"
+                           for s in stats))
+    assert "mean accepted length 3.00" in summary_line("t", out)

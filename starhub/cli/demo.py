@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 
+from starhub.client.round_stats import pooled_accept_len
 from starhub.launch import child_env, die_with_parent, spawn_hub, target_command
 from starhub.options import resolve_threads, usable_cores
 
@@ -68,7 +69,7 @@ def generate_alone(args: argparse.Namespace, rows: list[dict]) -> dict[str, tupl
 def target_line(name: str, rows: list[dict], reference: dict[str, tuple[list, float]]) -> str:
     tokens = sum(len(r["output_ids"]) for r in rows)
     wall = sum(r["stats"]["wall_s"] for r in rows)
-    tau = sum(r["stats"]["mean_accept_len"] for r in rows) / max(len(rows), 1)
+    tau = pooled_accept_len(r["stats"] for r in rows)
     alone = [reference[r["id"]] for r in rows if r["id"] in reference]
     alone_tokens = sum(len(ids) for ids, _ in alone)
     alone_wall = sum(w for _, w in alone)

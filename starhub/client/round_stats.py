@@ -26,6 +26,16 @@ def mean_accept_len(stats) -> float:
     return sum(int(k) * v for k, v in stats.accept_len_hist.items()) / stats.rounds
 
 
+def pooled_accept_len(stats: Iterable[dict]) -> float:
+    """τ over many requests (their ``stats`` as written to JSON): committed tokens per
+    verified round. A request that ran plain adds no rounds, so it does not pull τ down."""
+    rounds = tokens = 0
+    for s in stats:
+        rounds += s.get("rounds", 0)
+        tokens += sum(int(k) * v for k, v in s.get("accept_len_hist", {}).items())
+    return tokens / rounds if rounds else 0.0
+
+
 def clip_output(tokens: list[int], room: int, eos: Iterable[int]) -> list[int]:
     """At most ``room`` tokens, cut after the first end-of-sequence token."""
     tokens = tokens[: max(room, 0)]

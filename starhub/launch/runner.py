@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Protocol, TextIO
 
+from starhub.client.round_stats import pooled_accept_len
 from starhub.launch.host import ProcessHost
 from starhub.launch.plan import Plan, ProcessSpec
 from starhub.launch.spawn import thread_settings
@@ -327,7 +328,7 @@ def summary_line(name: str, path: Path) -> str:
     done = [r for r in rows if "output_ids" in r]
     tokens = sum(len(r["output_ids"]) for r in done)
     wall = sum(r["stats"]["wall_s"] for r in done)
-    tau = sum(r["stats"]["mean_accept_len"] for r in done) / max(len(done), 1)
+    tau = pooled_accept_len(r["stats"] for r in done)
     failed = f", {len(rows) - len(done)} failed" if len(rows) > len(done) else ""
     return (f"{name}: {len(done)} prompts{failed}, {tokens} tokens, "
             f"{tokens / wall if wall else 0.0:.1f} tok/s, mean accepted length {tau:.2f} "
