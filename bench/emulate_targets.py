@@ -108,6 +108,8 @@ class EmulatedTargets:
         self.hub, self.spec, self.count, self.first = hub, spec, count, first
         self.max_new_tokens = max_new_tokens
         self.ctx = zmq.asyncio.Context()
+        # libzmq caps a context at 1,023 sockets by default; one socket a target, plus room
+        self.ctx.set(zmq.MAX_SOCKETS, max(1024, count + 64))
         self.wait = CalibratedWait()
         self.totals = TargetTotals(targets=count, first=first)
         self.totals.betas = [spec.target_beta(first + i, seed) for i in range(count)]
