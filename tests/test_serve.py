@@ -169,3 +169,20 @@ def test_after_the_hub_frees_an_idle_servers_slot_requests_use_the_hub_again(sta
     reply = api.completions.create(model=name, prompt=PROMPTS[3], max_tokens=16, temperature=0)
     assert reply.model_extra["spec_decode"]["hub"] is True
     assert scrape(hub_metrics)["starhub_peers"] == 1
+
+
+def test_a_body_past_the_size_limit_is_refused_with_413(stack):
+    from targets.serve.app import MAX_BODY_BYTES
+
+    url, _, _ = stack
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(MAX_BODY_BYTES + 1))
+    conn.endheaders()
+    conn.send(b'{"prompt": "' + b"x" * 1000)  # the server answers without reading the rest
+    resp = conn.getresponse()
+    assert resp.status == 413 and b"larger than" in resp.read()
+    conn.close()
+    assert health(url)["status"] == "ok"

@@ -34,6 +34,8 @@ from targets.serve.protocol import (
 from targets.serve.text import TextStream
 
 DISCONNECT_POLL_S = 0.5
+MAX_BODY_BYTES = 4 << 20
+"""A request body past this is refused (413) before it is read any further."""
 
 
 class OpenAIServer:
@@ -122,7 +124,7 @@ class OpenAIServer:
         if self.shutting_down:
             raise OpenAIError(503, "the server is shutting down", retry_after_s=5)
         try:
-            raw = await request.json()
+            raw = json.loads(await _read_body(request))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise OpenAIError(400, "the body is not valid JSON") from None
         if not isinstance(raw, dict):
@@ -313,6 +315,21 @@ class Call:
                 "accepted_draft_tokens": committed - s.rounds, "draft_tokens": s.tree_nodes,
                 "plain_steps": max(0, s.new_tokens - committed - 1),
                 "hub": s.rounds > 0 or s.plain_rounds > 0}
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, read no further than ``MAX_BODY_BYTES`` whatever its headers say."""
+    too_big = OpenAIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_big
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise too_big
+        parts.append(part)
+    return b"".join(parts)
 
 
 def _sse(body: dict) -> str:

@@ -16,6 +16,7 @@ class OpenAIError(Exception):
     """An error answered in the OpenAI shape: ``{"error": {message, type, param, code}}``."""
 
     TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
+             413: "invalid_request_error",
              429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
