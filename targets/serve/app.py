@@ -190,7 +190,11 @@ class Call:
         Leaving early (a stop string, a client gone) cancels the request."""
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[engine.Event] = asyncio.Queue()
-        self.req.sink = lambda event: loop.call_soon_threadsafe(inbox.put_nowait, event)
+        def sink(event: engine.Event) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody listens
+                loop.call_soon_threadsafe(inbox.put_nowait, event)
+
+        self.req.sink = sink
         rid = self.server.batcher.submit(self.req)
         done = False
         try:
