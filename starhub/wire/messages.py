@@ -33,6 +33,9 @@ MAX_TREE_NODES = 1024
 MAX_TOKENS = 1 << 20
 MAX_TEXT = 4096
 MAX_LIST = 1024
+MAX_DIST_WIDTH = 256
+"""Entries of one node's draft distribution (``Propose.dist_ids``' second dimension): the
+drafters send their tree shape's ``support`` (16) of them."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -88,6 +91,11 @@ Ms = Annotated[float, Meta(ge=0, lt=1e7)]
 """A duration in milliseconds: finite, non-negative."""
 Budget = Annotated[int, Meta(ge=0, le=MAX_TREE_NODES)]
 """Nodes of a tree (0: no advice)."""
+TEMPERATURE = Meta(ge=0)
+"""A sampling temperature (0: greedy); checked finite as well."""
+TOP_P = Meta(gt=0, le=1)
+TOK_S = Meta(ge=0, lt=1e6)
+"""A speed a session asks for, in tokens per second (0: none)."""
 Tokens = Annotated[np.ndarray, Array(("int32",), 1)]
 Features = Annotated[np.ndarray, Array(FEATURE_DTYPES, 2)]
 
@@ -195,11 +203,11 @@ class Open(Message, tag="OPEN"):
 
     ref: int = 0
     prompt_len: int = 0
-    temperature: Annotated[float, Meta(ge=0)] = 0.0
-    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    temperature: Annotated[float, TEMPERATURE] = 0.0
+    top_p: Annotated[float, TOP_P] = 1.0
     seed: int = 0
     step_ms: Ms = 0.0
-    target_tok_s: Annotated[float, Meta(ge=0, lt=1e6)] = 0.0
+    target_tok_s: Annotated[float, TOK_S] = 0.0
     """Edge: the speed this session asks the verifier for (0: none); deadlines follow."""
     tokens: Tokens = msgspec.field(default_factory=_no_tokens)
     features: Features | None = None
