@@ -176,6 +176,19 @@ class DrafterCard(Message, tag="DRAFTER_CARD"):
     def __post_init__(self) -> None:  # shown in logs and `starhub status`
         self.drafter = printable(self.drafter)
 
+    def unfit_for(self, target: TargetCard) -> str | None:
+        """Why ``target`` cannot send the features this card asks for, or None. A target has
+        ``num_layers + 1`` hidden states (the embeddings, then each layer's output; negative
+        indices count from the end), and no use for more indices than that."""
+        states = target.num_layers + 1
+        bad = [i for i in self.feature_layers if not -states <= i < states]
+        if bad:
+            return f"feature layers {bad} do not exist in a {target.num_layers}-layer target"
+        if len(self.feature_layers) > states:
+            return (f"{len(self.feature_layers)} feature layers asked of a target with "
+                    f"{states} hidden states")
+        return None
+
 
 class ObserverCard(Message, tag="OBSERVER_CARD"):
     """Only watching (``starhub status``, the benchmark): no admission, no sessions; the
