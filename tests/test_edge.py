@@ -16,6 +16,7 @@ from starhub.drafters.model import ModelDrafter
 from starhub.edge.drafter import EdgeDrafter, VerifierUnavailable
 from starhub.wire.codec import decode, encode
 from starhub.wire.messages import (
+    MAX_DIST_WIDTH,
     Close,
     Commit,
     DrafterCard,
@@ -215,6 +216,30 @@ def test_sampled_edge_output_is_reproducible_for_a_seed(tiny_model, verifier):
     assert runs[0] == runs[1] and len(runs[0]) == 16
     assert runs[2] != runs[0], "the seed must matter, or equality above pins nothing"
     assert all(0 <= t < model.config.vocab_size for t in runs[2])
+
+
+def test_the_verifier_refuses_draft_distributions_wider_than_the_wire_allows(verifier):
+    """A 1-node tree with [2, 100000] distributions would become 200,000-entry lists on
+    the verifier's only thread: past MAX_DIST_WIDTH entries per node it is an ERROR."""
+    raw = Raw(verifier.address)
+    try:
+        assert isinstance(raw.ask(DrafterCard(drafter="raw")), TargetCard)
+        opened = raw.ask(Open(ref=1, prompt_len=3, temperature=0.7,
+                              tokens=np.array([1, 2, 3], np.int32)))
+        one = {"tokens": np.array([5], np.int32), "parents": np.array([-1], np.int32)}
+        for seq, width in ((1, 100_000), (1, MAX_DIST_WIDTH + 1)):
+            reply = raw.ask(Propose(tag=opened.tag, seq=seq, **one,
+                                    dist_ids=np.zeros((2, width), np.int32),
+                                    dist_probs=np.full((2, width), 1 / width, np.float32)))
+            assert isinstance(reply, Error) and reply.code == ErrorCode.BAD_FIELD, reply
+            assert f"{MAX_DIST_WIDTH} entries per node, got {width}" in reply.message
+        reply = raw.ask(Propose(tag=opened.tag, seq=1, **one,
+                                dist_ids=np.zeros((2, MAX_DIST_WIDTH), np.int32),
+                                dist_probs=np.full((2, MAX_DIST_WIDTH), 1 / MAX_DIST_WIDTH,
+                                                   np.float32)))
+        assert reply.TYPE == "COMMIT"
+    finally:
+        raw.close()
 
 
 # -- a verifier that lies -------------------------------------------------------------

@@ -283,6 +283,9 @@ class Propose(Message, tag="PROPOSE"):
         if self.dist_ids is not None:
             if self.dist_ids.shape != self.dist_probs.shape or self.dist_ids.shape[0] != n + 1:
                 self.fail(f"dist arrays must both be [{n + 1}, k]")
+            if self.dist_ids.shape[1] > MAX_DIST_WIDTH:
+                self.fail(f"dist arrays may hold {MAX_DIST_WIDTH} entries per node, got "
+                          f"{self.dist_ids.shape[1]}")
             if not np.isfinite(self.dist_probs).all() or (self.dist_probs < 0).any():
                 self.fail("dist_probs must be finite and non-negative")
 
