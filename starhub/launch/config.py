@@ -151,7 +151,7 @@ class TargetsSection(WorkerSection, kw_only=True):
                                "HTTP server, until stopped (no prompts needed)")] = False
     http_host: Annotated[str | None, doc("serve: address to listen on (default: loopback "
                                          "locally, every interface on Ray)")] = None
-    http_port: Annotated[Annotated[int, Meta(ge=0, le=65535)],
+    http_port: Annotated[Port,
                          doc("serve: target i listens on http_port + i (0: free ports)")] = 0
     max_concurrency: Annotated[Positive, doc("serve: requests in flight per target; past "
                                              "it, 429")] = 16
