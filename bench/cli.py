@@ -12,13 +12,19 @@ from bench.emulate import EmulateOptions, EmulateSpec, emulated_doc
 from bench.plot import plot, plot_edge
 from bench.report import markdown_table, text_table
 from starhub.options import (
+    AMOUNT,
+    COUNT,
     DEFAULT_DRAFT_PROCESS,
     DEFAULT_LOOKUP,
     DEFAULT_PREDRAFT,
     DEFAULT_THREADS,
     DTYPES,
     LINEARS,
+    PORT,
+    POSITIVE,
     SCHEDULES,
+    SECONDS,
+    TREE,
     auto_on_off_arg,
     auto_or_count,
     batch_arg,
@@ -30,7 +36,6 @@ from starhub.options import (
     threads_arg,
     tree_defaults,
 )
-from starhub.server.limits import positive_int
 
 TREE_ARGS = ("drafter", "draft", "depth", "topk", "max_nodes", "draft_dtype")
 PREDRAFT_DEFAULT = "on" if DEFAULT_PREDRAFT else "off"
@@ -95,14 +100,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--prompts", default=None,
                    help=f"JSONL prompt file (default {DEFAULT_PROMPTS.name}; --hub-load: "
                         f"{DEFAULT_REPLAY_PROMPTS.name})")
-    p.add_argument("--max-new-tokens", type=int, default=None,
+    p.add_argument("--max-new-tokens", type=POSITIVE.arg, default=None,
                    help="per prompt (default 64); emulated sessions default to 512, "
                         "--hub-load recordings to 128")
     p.add_argument("--threads", type=threads_arg, default=DEFAULT_THREADS,
                    help="torch threads of each target and of the baselines. auto (default): "
                         "the usable cores split evenly between a row's N targets; the "
                         "baselines, one process, get them all (the bench prints the counts)")
-    p.add_argument("--hub-threads", type=int, default=1,
+    p.add_argument("--hub-threads", type=COUNT.arg, default=1,
                    help="torch threads of the hub, as for `starhub hub --threads`")
     p.add_argument("--baselines", default=",".join(BASELINES),
                    help="comma-separated subset of hf-generate, hf-prompt-lookup, colocated "
@@ -113,14 +118,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--emulate", default=None, metavar="SPEC",
                    help="e.g. t_s=1.4ms,t_v=25ms,t_c=1ms,beta=0.8,depth=6; add trace=RUN.json "
                         "to replay a real run's accepted lengths instead of beta")
-    p.add_argument("--duration", type=float, default=3.0,
+    p.add_argument("--duration", type=SECONDS.arg, default=3.0,
                    help="emulation and --hub-load: measured seconds per row (emulation: "
                         "longer where N is large)")
-    p.add_argument("--warmup", type=float, default=1.0,
+    p.add_argument("--warmup", type=AMOUNT.arg, default=1.0,
                    help="emulation and --hub-load: unmeasured seconds first")
-    p.add_argument("--emulate-procs", type=int, default=1,
+    p.add_argument("--emulate-procs", type=POSITIVE.arg, default=1,
                    help="emulation: processes the targets are spread over")
-    p.add_argument("--metrics-port", type=int, default=0,
+    p.add_argument("--metrics-port", type=PORT.arg, default=0,
                    help="emulation: the hub serves Prometheus text on this port")
     load = p.add_argument_group(
         "hub load", "--hub-load: a real hub and drafter, and N replay clients that compute "
@@ -129,11 +134,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "combination of --depth, --max-targets, --batch, --predraft, --lookup and "
         "--draft-process")
     load.add_argument("--hub-load", action="store_true")
-    load.add_argument("--repeat", type=int, default=1, metavar="R",
+    load.add_argument("--repeat", type=POSITIVE.arg, default=1, metavar="R",
                       help="run every row R times, all rows and then all again, and show "
                            "each row's median run (r_q_runs lists them all): on a shared "
                            "machine a single run can be far off (default 1)")
-    load.add_argument("--record-prompts", type=int, default=8,
+    load.add_argument("--record-prompts", type=POSITIVE.arg, default=8,
                       help="prompts of --prompts to record and replay")
     load.add_argument("--replay-cache", default=None,
                       help="where recordings are cached (default "
@@ -150,7 +155,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     edge.add_argument("--budget", default="auto",
                       help="the verifier's tokens per forward pass (C), or auto (as "
                            "`starhub verifier`; emulated: where a pass costs 1.5x one token)")
-    edge.add_argument("--nodes", type=int, default=None,
+    edge.add_argument("--nodes", type=TREE.arg, default=None,
                       help="tree nodes per draft (fifo's fixed S_i; default: --max-nodes)")
     edge.add_argument("--verifier-threads", type=threads_arg, default=DEFAULT_THREADS,
                       help="torch threads of the verifier process. auto (default): every "
@@ -192,7 +197,7 @@ def single(text: str | None, flag: str) -> int | None:
     """A tree option where the bench compares no values (the edge topology): one count."""
     if text is None:
         return None
-    values = parse_list(text, positive_int, flag)
+    values = parse_list(text, TREE.arg, flag)
     if len(values) > 1:
         raise ValueError(f"{flag} takes one value with --topology edge (got {text})")
     return values[0]
@@ -333,7 +338,7 @@ def tree_options(args: argparse.Namespace, depths: list | None) -> dict:
     tree["depth"] = depths or [tree["depth"]]
     for key in ("topk", "max_nodes"):
         flag = "--" + key.replace("_", "-")
-        tree[key] = (parse_list(getattr(args, key), positive_int, flag)
+        tree[key] = (parse_list(getattr(args, key), TREE.arg, flag)
                      if getattr(args, key) is not None else [tree[key]])
     if args.draft and (args.hub_load or not args.emulate):
         tree["draft"] = parse_list(args.draft, str, "--draft")

@@ -11,6 +11,12 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Any
+
+from msgspec import Meta
+
+from starhub.wire import messages as wire
+from starhub.wire.messages import MAX_DIST_WIDTH, MAX_TREE_NODES
 
 AUTO = "auto"
 """The value of every option that leaves the choice to starhub."""
@@ -23,12 +29,111 @@ DEFAULT_DEVICE = "auto"
 """The first visible GPU where there is one, else the CPU."""
 
 
+# --- numbers -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Number:
+    """What a numeric setting may hold, stated once for its flag (``arg``, an argparse
+    type), its key in a deployment file (``type``, checked by msgspec) and the configs built
+    in code (``check``). Every number must also be finite: NaN passes no bound and infinity
+    passes every lower one."""
+
+    kind: type
+    """int (a whole number) or float."""
+    meta: Meta
+    """The bounds, as msgspec states them: ``ge``, ``gt``, ``le``, ``lt``."""
+
+    @property
+    def type(self) -> Any:
+        """The annotation a deployment file's key is checked against."""
+        return Annotated[self.kind, self.meta]
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` is not allowed, or None."""
+        whole = self.kind is int
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+            return f"expected {'a whole number' if whole else 'a number'}, got {value!r}"
+        if not math.isfinite(value):
+            return f"must be a finite number, got {value}"
+        m = self.meta
+        for bound, holds, words in ((m.ge, lambda b: value >= b, "at least"),
+                                    (m.gt, lambda b: value > b, "greater than"),
+                                    (m.le, lambda b: value <= b, "at most"),
+                                    (m.lt, lambda b: value < b, "less than")):
+            if bound is not None and not holds(bound):
+                return f"must be {words} {_plain(bound)}, got {_plain(value)}"
+        return None
+
+    def check(self, value: Any, name: str) -> Any:
+        """``value`` if it is allowed, else ``ValueError`` naming the setting ``name``."""
+        problem = self.problem(value)
+        if problem:
+            raise ValueError(f"{name}: {problem}")
+        return value
+
+    def arg(self, text: str) -> int | float:
+        """An argparse type: the flag's text read and checked (argparse names the flag)."""
+        try:
+            value = self.kind(str(text).strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'a whole number' if self.kind is int else 'a number'}, "
+                f"got '{text}'") from None
+        problem = self.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+
+def _plain(number: int | float) -> str:
+    return str(number) if isinstance(number, int) else f"{number:g}"
+
+
+COUNT = Number(int, Meta(ge=0))
+POSITIVE = Number(int, Meta(ge=1))
+AMOUNT = Number(float, Meta(ge=0))
+"""A quantity >= 0 (CPUs, seconds that may be 0)."""
+SECONDS = Number(float, Meta(gt=0))
+"""A time limit: more than nothing."""
+PORT = Number(int, Meta(ge=0, le=65535))
+"""A TCP port; 0 picks a free one or, for metrics, serves none."""
+TTL = Number(float, Meta(ge=0.1))
+"""Seconds without messages before a server releases a session. Servers sweep for them
+every quarter TTL (at most every second), so a TTL near 0 would keep them sweeping."""
+MESSAGE_MB = Number(float, Meta(ge=0.01, le=4096))
+"""--max-message-mb: the largest message a server takes, in MiB."""
+MESSAGE_BYTES = Number(int, Meta(ge=10 << 10, le=4096 << 20))
+"""The same, in bytes."""
+TREE = Number(int, Meta(ge=1, le=MAX_TREE_NODES))
+"""A tree's depth, its top-k, or its node budget: no tree holds more than the wire's
+``MAX_TREE_NODES`` nodes."""
+SUPPORT = Number(int, Meta(ge=1, le=MAX_DIST_WIDTH))
+"""Entries of a sampled tree's draft distributions, within what ``Propose`` carries."""
+TEMPERATURE = Number(float, wire.TEMPERATURE)
+TOP_P = Number(float, wire.TOP_P)
+TOK_S = Number(float, wire.TOK_S)
+"""The sampling settings an OPEN carries, bounded as the wire bounds them."""
+SEED = Number(int, Meta(ge=-(1 << 63), le=(1 << 63) - 1))
+"""A sampling seed: a 64-bit integer, as the wire carries it."""
+FRACTION = Number(float, Meta(ge=0, le=1))
+BUDGET = Number(int, Meta(ge=2))
+"""The verifier's tokens per pass: a tree of one node and the token before it."""
+
+
 @dataclass
 class TreeShape:
     depth: int = 5
     topk: int = 4
     max_nodes: int = 10
     support: int = 16
+    """Entries of each node's draft distribution in a sampled tree (``SUPPORT``)."""
+
+    def check(self, name: str = "shape") -> TreeShape:
+        """This shape if every field is in range, else ``ValueError`` naming it."""
+        for key in ("depth", "topk", "max_nodes"):
+            TREE.check(getattr(self, key), f"{name}.{key}")
+        SUPPORT.check(self.support, f"{name}.support")
+        return self
 
 
 DEFAULT_SHAPE = TreeShape()
@@ -37,8 +142,10 @@ DEFAULT_DEPTH: int | str = AUTO
 fixed tree would, and where no tree pays the target decodes plainly at its own speed."""
 
 
-def auto_or_count(minimum: int, what: str):
-    """An argparse type for options that take ``auto`` or a whole number >= ``minimum``."""
+def auto_or_count(minimum: int, what: str, maximum: int | None = None):
+    """An argparse type for options that take ``auto`` or a whole number from ``minimum``
+    (to ``maximum``)."""
+    number = Number(int, Meta(ge=minimum, le=maximum))
 
     def parse(text: str) -> int | str:
         if str(text).strip().lower() == AUTO:
@@ -48,15 +155,16 @@ def auto_or_count(minimum: int, what: str):
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"expected 'auto' or a whole number >= {minimum}, got '{text}'") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{what} must be at least {minimum}, got {value}")
+        problem = number.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{what} {problem}")
         return value
 
     parse.__name__ = what
     return parse
 
 
-depth_arg = auto_or_count(1, "depth")
+depth_arg = auto_or_count(1, "depth", MAX_TREE_NODES)
 batch_arg = auto_or_count(1, "batch")
 DEFAULT_PREDRAFT = False
 """Off until it wins. On a CPU host the targets share, pre-drafting runs on cores a target
@@ -91,7 +199,7 @@ def auto_as_zero(minimum: int, what: str):
 max_batch_arg = auto_as_zero(1, "max-batch")
 """The verifier's ``--max-batch``: ``auto`` (0: as many rows as the token budget holds) or a
 row count >= 1."""
-budget_arg = auto_as_zero(2, "budget")
+budget_arg = auto_as_zero(BUDGET.meta.ge, "budget")
 """The verifier's ``--budget``: ``auto`` (0: measured at start) or a token count >= 2."""
 
 
@@ -146,9 +254,9 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
                         "and lets a session that no tree speeds up decode plainly "
                         "(re-probing it now and then). A number fixes the tree layers drafted "
                         "per round (fewer when no deeper node could make the budget)")
-    p.add_argument("--topk", type=int, default=DEFAULT_SHAPE.topk,
+    p.add_argument("--topk", type=TREE.arg, default=DEFAULT_SHAPE.topk,
                    help="paths expanded per layer, and children per expanded node")
-    p.add_argument("--max-nodes", type=int, default=DEFAULT_SHAPE.max_nodes,
+    p.add_argument("--max-nodes", type=TREE.arg, default=DEFAULT_SHAPE.max_nodes,
                    help="node budget of a tree. The defaults suit a small CPU target, where a "
                         "10-node tree verifies for about 1.4 one-token steps. On GPUs, where "
                         "dozens of nodes verify for about the price of one, larger trees pay "

@@ -202,12 +202,9 @@ class Verifier(Server):
                                 tag=msg.tag)
 
     def handle_drafter_card(self, identity: bytes, msg: DrafterCard) -> None:
-        layers = self.card.num_layers
-        bad = [i for i in msg.feature_layers if not -(layers + 1) <= i <= layers]
-        if bad:
-            self.reply(identity, Reject(
-                code=int(ErrorCode.BAD_FIELD),
-                reason=f"feature layers {bad} do not exist in a {layers}-layer target"))
+        reason = msg.unfit_for(self.card)
+        if reason:
+            self.reply(identity, Reject(code=int(ErrorCode.BAD_FIELD), reason=reason))
             return
         self.table.join(DrafterPeer(identity=identity, card=msg))
         log.info("drafter %s (%s) joined", peer_name(identity), msg.drafter or "?")

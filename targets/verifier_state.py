@@ -7,6 +7,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from starhub.options import BUDGET, COUNT, FRACTION, MESSAGE_BYTES, SEED, TREE, TTL
 from starhub.server.limits import VERIFIER_LIMITS, SessionLimits
 from starhub.server.sessions import Peer, Session
 from starhub.wire.messages import DrafterCard
@@ -36,6 +37,17 @@ class VerifierConfig:
     gather_fraction: float = 0.5
     """How long, as a fraction of a pass, to wait for proposals about to arrive."""
     security: ServerSecurity = field(default_factory=ServerSecurity)
+
+    def __post_init__(self) -> None:
+        """Every number finite and in range (``starhub.options``), or a ``ValueError`` that
+        names the field: the flags and deployment files check the same bounds first."""
+        for name, number in (("max_batch", COUNT), ("nodes", TREE),
+                             ("max_nodes", TREE), ("max_depth", TREE), ("ttl_s", TTL),
+                             ("max_message_bytes", MESSAGE_BYTES), ("seed", SEED),
+                             ("gather_fraction", FRACTION)):
+            number.check(getattr(self, name), f"verifier config: {name}")
+        if self.budget:  # 0: measured at start
+            BUDGET.check(self.budget, "verifier config: budget")
 
 
 @dataclass(kw_only=True)

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from starhub.wire.codec import encode
 from starhub.wire.messages import (
+    MAX_DIST_WIDTH,
     MAX_TREE_NODES,
     MESSAGE_TYPES,
     VERSION,
@@ -320,7 +321,8 @@ def bad_trees(draw) -> Propose:
     msg = draw(valid_trees())
     n = len(msg.tokens)
     how = draw(st.sampled_from(["forward", "below", "parents_len", "oversized", "plain",
-                                "plain_range", "dist_shape", "dist_half", "dist_values"]))
+                                "plain_range", "dist_shape", "dist_half", "dist_wide",
+                                "dist_values"]))
     if how in ("forward", "below") and n == 0:
         msg.tokens, msg.parents, n = np.array([1], np.int32), np.array([-1], np.int32), 1
         msg.dist_ids = msg.dist_probs = None
@@ -351,6 +353,10 @@ def bad_trees(draw) -> Propose:
         k = draw(st.integers(1, 3))
         msg.dist_ids = np.zeros((n + 1 + draw(st.integers(1, 3)), k), np.int32)
         msg.dist_probs = np.zeros((n + 1, k + draw(st.integers(0, 2))), np.float32)
+    elif how == "dist_wide":
+        k = draw(st.integers(MAX_DIST_WIDTH + 1, 4 * MAX_DIST_WIDTH))
+        msg.dist_ids = np.zeros((n + 1, k), np.int32)
+        msg.dist_probs = np.full((n + 1, k), 1 / k, np.float32)
     elif how == "dist_half":
         if draw(st.booleans()):
             msg.dist_ids, msg.dist_probs = np.zeros((n + 1, 1), np.int32), None

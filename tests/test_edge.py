@@ -16,7 +16,9 @@ from starhub.drafters.model import ModelDrafter
 from starhub.edge.drafter import EdgeDrafter, VerifierUnavailable
 from starhub.wire.codec import decode, encode
 from starhub.wire.messages import (
+    MAX_DIST_WIDTH,
     Close,
+    Commit,
     DrafterCard,
     Error,
     ErrorCode,
@@ -214,3 +216,119 @@ def test_sampled_edge_output_is_reproducible_for_a_seed(tiny_model, verifier):
     assert runs[0] == runs[1] and len(runs[0]) == 16
     assert runs[2] != runs[0], "the seed must matter, or equality above pins nothing"
     assert all(0 <= t < model.config.vocab_size for t in runs[2])
+
+
+def test_the_verifier_refuses_draft_distributions_wider_than_the_wire_allows(verifier):
+    """A 1-node tree with [2, 100000] distributions would become 200,000-entry lists on
+    the verifier's only thread: past MAX_DIST_WIDTH entries per node it is an ERROR."""
+    raw = Raw(verifier.address)
+    try:
+        assert isinstance(raw.ask(DrafterCard(drafter="raw")), TargetCard)
+        opened = raw.ask(Open(ref=1, prompt_len=3, temperature=0.7,
+                              tokens=np.array([1, 2, 3], np.int32)))
+        one = {"tokens": np.array([5], np.int32), "parents": np.array([-1], np.int32)}
+        for seq, width in ((1, 100_000), (1, MAX_DIST_WIDTH + 1)):
+            reply = raw.ask(Propose(tag=opened.tag, seq=seq, **one,
+                                    dist_ids=np.zeros((2, width), np.int32),
+                                    dist_probs=np.full((2, width), 1 / width, np.float32)))
+            assert isinstance(reply, Error) and reply.code == ErrorCode.BAD_FIELD, reply
+            assert f"{MAX_DIST_WIDTH} entries per node, got {width}" in reply.message
+        reply = raw.ask(Propose(tag=opened.tag, seq=1, **one,
+                                dist_ids=np.zeros((2, MAX_DIST_WIDTH), np.int32),
+                                dist_probs=np.full((2, MAX_DIST_WIDTH), 1 / MAX_DIST_WIDTH,
+                                                   np.float32)))
+        assert reply.TYPE == "COMMIT"
+    finally:
+        raw.close()
+
+
+# -- a verifier that lies -------------------------------------------------------------
+VOCAB = 49152
+
+
+class RogueVerifier:
+    """Answers a DRAFTER_CARD with ``card``, an OPEN with ``opened(open)`` and a PROPOSE
+    with ``commit(propose)``, on every connection."""
+
+    def __init__(self, opened, commit, card: TargetCard | None = None):
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.card = card or TargetCard(name="rogue", vocab_size=VOCAB, hidden_size=64,
+                                       num_layers=2)
+        self.answers = {DrafterCard: lambda m: self.card, Open: opened, Propose: commit}
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            identity, *frames = self.sock.recv_multipart()
+            msg = decode(frames)
+            answer = self.answers.get(type(msg))
+            if answer is not None:
+                self.sock.send_multipart([identity, *encode(answer(msg))])
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(10)
+        self.sock.close(0)
+
+
+def _opened(first: int = 7, width: int | None = None, prefix=None):
+    def answer(m: Open) -> Opened:
+        tokens = np.array([*(m.tokens if prefix is None else prefix), first], np.int32)
+        feats = None if width is None else np.zeros((len(tokens) - 1, width), np.float16)
+        return Opened(tag=9, ref=m.ref, tokens=tokens, features=feats)
+    return answer
+
+
+def _commit(tokens, width: int | None = None, accepted: int | None = None):
+    def answer(m: Propose) -> Commit:
+        feats = None if width is None else np.zeros((len(tokens), width), np.float16)
+        return Commit(tag=m.tag, seq=m.seq,
+                      accepted=len(tokens) - 1 if accepted is None else accepted,
+                      tokens=np.array(tokens, np.int32), features=feats)
+    return answer
+
+
+def _eagle(tiny_dir):
+    from starhub.drafters.eagle import EagleDrafter
+    from starhub.drafters.eagle_head import EAGLE
+    from tests.test_eagle_drafter import random_head
+
+    return EagleDrafter(random_head(tiny_dir, EAGLE, None).eval())
+
+
+@pytest.mark.parametrize("drafter, opened, commit, error", [
+    ("model", _opened(), _commit([-5]), "invalid COMMIT: token ids outside [0, 49152)"),
+    ("model", _opened(), _commit([VOCAB]), "invalid COMMIT: token ids outside [0, 49152)"),
+    ("model", _opened(first=-3), _commit([5]), "invalid OPENED: token ids outside"),
+    ("model", _opened(prefix=[4, 4]), _commit([5]), "do not start with the prompt"),
+    ("model", _opened(), _commit([5, 6], accepted=0), "accepted, with 2 tokens"),
+    ("eagle", _opened(width=32), _commit([5], 64), "features 32 wide, drafter 'eagle' reads 64"),
+    ("eagle", _opened(width=64), _commit([5], 16), "features 16 wide, drafter 'eagle' reads 64"),
+    ("eagle", _opened(), _commit([5], 64), "invalid OPENED: no features"),
+], ids=["negative-commit", "past-vocab-commit", "negative-opened", "other-prefix",
+        "accepted-vs-tokens", "narrow-opened-features", "narrow-commit-features",
+        "no-features"])
+def test_a_verifier_reply_the_drafter_cannot_use_ends_the_session_with_a_clear_error(
+        tiny_model, tiny_dir, drafter, opened, commit, error):
+    """Negative or out-of-vocabulary ids, a context that is not the drafter's own, features
+    of the wrong width or none: checked before the drafter drafts from them, so the request
+    fails with ``VerifierUnavailable`` (which ``starhub drafter`` writes as that prompt's
+    error line) instead of an IndexError or a shape error that ends the process."""
+    model, _ = tiny_model
+    draft = ModelDrafter(model, label="self") if drafter == "model" else _eagle(tiny_dir)
+    rogue = RogueVerifier(opened, commit)
+    edge = EdgeDrafter(draft, rogue.address, TreeShape(2, 1, 2), eos=set(), timeout_s=5.0,
+                       retries=1, backoff_s=0.01)
+    try:
+        with pytest.raises(VerifierUnavailable) as err:
+            edge.generate(PROMPTS[0], 8)
+        assert "after 2 attempts" in str(err.value) and error in str(err.value), str(err.value)
+    finally:
+        edge.close()
+        rogue.close()

@@ -4,6 +4,7 @@ that dies. Targets' output stays complete and identical to generate() throughout
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import socket
 import subprocess
@@ -137,7 +138,8 @@ def test_sigterm_stops_the_hub_cleanly_and_targets_finish_alone(tmp_path):
 class RogueHub:
     """A hub that answers a TARGET_CARD properly, then sends whatever PROPOSEs it is told to."""
 
-    def __init__(self, proposals):
+    def __init__(self, proposals, card: DrafterCard | None = None):
+        self.card = card or DrafterCard(drafter="rogue", depth=3, topk=1, max_nodes=3)
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.address = f"tcp://127.0.0.1:{port}"
@@ -150,7 +152,7 @@ class RogueHub:
             identity, *frames = self.sock.recv_multipart()
             msg = decode(frames)
             if isinstance(msg, TargetCard):
-                replies = [DrafterCard(drafter="rogue", depth=3, topk=1, max_nodes=3)]
+                replies = [self.card]
             elif isinstance(msg, Open):
                 replies = [p(msg, 7) for p in self.proposals]
             else:
@@ -185,6 +187,31 @@ def test_a_target_finishes_alone_on_an_invalid_propose(tiny_model, proposal, not
                          eos_token_id=None)[0, len(prompt):].tolist()
     assert result.output_ids == ref[:len(result.output_ids)] and len(result.output_ids) == 12
     assert note in result.stats.note and result.stats.rounds == 0
+
+
+@pytest.mark.parametrize("layers, note", [
+    ([99], "feature layers [99] do not exist"),
+    ([0, -4], "feature layers [-4] do not exist"),
+    ([-1] * 4, "4 feature layers asked of a target with 3 hidden states"),
+])
+def test_a_target_decodes_alone_when_the_hubs_card_names_features_it_lacks(tiny_model, caplog,
+                                                                          layers, note):
+    """The tiny model has 2 layers, so 3 hidden states (-3..2): a DRAFTER_CARD naming others
+    (or more of them than there are) ends that connection with a logged error, and the target
+    decodes on its own instead of failing in prefill."""
+    model, tokenizer = tiny_model
+    rogue = RogueHub([], card=DrafterCard(drafter="rogue", feature_layers=layers))
+    prompt = [1, 5, 9, 14, 3]
+    with caplog.at_level(logging.ERROR, logger="starhub.client"):
+        gen = SpeculativeGenerator(model, tokenizer, rogue.address, timeout_s=1.0)
+        result = gen.generate(prompt, max_new_tokens=12)
+        gen.close()
+    rogue.close()
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                         eos_token_id=None)[0, len(prompt):].tolist()
+    assert result.output_ids == ref[:len(result.output_ids)] and len(result.output_ids) == 12
+    assert note in result.stats.note and result.stats.rounds == 0
+    assert any(r.levelno == logging.ERROR and note in r.getMessage() for r in caplog.records)
 
 
 def test_a_sampled_target_verifies_trees_without_distributions_as_if_alone(tiny_model):

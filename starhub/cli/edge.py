@@ -10,11 +10,21 @@ import sys
 from starhub.launch import READY
 from starhub.models.prompts import encode_prompt, read_prompts
 from starhub.options import (
+    COUNT,
     DEFAULT_THREADS,
     DRAFTERS,
     DTYPES,
     LINEARS,
+    MESSAGE_MB,
+    POSITIVE,
     SCHEDULES,
+    SECONDS,
+    SEED,
+    TEMPERATURE,
+    TOK_S,
+    TOP_P,
+    TREE,
+    TTL,
     TreeShape,
     add_device_args,
     budget_arg,
@@ -55,16 +65,16 @@ def add_parsers(sub) -> None:
                           "--nodes nodes. slo: sessions that ask for a "
                           "speed are served by deadline (WISP). random: random tree sizes, a "
                           "baseline for comparisons")
-    ver.add_argument("--nodes", type=int, default=DEFAULT_SHAPE.max_nodes,
+    ver.add_argument("--nodes", type=TREE.arg, default=DEFAULT_SHAPE.max_nodes,
                      help="tree nodes a session may draft at first, and always under fifo")
-    ver.add_argument("--max-nodes", type=int, default=32,
+    ver.add_argument("--max-nodes", type=TREE.arg, default=32,
                      help="the most nodes goodspeed grants one tree; larger trees are refused")
-    ver.add_argument("--max-depth", type=int, default=16,
+    ver.add_argument("--max-depth", type=TREE.arg, default=16,
                      help="deeper trees are refused with an ERROR (TOO_LARGE)")
-    ver.add_argument("--max-message-mb", type=float, default=64.0,
+    ver.add_argument("--max-message-mb", type=MESSAGE_MB.arg, default=64.0,
                      help="larger messages are refused with an ERROR")
     add_limit_args(ver, VERIFIER_LIMITS)
-    ver.add_argument("--ttl", type=float, default=120.0,
+    ver.add_argument("--ttl", type=TTL.arg, default=120.0,
                      help="seconds without messages after which a session is released")
     ver.add_argument("--dtype", choices=DTYPES, default="auto")
     ver.add_argument("--linear", choices=LINEARS, default="auto")
@@ -90,23 +100,24 @@ def add_parsers(sub) -> None:
                          "'self:layers=K' (default 8) or a model spec")
     dr.add_argument("--draft-dtype", choices=DTYPES, default="auto")
     add_device_args(dr, "the drafter")
-    dr.add_argument("--depth", type=int, default=DEFAULT_SHAPE.depth)
-    dr.add_argument("--topk", type=int, default=DEFAULT_SHAPE.topk)
-    dr.add_argument("--max-nodes", type=int, default=DEFAULT_SHAPE.max_nodes,
+    dr.add_argument("--depth", type=TREE.arg, default=DEFAULT_SHAPE.depth)
+    dr.add_argument("--topk", type=TREE.arg, default=DEFAULT_SHAPE.topk)
+    dr.add_argument("--max-nodes", type=TREE.arg, default=DEFAULT_SHAPE.max_nodes,
                     help="nodes of a session's first tree where the verifier names none; "
                          "trees follow the verifier's budget")
     dr.add_argument("--prompts", required=True,
                     help='JSONL: {"id", "prompt"} or MT-Bench {"question_id", "turns"}')
     dr.add_argument("--out", required=True, help="JSONL output, as `starhub target` writes")
-    dr.add_argument("--max-new-tokens", type=int, default=128)
-    dr.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
-    dr.add_argument("--top-p", type=float, default=1.0)
-    dr.add_argument("--seed", type=int, default=0)
-    dr.add_argument("--target-tok-s", type=float, default=0.0,
+    dr.add_argument("--max-new-tokens", type=POSITIVE.arg, default=128)
+    dr.add_argument("--temperature", type=TEMPERATURE.arg, default=0.0,
+                    help="0 decodes greedily")
+    dr.add_argument("--top-p", type=TOP_P.arg, default=1.0)
+    dr.add_argument("--seed", type=SEED.arg, default=0)
+    dr.add_argument("--target-tok-s", type=TOK_S.arg, default=0.0,
                     help="the speed to ask the verifier for (its slo schedule serves by it)")
-    dr.add_argument("--timeout", type=float, default=30.0,
+    dr.add_argument("--timeout", type=SECONDS.arg, default=30.0,
                     help="seconds to wait for a reply before reconnecting")
-    dr.add_argument("--retries", type=int, default=3,
+    dr.add_argument("--retries", type=COUNT.arg, default=3,
                     help="reconnections (with doubling backoff) before a request fails")
     dr.add_argument("--threads", type=threads_arg, default=DEFAULT_THREADS,
                     help="torch threads for drafting. auto (default): every core this process "

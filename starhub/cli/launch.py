@@ -15,6 +15,7 @@ from starhub.launch.ray_backend import RayBackend, ray_address
 from starhub.launch.runner import Launcher, LocalBackend
 from starhub.launch.status import query_stats, report, serve_report, server_health
 from starhub.models.prompts import read_prompts
+from starhub.options import SECONDS
 from starhub.wire.security import add_client_args, client_curve_from_args
 
 LAUNCH_EPILOG = """\
@@ -75,7 +76,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("address", help="e.g. tcp://127.0.0.1:5555 or http://127.0.0.1:8000 (the "
                                    "address its 'STARHUB READY' line or `starhub launch` "
                                    "printed)")
-    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
+    s.add_argument("--timeout", type=SECONDS.arg, default=5.0, help="seconds to wait for a reply")
     s.add_argument("--json", action="store_true", help="print the raw STATS body as JSON")
     add_client_args(s)
 

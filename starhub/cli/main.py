@@ -20,6 +20,7 @@ from starhub.hub.shutdown import drain
 from starhub.launch import READY, spawn_hub
 from starhub.options import (  # noqa: F401  (re-exported: earlier homes of these names)
     AUTO,
+    COUNT,
     DEFAULT_DEPTH,
     DEFAULT_DRAFT_PROCESS,
     DEFAULT_LOOKUP,
@@ -29,6 +30,14 @@ from starhub.options import (  # noqa: F401  (re-exported: earlier homes of thes
     DTYPES,
     LINEARS,
     MAX_AUTO_DEPTH,
+    MESSAGE_MB,
+    PORT,
+    POSITIVE,
+    SECONDS,
+    SEED,
+    TEMPERATURE,
+    TOP_P,
+    TTL,
     add_device_args,
     auto_on_off_arg,
     auto_or_count,
@@ -70,10 +79,11 @@ def _add_weight_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=POSITIVE.arg, default=128)
+    p.add_argument("--temperature", type=TEMPERATURE.arg, default=0.0,
+                   help="0 decodes greedily")
+    p.add_argument("--top-p", type=TOP_P.arg, default=1.0)
+    p.add_argument("--seed", type=SEED.arg, default=0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,12 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the targets' model, used by --draft self ('default' is the "
                           "embedded SmolLM2-135M-Instruct)")
     _add_tree_args(hub)
-    hub.add_argument("--threads", type=int, default=1,
+    hub.add_argument("--threads", type=COUNT.arg, default=1,
                      help="torch threads for drafting. A head pass is a few small matrix "
                           "products; a second thread saves little and, on a machine the hub "
                           "shares with targets, takes cores from them")
     add_device_args(hub, "the drafter")
-    hub.add_argument("--ttl", type=float, default=120.0,
+    hub.add_argument("--ttl", type=TTL.arg, default=120.0,
                      help="seconds without messages after which a session is released")
     hub.add_argument("--max-targets", type=max_targets_arg, default=0,
                      help="admission. auto: admit a target only while every admitted target "
@@ -129,10 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "its rounds at 8 targets); off: draft in a thread of the hub's "
                           "process; auto (default): on for the eagle drafter, off for the "
                           "ngram and model drafters, which do not batch")
-    hub.add_argument("--max-message-mb", type=float, default=64.0,
+    hub.add_argument("--max-message-mb", type=MESSAGE_MB.arg, default=64.0,
                      help="larger messages are refused with an ERROR")
     add_limit_args(hub)
-    hub.add_argument("--metrics-port", type=int, default=0,
+    hub.add_argument("--metrics-port", type=PORT.arg, default=0,
                      help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: off)")
     security.add_server_args(hub)
 
@@ -159,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     tgt.add_argument("--name", default=None, help="name shown by the hub and progress bar")
     tgt.add_argument("--shard", default="0/1",
                      help="I/N: take every N-th prompt starting at I (to split across targets)")
-    tgt.add_argument("--hub-timeout", type=float, default=3.0,
+    tgt.add_argument("--hub-timeout", type=SECONDS.arg, default=3.0,
                      help="seconds a hub reply may take at least: past max(this, 10x the "
                           "typical round trip) the hub counts as gone; the target finishes "
                           "on its own and reconnects in the background")
@@ -182,8 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default="default")
     _add_tree_args(demo)
     demo.add_argument("--prompts", default=str(DEMO_PROMPTS))
-    demo.add_argument("--max-new-tokens", type=int, default=48)
-    demo.add_argument("--targets", type=int, default=2)
+    demo.add_argument("--max-new-tokens", type=POSITIVE.arg, default=48)
+    demo.add_argument("--targets", type=POSITIVE.arg, default=2)
     demo.add_argument("--threads", type=threads_arg, default=DEFAULT_THREADS,
                       help="torch threads of each target and of the generate() it is "
                            "compared with. auto (default): the usable cores split evenly "

@@ -9,8 +9,7 @@ import logging
 from pathlib import Path
 
 from starhub.launch import READY
-from starhub.options import DEFAULT_THREADS, threads_arg
-from starhub.server.limits import positive_int
+from starhub.options import DEFAULT_THREADS, PORT, POSITIVE, SECONDS, threads_arg
 from starhub.wire import security
 
 DEFAULT_PORT = 8000
@@ -38,20 +37,20 @@ def add_parser(sub: argparse._SubParsersAction, add_weight_args) -> None:
                    help="the name requests give as 'model' (default: the model's own name)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (0.0.0.0 for every interface)")
-    p.add_argument("--port", type=port_arg, default=DEFAULT_PORT,
+    p.add_argument("--port", type=PORT.arg, default=DEFAULT_PORT,
                    help=f"HTTP port (default {DEFAULT_PORT}; 0 picks a free one)")
     p.add_argument("--threads", type=threads_arg, default=DEFAULT_THREADS,
                    help="torch threads of the model. auto (default): every core this process "
                         "may use")
-    p.add_argument("--max-concurrency", type=positive_int,
+    p.add_argument("--max-concurrency", type=POSITIVE.arg,
                    default=DEFAULT_MAX_CONCURRENCY,
                    help="requests in flight at once; past it, 429 with Retry-After "
                         f"(default {DEFAULT_MAX_CONCURRENCY})")
-    p.add_argument("--prefill-chunk", type=positive_int, default=512,
+    p.add_argument("--prefill-chunk", type=POSITIVE.arg, default=512,
                    help="prompt tokens per prefill pass: a long prompt alternates with the "
                         "other requests' passes chunk by chunk (default 512)")
     p.add_argument("--name", default="serve", help="this target's name at the hub")
-    p.add_argument("--hub-timeout", type=float, default=3.0,
+    p.add_argument("--hub-timeout", type=SECONDS.arg, default=3.0,
                    help="seconds a hub reply may take at least: past max(this, 10x the "
                         "typical round trip) the hub counts as gone; requests go on alone "
                         "and the server reconnects in the background")
@@ -59,16 +58,6 @@ def add_parser(sub: argparse._SubParsersAction, add_weight_args) -> None:
                    help="join chat messages as plain text instead of the model's template")
     add_weight_args(p)
     security.add_client_args(p)
-
-
-def port_arg(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--port: '{text}' is not a number") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"--port: {port} is not in 0..65535")
-    return port
 
 
 def served_name(spec: str) -> str:

@@ -125,6 +125,10 @@ class HubClient(Connection):
         if not isinstance(reply, DrafterCard):
             raise HubUnavailable(f"expected DRAFTER_CARD, got {reply.TYPE}: "
                                  f"{getattr(reply, 'message', '')}")
+        problem = reply.unfit_for(card)  # checked before anything indexes by it
+        if problem:
+            raise HubUnavailable(f"the hub's DRAFTER_CARD asks for what this target cannot "
+                                 f"send: {problem}", rejected=True)
         self.drafter_card = reply
         return reply
 

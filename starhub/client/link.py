@@ -120,8 +120,8 @@ class Link:
 
     def _retry_later(self, exc: LinkDown) -> None:
         self.note = str(exc)
-        if exc.rejected and exc.retry_after_s <= 0:
-            log.warning("%s: %s; decoding on its own", self.name, exc)
+        if exc.rejected and exc.retry_after_s <= 0:  # for good: a deployment that cannot work
+            log.error("%s: %s; decoding on its own", self.name, exc)
             return
         if self._thread is not None and self._thread.is_alive():
             return
@@ -141,7 +141,7 @@ class Link:
             if outcome.retry_after_s > 0:
                 wait = outcome.retry_after_s
             elif outcome.rejected:
-                log.warning("%s: %s; decoding on its own", self.name, outcome)
+                log.error("%s: %s; decoding on its own", self.name, outcome)
                 return
             else:
                 failures += 1

@@ -190,13 +190,18 @@ class EdgeDrafter:
                         tokens=torch.tensor(prefix, dtype=torch.int32)))
         opened = self._reply(lambda m: isinstance(m, Opened) and m.ref == ref, ref=ref)
         tag = opened.tag
-        first = int(opened.tokens[-1])
-        ctx = DraftContext(tokens=opened.tokens.tolist(), temperature=temperature, seed=seed,
-                           features=[] if opened.features is None else [to_torch(opened.features)])
-        out.append(first)
-        nodes = opened.budget or self.shape.max_nodes
-        seq = 0
         try:
+            self._check(opened)
+            if opened.tokens[:-1].tolist() != prefix:
+                raise VerifierUnavailable("the verifier sent an invalid OPENED: its tokens do "
+                                          "not start with the prompt this drafter sent")
+            first = int(opened.tokens[-1])
+            ctx = DraftContext(tokens=opened.tokens.tolist(), temperature=temperature,
+                               seed=seed, features=[] if opened.features is None
+                               else [to_torch(opened.features)])
+            out.append(first)
+            nodes = opened.budget or self.shape.max_nodes
+            seq = 0
             while not self._done(out, max_new_tokens):
                 shape = TreeShape(min(self.shape.depth, nodes), self.shape.topk, nodes,
                                   self.shape.support)
@@ -213,9 +218,12 @@ class EdgeDrafter:
                 stats.wait_s += waited
                 self.draft_s += t1 - t0
                 self.wait_s += waited
+                self._check(commit)
+                if commit.accepted > len(tree) or len(commit.tokens) != commit.accepted + 1:
+                    raise VerifierUnavailable(
+                        f"the verifier sent an invalid COMMIT: {commit.accepted} nodes of a "
+                        f"{len(tree)}-node tree accepted, with {len(commit.tokens)} tokens")
                 tokens = commit.tokens.tolist()
-                if commit.accepted > len(tree) or max(tokens) >= self.target.vocab_size:
-                    raise _SessionLost("the verifier sent an impossible COMMIT")
                 count_round(stats, commit.accepted, len(tree))
                 ctx.tokens.extend(tokens)
                 if commit.features is not None:
@@ -226,6 +234,25 @@ class EdgeDrafter:
         finally:
             if self.link.client is not None:
                 self._send(Close(tag=tag))
+
+    def _check(self, msg: Opened | Commit) -> None:
+        """Trust nothing from the wire: token ids in the target's vocabulary, and features
+        where this drafter reads them, of the width it reads. A reply that fails ends its
+        session (``VerifierUnavailable``) before anything is drafted from it."""
+        vocab = self.target.vocab_size
+        if msg.tokens.size and (int(msg.tokens.min()) < 0 or int(msg.tokens.max()) >= vocab):
+            raise VerifierUnavailable(f"the verifier sent an invalid {msg.TYPE}: token ids "
+                                      f"outside [0, {vocab})")
+        if not self.drafter.feature_layers:
+            return
+        if msg.features is None:
+            raise VerifierUnavailable(f"the verifier sent an invalid {msg.TYPE}: no features, "
+                                      f"and drafter '{self.drafter.name}' reads them")
+        width = self.drafter.feature_size
+        if width and msg.features.shape[1] != width:
+            raise VerifierUnavailable(f"the verifier sent an invalid {msg.TYPE}: features "
+                                      f"{msg.features.shape[1]} wide, drafter "
+                                      f"'{self.drafter.name}' reads {width}")
 
     def _reply(self, wanted, tag: int = 0, ref: int = 0) -> Message:
         msg = self.link.client.wait_for(lambda m: wanted(m) or isinstance(m, Error) and (

@@ -6,7 +6,17 @@ from dataclasses import dataclass, field
 
 from starhub.control.plane import AUTO, ControlConfig
 from starhub.drafters.base import TreeShape
-from starhub.options import DEFAULT_LOOKUP, DEFAULT_PREDRAFT
+from starhub.options import (
+    AMOUNT,
+    COUNT,
+    DEFAULT_LOOKUP,
+    DEFAULT_PREDRAFT,
+    MESSAGE_BYTES,
+    PORT,
+    POSITIVE,
+    SECONDS,
+    TTL,
+)
 from starhub.server.limits import SessionLimits
 from starhub.wire.codec import Limits
 from starhub.wire.security import ServerSecurity
@@ -44,6 +54,20 @@ class HubConfig:
     tree for its likeliest outcomes, so a matching COMMIT is answered at once."""
     lookup: bool = DEFAULT_LOOKUP
     """``--lookup``: graft a prompt-lookup branch onto each greedy session's tree."""
+
+    def __post_init__(self) -> None:
+        """Every number finite and in range (``starhub.options``), or a ``ValueError`` that
+        names the field: the flags and deployment files check the same bounds first."""
+        self.shape.check("hub config: shape")
+        for name, number in (("ttl_s", TTL), ("max_message_bytes", MESSAGE_BYTES),
+                             ("retry_after_s", SECONDS), ("peer_grace_s", AMOUNT),
+                             ("log_every_s", SECONDS), ("metrics_port", PORT),
+                             ("threads", COUNT)):
+            number.check(getattr(self, name), f"hub config: {name}")
+        if self.max_targets != AUTO:
+            COUNT.check(self.max_targets, "hub config: max_targets")
+        if self.batch != AUTO:
+            POSITIVE.check(self.batch, "hub config: batch")
 
     def control(self) -> ControlConfig:
         return ControlConfig(depth=AUTO if self.adaptive else self.shape.depth,

@@ -16,7 +16,27 @@ import msgspec
 import msgspec.inspect as mi
 from msgspec import Meta, Struct
 
-from starhub.options import AUTO, DEFAULT_SHAPE, DRAFTERS, DTYPES, LINEARS, SCHEDULES
+from starhub.options import (
+    AMOUNT,
+    AUTO,
+    BUDGET,
+    COUNT,
+    DEFAULT_SHAPE,
+    DRAFTERS,
+    DTYPES,
+    LINEARS,
+    MESSAGE_MB,
+    PORT,
+    POSITIVE,
+    SCHEDULES,
+    SECONDS,
+    SEED,
+    TEMPERATURE,
+    TOK_S,
+    TOP_P,
+    TREE,
+    TTL,
+)
 
 try:
     import tomllib
@@ -27,10 +47,14 @@ BACKENDS = ("local", "ray")
 TOPOLOGIES = ("star", "edge")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
-Count = Annotated[int, Meta(ge=0)]
-Positive = Annotated[int, Meta(ge=1)]
-Amount = Annotated[float, Meta(ge=0)]
-"""A number >= 0; every number in a deployment must also be finite."""
+Count = COUNT.type
+Positive = POSITIVE.type
+Amount = AMOUNT.type
+"""A number >= 0. Every number in a deployment must also be finite and within the bounds
+its flag has (``starhub.options``: one ``Number`` for both)."""
+Port = PORT.type
+Tree = TREE.type
+Ttl = TTL.type
 Auto = Literal["auto"]
 Drafter = Literal[DRAFTERS]
 Dtype = Literal[DTYPES]
@@ -61,7 +85,7 @@ class Placement(Table, kw_only=True):
 
     num_cpus: Annotated[Amount | None, doc("Ray CPUs reserved (default: threads)")] = None
     num_gpus: Annotated[Amount, doc("Ray GPUs reserved; Ray sets CUDA_VISIBLE_DEVICES")] = 0.0
-    resources: Annotated[dict[str, float],
+    resources: Annotated[dict[str, Amount],
                          doc("Ray custom resources, e.g. {gpu_host = 1}")] = {}
     labels: Annotated[dict[str, str], doc("Ray node labels to match (ray start --labels)")] = {}
     device: Annotated[str | None, doc("passed as --device (cpu, cuda, cuda:N, auto)")] = None
@@ -86,9 +110,9 @@ class WorkerSection(Placement, kw_only=True):
     threads: Annotated[Positive | Auto, AUTO_THREADS] = AUTO
     prompts: Annotated[str | None, doc("JSONL prompts (--prompts overrides)")] = None
     max_new_tokens: Positive = 128
-    temperature: Amount = 0.0
-    top_p: Amount = 1.0
-    seed: int = 0
+    temperature: TEMPERATURE.type = 0.0
+    top_p: TOP_P.type = 1.0
+    seed: SEED.type = 0
     chat_template: bool = True
     gpus: Annotated[list[Count], doc("local backend: one GPU index per process, in order")] = []
     curve_secret: Annotated[str | None,
@@ -102,18 +126,18 @@ class HubSection(ServerSection, kw_only=True):
                                      "targets.model)")] = None
     drafter: Drafter = "eagle"
     draft: str | None = None
-    depth: Positive | Auto = AUTO
-    topk: Positive = DEFAULT_SHAPE.topk
-    max_nodes: Positive = DEFAULT_SHAPE.max_nodes
+    depth: Tree | Auto = AUTO
+    topk: Tree = DEFAULT_SHAPE.topk
+    max_nodes: Tree = DEFAULT_SHAPE.max_nodes
     draft_dtype: Dtype = "auto"
     max_targets: Count | Auto = 0
     bind: Annotated[str | None, doc("ZeroMQ address (default: loopback locally, every "
                                     "interface on Ray, port 0 = free)")] = None
-    port: Annotated[Count | None, doc("shorthand for bind on the default host")] = None
-    metrics_port: Count = 0
+    port: Annotated[Port | None, doc("shorthand for bind on the default host")] = None
+    metrics_port: Port = 0
     threads: Annotated[Positive | Auto, AUTO_THREADS] = 1
-    ttl: Amount = 120.0
-    max_message_mb: Amount = 64.0
+    ttl: Ttl = 120.0
+    max_message_mb: MESSAGE_MB.type = 64.0
     gpu: Annotated[Count | None, doc("local backend: CUDA_VISIBLE_DEVICES")] = None
 
 
@@ -127,7 +151,7 @@ class TargetsSection(WorkerSection, kw_only=True):
                                "HTTP server, until stopped (no prompts needed)")] = False
     http_host: Annotated[str | None, doc("serve: address to listen on (default: loopback "
                                          "locally, every interface on Ray)")] = None
-    http_port: Annotated[Annotated[int, Meta(ge=0, le=65535)],
+    http_port: Annotated[Port,
                          doc("serve: target i listens on http_port + i (0: free ports)")] = 0
     max_concurrency: Annotated[Positive, doc("serve: requests in flight per target; past "
                                              "it, 429")] = 16
@@ -136,14 +160,14 @@ class TargetsSection(WorkerSection, kw_only=True):
 class VerifierSection(ServerSection, kw_only=True):
     model: Annotated[str, doc("the target model the verifier holds")]
     bind: str | None = None
-    port: Count | None = None
-    budget: Annotated[Positive | Auto, doc("tokens one pass may feed; auto: measured at "
-                                           "start")] = AUTO
+    port: Port | None = None
+    budget: Annotated[BUDGET.type | Auto, doc("tokens one pass may feed; auto: measured at "
+                                              "start")] = AUTO
     max_batch: Positive | Auto = AUTO
     schedule: Literal[SCHEDULES] = "fifo"
-    nodes: Positive = DEFAULT_SHAPE.max_nodes
-    max_nodes: Positive = 32
-    ttl: Amount = 120.0
+    nodes: Tree = DEFAULT_SHAPE.max_nodes
+    max_nodes: Tree = 32
+    ttl: Ttl = 120.0
     dtype: Dtype = "auto"
     linear: Linear = "auto"
     device_map: Annotated[str | None, DEVICE_MAP] = None
@@ -157,11 +181,11 @@ class DraftersSection(WorkerSection, kw_only=True):
     drafter: Drafter = "eagle"
     draft: str | None = None
     draft_dtype: Dtype = "auto"
-    depth: Positive = DEFAULT_SHAPE.depth
-    topk: Positive = DEFAULT_SHAPE.topk
-    max_nodes: Positive = DEFAULT_SHAPE.max_nodes
-    target_tok_s: Amount = 0.0
-    timeout: Amount = 30.0
+    depth: Tree = DEFAULT_SHAPE.depth
+    topk: Tree = DEFAULT_SHAPE.topk
+    max_nodes: Tree = DEFAULT_SHAPE.max_nodes
+    target_tok_s: TOK_S.type = 0.0
+    timeout: SECONDS.type = 30.0
     retries: Count = 3
 
 
@@ -281,8 +305,11 @@ def _explain(message: str, raw: dict, source: str) -> str:
     if m := re.match(r"Invalid enum value (.+)", what):
         return (f"{source}: {key}: {m[1]} is not allowed; choose from "
                 f"{', '.join(_choices(field.type))}")
-    if m := re.match(r"Expected `.+` (>=|>) (\S+)", what):
-        return f"{source}: {key}: must be at least {m[2]}, got {value}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{source}: {key}: must be a finite number, got {value}"
+    if m := re.match(r"Expected `.+` (>=|>|<=|<) (\S+)", what):
+        words = {">=": "at least", ">": "greater than", "<=": "at most", "<": "less than"}
+        return f"{source}: {key}: must be {words[m[1]]} {m[2]}, got {value}"
     if what.startswith("Expected"):
         return f"{source}: {key}: expected {_describe(field)}, got {_kind(value)} {value!r}"
     return f"{source}: {key}: {what}"
@@ -356,13 +383,36 @@ def _describe(field: mi.Field | None) -> str:
     return f"{text} ({description})" if description else text
 
 
-def _name(tp: mi.Type) -> str:
+def _name(tp: mi.Type, many: bool = False) -> str:
+    """``tp`` in words ('a whole number in [0, 65535]'); ``many``: plural ('whole
+    numbers ...')."""
     if isinstance(tp, mi.ListType):
-        return "a list of " + _name(tp.item_type).removeprefix("a ") + "s"
+        return "a list of " + _name(tp.item_type, many=True)
     if isinstance(tp, mi.DictType):
-        return "a table of " + _name(tp.value_type).removeprefix("a ") + "s"
-    return {mi.IntType: "a whole number", mi.FloatType: "a number", mi.StrType: "a string",
+        return "a table of " + _name(tp.value_type, many=True)
+    name = {mi.IntType: "a whole number", mi.FloatType: "a number", mi.StrType: "a string",
             mi.BoolType: "true or false", mi.StructType: "a table"}.get(type(tp), str(tp))
+    if many:
+        name = name.removeprefix("a ") + "s"
+    if isinstance(tp, (mi.IntType, mi.FloatType)):
+        name += _range(tp)
+    return name
+
+
+def _range(tp: mi.IntType | mi.FloatType) -> str:
+    """A number's bounds: ' >= 0.1', ' in [0, 65535]', ' in (0, 1]', or ''."""
+    def text(x: float) -> str:
+        return str(x) if isinstance(x, int) else f"{x:g}"
+
+    low = ("[", tp.ge) if tp.ge is not None else ("(", tp.gt) if tp.gt is not None else None
+    high = ("]", tp.le) if tp.le is not None else (")", tp.lt) if tp.lt is not None else None
+    if low and high:
+        return f" in {low[0]}{text(low[1])}, {text(high[1])}{high[0]}"
+    if low:
+        return f" {'>=' if low[0] == '[' else '>'} {text(low[1])}"
+    if high:
+        return f" {'<=' if high[0] == ']' else '<'} {text(high[1])}"
+    return ""
 
 
 def _kind(value: Any) -> str:

@@ -14,6 +14,7 @@ import argparse
 from collections import Counter
 from dataclasses import dataclass, fields
 
+from starhub.options import POSITIVE
 from starhub.wire.messages import ErrorCode, ProtocolError
 
 
@@ -32,6 +33,10 @@ class SessionLimits:
     features, the drafter's or target's KV cache) grows with them, so this bounds its
     memory: about 2 GB with the shipped EAGLE head in bfloat16, whose features and KV
     take ~2 kB a token (4 kB in float32)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            POSITIVE.check(getattr(self, f.name), f"{f.name} (--{f.name.replace('_', '-')})")
 
 
 VERIFIER_LIMITS = SessionLimits(max_sessions=256, max_cache_tokens=1 << 18)
@@ -56,23 +61,12 @@ def add_limit_args(p: argparse.ArgumentParser, defaults: SessionLimits = Session
     """One ``--max-…`` flag per field of ``SessionLimits``."""
     for f in fields(SessionLimits):
         value = getattr(defaults, f.name)
-        p.add_argument("--" + f.name.replace("_", "-"), type=positive_int, default=value,
+        p.add_argument("--" + f.name.replace("_", "-"), type=POSITIVE.arg, default=value,
                        help=f"{_HELP[f.name]} (default {value})")
 
 
 def limits_from_args(args: argparse.Namespace) -> SessionLimits:
     return SessionLimits(**{f.name: getattr(args, f.name) for f in fields(SessionLimits)})
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got '{text}'") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 class SessionBudget:

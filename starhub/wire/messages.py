@@ -33,6 +33,9 @@ MAX_TREE_NODES = 1024
 MAX_TOKENS = 1 << 20
 MAX_TEXT = 4096
 MAX_LIST = 1024
+MAX_DIST_WIDTH = 256
+"""Entries of one node's draft distribution (``Propose.dist_ids``' second dimension): the
+drafters send their tree shape's ``support`` (16) of them."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -88,6 +91,11 @@ Ms = Annotated[float, Meta(ge=0, lt=1e7)]
 """A duration in milliseconds: finite, non-negative."""
 Budget = Annotated[int, Meta(ge=0, le=MAX_TREE_NODES)]
 """Nodes of a tree (0: no advice)."""
+TEMPERATURE = Meta(ge=0)
+"""A sampling temperature (0: greedy); checked finite as well."""
+TOP_P = Meta(gt=0, le=1)
+TOK_S = Meta(ge=0, lt=1e6)
+"""A speed a session asks for, in tokens per second (0: none)."""
 Tokens = Annotated[np.ndarray, Array(("int32",), 1)]
 Features = Annotated[np.ndarray, Array(FEATURE_DTYPES, 2)]
 
@@ -168,6 +176,19 @@ class DrafterCard(Message, tag="DRAFTER_CARD"):
     def __post_init__(self) -> None:  # shown in logs and `starhub status`
         self.drafter = printable(self.drafter)
 
+    def unfit_for(self, target: TargetCard) -> str | None:
+        """Why ``target`` cannot send the features this card asks for, or None. A target has
+        ``num_layers + 1`` hidden states (the embeddings, then each layer's output; negative
+        indices count from the end), and no use for more indices than that."""
+        states = target.num_layers + 1
+        bad = [i for i in self.feature_layers if not -states <= i < states]
+        if bad:
+            return f"feature layers {bad} do not exist in a {target.num_layers}-layer target"
+        if len(self.feature_layers) > states:
+            return (f"{len(self.feature_layers)} feature layers asked of a target with "
+                    f"{states} hidden states")
+        return None
+
 
 class ObserverCard(Message, tag="OBSERVER_CARD"):
     """Only watching (``starhub status``, the benchmark): no admission, no sessions; the
@@ -195,11 +216,11 @@ class Open(Message, tag="OPEN"):
 
     ref: int = 0
     prompt_len: int = 0
-    temperature: Annotated[float, Meta(ge=0)] = 0.0
-    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    temperature: Annotated[float, TEMPERATURE] = 0.0
+    top_p: Annotated[float, TOP_P] = 1.0
     seed: int = 0
     step_ms: Ms = 0.0
-    target_tok_s: Annotated[float, Meta(ge=0, lt=1e6)] = 0.0
+    target_tok_s: Annotated[float, TOK_S] = 0.0
     """Edge: the speed this session asks the verifier for (0: none); deadlines follow."""
     tokens: Tokens = msgspec.field(default_factory=_no_tokens)
     features: Features | None = None
@@ -262,6 +283,9 @@ class Propose(Message, tag="PROPOSE"):
         if self.dist_ids is not None:
             if self.dist_ids.shape != self.dist_probs.shape or self.dist_ids.shape[0] != n + 1:
                 self.fail(f"dist arrays must both be [{n + 1}, k]")
+            if self.dist_ids.shape[1] > MAX_DIST_WIDTH:
+                self.fail(f"dist arrays may hold {MAX_DIST_WIDTH} entries per node, got "
+                          f"{self.dist_ids.shape[1]}")
             if not np.isfinite(self.dist_probs).all() or (self.dist_probs < 0).any():
                 self.fail("dist_probs must be finite and non-negative")
 
