@@ -6,7 +6,8 @@ the wall times, and the mean verify batch of the concurrent run.
 
 ``load``: a bounded loopback load test: many streamed requests at a fixed concurrency, a
 share of them abandoned at a random point. It counts failures, waits for the server's and
-the hub's sessions to reach 0, compares the server's RSS with its RSS after a warm-up, and
+the hub's sessions to reach 0, compares the server's RSS with its RSS after a warm-up at the
+same concurrency (the allocator's high-water mark for that batch size), and
 checks one more request against generate().
 
     python -m bench.serve_checks burst --prompts 8 --max-tokens 64
@@ -141,9 +142,11 @@ def load(args: argparse.Namespace) -> dict:
     failures: list[str] = []
     lock = threading.Lock()
     try:
-        for prompt in prompts[:args.warmup]:
-            stream_chat(stack.api, prompt, args.max_tokens)
+        with ThreadPoolExecutor(args.concurrency) as pool:  # the same load, briefly
+            list(pool.map(lambda i: stream_chat(stack.api, prompts[i % len(prompts)],
+                                                args.max_tokens), range(args.warmup)))
         warm_rss = stack.rss_mb()
+        trace: list[float] = []
         plan = [(prompts[i % len(prompts)],
                  rng.randint(1, args.max_tokens) if rng.random() < args.abandon else None)
                 for i in range(args.requests)]
@@ -165,8 +168,10 @@ def load(args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         with ThreadPoolExecutor(args.concurrency) as pool, \
                 tqdm(total=len(plan), unit="req", file=sys.stderr) as bar:
-            for _ in pool.map(one, plan):
+            for done, _ in enumerate(pool.map(one, plan), 1):
                 bar.update(1)
+                if done % 100 == 0:
+                    trace.append(round(stack.rss_mb(), 1))
         took = time.perf_counter() - start
         settle = time.perf_counter()
         while True:
@@ -186,7 +191,8 @@ def load(args: argparse.Namespace) -> dict:
             "sessions_zero_after_s": round(settled_s, 2), "hub_active": hub_active,
             "server_active": server_active, "rss_after_warmup_mb": round(warm_rss, 1),
             "rss_peak_mb": round(peak, 1), "rss_end_mb": round(end_rss, 1),
-            "rss_growth": round(end_rss / warm_rss - 1, 4), "last_identical": last == final}
+            "rss_growth": round(end_rss / warm_rss - 1, 4), "rss_every_100_mb": trace,
+            "last_identical": last == final}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--abandon", type=float, default=1 / 3)
-    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=64,
+                   help="requests at the same concurrency before the RSS reference")
     p.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.threads = resolve_threads(args.threads)
