@@ -1,25 +1,31 @@
 """A hub whose drafting process hangs or dies: the sessions it held end with an ERROR and
 their targets finish alone, no target is admitted and no session opened until a fresh
 process is up, then targets are served again; STATS and ``starhub status`` show it. Every
-output stays identical to generate()."""
+output stays identical to generate(). A process that cannot be started again stops the hub."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from starhub.client.connection import HubClient, HubUnavailable
-from starhub.drafters.base import TreeShape
-from starhub.hub import drafting_process
+from starhub.client.link import Backoff
+from starhub.drafters.base import DrafterLost, TreeShape
+from starhub.drafters.ngram import NgramDrafter
+from starhub.hub import drafting_process, supervision
 from starhub.launch.status import StatusPoller, query_stats, report
+from starhub.wire.messages import DrafterCard, Error, ErrorCode, Open, Reject, TargetCard
 from starhub.wire.reports import HubReport
 from targets.generate import GenerationStats, SpeculativeGenerator
 from tests.conftest import HubThread
+from tests.servers import HubHarness
 from tests.test_drafting_process import head, remote_drafter  # noqa: F401  (fixture)
 
 NEW = 24
@@ -113,3 +119,42 @@ def test_a_hung_drafting_process_ends_its_sessions_and_a_fresh_one_serves_again(
         assert "restarts 2" in text and "killed by SIGKILL" in text, text
     finally:
         target.close()
+
+
+class Unrestartable(NgramDrafter):
+    """A drafting process that dies while the hub idles and never starts again."""
+
+    supervised = True
+    dead = False
+    tries = 0
+
+    def check(self) -> None:
+        if self.dead:
+            raise DrafterLost("the drafting process (pid 7) was killed by SIGKILL")
+
+    def restart(self) -> None:
+        self.tries += 1
+        raise RuntimeError("the drafting process exited with code 2 before it was ready")
+
+
+def test_a_drafting_process_that_cannot_be_restarted_stops_the_hub(monkeypatch):
+    monkeypatch.setattr(supervision, "RESTART_BACKOFF", Backoff(0.01, 0.01))
+    drafter = Unrestartable()
+    harness = HubHarness(drafter)
+    try:
+        assert isinstance(harness.ask(b"t", TargetCard(name="t", vocab_size=100)), DrafterCard)
+        tag = harness.ask(b"t", Open(ref=1, prompt_len=3,
+                                     tokens=np.arange(1, 5, dtype=np.int32))).tag
+        drafter.dead = True
+        with pytest.raises(RuntimeError, match=r"could not be restarted \(3 tries\)"):
+            harness.loop.run_until_complete(asyncio.wait_for(harness.worker, 60))
+        assert drafter.tries == 3
+        (to, error), = harness.hub.outbox
+        assert to == b"t" and isinstance(error, Error) and error.tag == tag
+        assert error.code == ErrorCode.INTERNAL and "killed by SIGKILL" in error.message
+        assert not harness.hub.table.sessions
+        harness.hub.outbox.clear()
+        reject = harness.ask(b"t", TargetCard(name="t2", vocab_size=100))
+        assert isinstance(reject, Reject) and "restarting" in reject.reason
+    finally:
+        harness.close()
