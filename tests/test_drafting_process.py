@@ -1,22 +1,26 @@
 """The drafter in a process of its own: it drafts exactly the trees the same drafter drafts
 in process, round after round (the sessions it mirrors stay in step), takes jobs handed
-over mid-batch, and a child that cannot load or that dies gives a clear error."""
+over mid-batch, and a child that cannot load gives a clear error. A child that dies or
+hangs is reported lost, and a restarted one drafts as the first did."""
 
 from __future__ import annotations
 
 import argparse
 import copy
 import gc
+import os
+import signal
 import tempfile
 import threading
 
 import pytest
 import torch
 
-from starhub.drafters.base import DraftContext, TreeShape
+from starhub.drafters.base import DraftContext, DrafterLost, TreeShape
 from starhub.drafters.eagle import EagleDrafter
 from starhub.drafters.eagle_head import EAGLE, save_eagle_head
-from starhub.hub.drafting_process import RemoteDrafter
+from starhub.hub import drafting_process
+from starhub.hub.drafting_process import RemoteDrafter, Watch
 from starhub.options import AUTO, auto_on_off_arg, draft_process_for
 from starhub.wire.messages import TargetCard
 from tests.test_batched_drafting import same
@@ -139,16 +143,76 @@ def test_a_drafter_that_cannot_load_fails_the_start_with_its_reason(tmp_path, mo
     assert not list(tmp_path.glob("starhub-draft-*")), "the failed start left its folder"
 
 
-def test_a_child_that_dies_fails_the_next_draft_with_a_clear_error(tiny_dir, head):
-    remote = RemoteDrafter(["--drafter", "eagle", "--draft", str(head), "--model",
-                            str(tiny_dir), "--draft-dtype", "float32"])
+def remote_drafter(tiny_dir, head) -> RemoteDrafter:
+    return RemoteDrafter(["--drafter", "eagle", "--draft", str(head), "--model",
+                          str(tiny_dir), "--draft-dtype", "float32"])
+
+
+def test_a_killed_child_is_lost_and_a_restarted_one_drafts_as_before(tiny_dir, head, drafters):
+    local, _ = drafters
+    remote = remote_drafter(tiny_dir, head)
     try:
-        remote._proc.kill()
+        before = sessions(remote.feature_size, 1)[0]
+        remote.propose(before, SHAPE)
+        first = remote.pid
+        os.kill(first, signal.SIGKILL)
         remote._proc.wait()
-        with pytest.raises(RuntimeError, match="exited with code"):
+        with pytest.raises(DrafterLost, match="killed by SIGKILL"):
+            remote.check()
+        with pytest.raises(DrafterLost, match="killed by SIGKILL"):
             remote.propose(sessions(remote.feature_size, 1)[0], SHAPE)
+        remote.restart()
+        assert remote.pid != first and remote.starts == 2
+        remote.check()
+        here = sessions(local.feature_size, 1)
+        there = copy.deepcopy(here)
+        assert same(local.propose(here[0], SHAPE), remote.propose(there[0], SHAPE))
+        with pytest.raises(RuntimeError, match="since been restarted"):
+            remote.propose(before, SHAPE)  # its drafting state died with the first child
     finally:
         remote.close()
+    assert remote._proc.poll() is not None
+
+
+def test_a_stopped_child_is_found_by_its_silent_heartbeat_and_replaced(tiny_dir, head,
+                                                                       monkeypatch):
+    monkeypatch.setattr(drafting_process, "HANG_FLOOR_S", 1.0)  # a short test, same rule
+    monkeypatch.setattr(drafting_process, "WATCH_FACTOR", 2.0)
+    remote = remote_drafter(tiny_dir, head)
+    stopped = remote._proc
+    try:
+        remote.propose(sessions(remote.feature_size, 1)[0], SHAPE)
+        os.kill(stopped.pid, signal.SIGSTOP)
+        with pytest.raises(DrafterLost, match="stopped answering"):
+            remote.propose(sessions(remote.feature_size, 1)[0], SHAPE)  # waits, never ends
+        remote.restart()
+        assert stopped.poll() is not None, "the stopped child was left behind"
+        assert len(remote.propose(sessions(remote.feature_size, 1)[0], SHAPE)) > 1
+    finally:
+        if stopped.poll() is None:
+            stopped.kill()
+        remote.close()
+
+
+def test_the_watch_tells_a_slow_child_from_a_hung_one():
+    watch = Watch(now=0.0)
+    for t in range(1, 100):  # beats every half second through a 50 s draft: alive
+        watch.beat(at=t / 2, gap=0.5)
+        if t == 1:
+            watch.call(0.5)
+        assert watch.verdict(t / 2 + 0.1) is None
+    watch.heard(50.0)
+    assert watch.longest_wait == 49.5
+    assert watch.call_s == 495.0, "a call may take ten times the longest wait seen"
+    assert watch.verdict(50.0 + watch.hang_s + 1) == "stopped answering: no sign of life " \
+        "for 6.0s"
+    for t in range(101, 1200):
+        watch.beat(at=t / 2, gap=0.5)
+    assert "though it still beats" in watch.verdict(599.6)
+    watch.call(None)
+    assert watch.verdict(599.6) is None, "between calls only the beats count"
+    watch.beat(at=600.0, gap=1.5)  # a child that beats late sometimes is given longer
+    assert watch.hang_s == 15.0
 
 
 def test_closing_mid_call_stops_the_child_and_later_calls_fail_clearly(tiny_dir, head):

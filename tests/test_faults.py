@@ -1,13 +1,16 @@
-"""Faults in the star: a hub that dies, hangs, restarts, lies or shuts down, and a target
-that dies. Targets' output stays complete and identical to generate() throughout."""
+"""Faults in the star: a hub that dies, hangs, restarts, lies or shuts down, a hub's
+drafting process that dies or hangs, and a target that dies. Targets' output stays complete
+and identical to generate() throughout."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -18,6 +21,7 @@ import zmq
 
 from starhub.client.connection import HubClient
 from starhub.launch import child_env, spawn_hub, target_command
+from starhub.launch.status import query_stats
 from starhub.models.loading import load_model
 from starhub.wire.codec import decode, encode
 from starhub.wire.messages import DrafterCard, Open, Propose, StatsQuery, TargetCard
@@ -97,6 +101,36 @@ def test_targets_finish_and_come_back_when_the_hub_is_killed_and_restarted(tmp_p
         later = [r for r in rows if r["stats"]["started_at"] > back_at + 7]
         assert later and all(r["stats"]["rounds"] > 0 for r in later), \
             "prompts after the restart must run through the new hub"
+    _check_lossless([r for rows in results for r in rows])
+
+
+@pytest.mark.slow
+def test_an_eagle_hub_replaces_a_killed_and_then_a_stopped_drafting_process(tmp_path):
+    """Default flags: the shipped EAGLE head drafts in a process of its own. It is killed,
+    then its successor is stopped; each time the hub finds out and starts a fresh one by
+    itself (the test waits for that, as STATS tells it), and a new target's prompts go
+    through the hub again."""
+    prompts = _prompt_file(tmp_path, PROMPTS[:4])
+    outs = [tmp_path / "after-kill.jsonl", tmp_path / "after-stop.jsonl"]
+    with spawn_hub([]) as hub:
+        for k, (sig, out) in enumerate(zip((signal.SIGKILL, signal.SIGSTOP), outs, strict=True)):
+            os.kill(query_stats(hub.address).drafting.pid, sig)
+            deadline = time.monotonic() + 180
+            while not ((d := query_stats(hub.address).drafting).restarts == k + 1 and d.healthy):
+                assert time.monotonic() < deadline, f"no fresh drafting process after {sig.name}"
+                time.sleep(0.2)
+            target = subprocess.Popen(target_command(hub.address, str(prompts), str(out), extra=[
+                "--max-new-tokens", str(NEW), "--shard", f"{k}/2", "--name", f"t{k}"]),
+                env=child_env(1), stderr=subprocess.DEVNULL)
+            assert target.wait(300) == 0
+        status = subprocess.run([sys.executable, "-m", "starhub", "status", hub.address],
+                                capture_output=True, text=True, env=child_env(1), timeout=120)
+    assert "up, restarts 2" in status.stdout and "stopped answering" in status.stdout, \
+        status.stdout + status.stderr
+    results = [list(iter_results(out)) for out in outs]
+    for rows in results:
+        assert len(rows) == 2 and rows[-1]["stats"]["rounds"] > 0, \
+            "the last prompt must go through the hub again"
     _check_lossless([r for rows in results for r in rows])
 
 

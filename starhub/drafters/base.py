@@ -68,6 +68,11 @@ class TargetNeeds:
         return None
 
 
+class DrafterLost(RuntimeError):
+    """The drafter died or hung (one in a process of its own), and every session's drafting
+    state went with it. ``Drafter.restart`` brings up a fresh one."""
+
+
 class Drafter(ABC):
     name: str = ""
     feature_layers: list[int] = []
@@ -81,6 +86,11 @@ class Drafter(ABC):
     batches: bool = False
     """Whether ``propose_batch`` shares work across sessions. A drafter that would only
     loop is given one request at a time, so no session waits for others' drafts."""
+    supervised: bool = False
+    """Whether it can die or hang apart from the hub (a drafting process): the hub then
+    asks ``check`` while idle, and on ``DrafterLost`` ends every session and ``restart``s it."""
+    pid: int = 0
+    """The process it drafts in, where that is not the hub's own (0: the hub's)."""
 
     @abstractmethod
     def propose(self, ctx: DraftContext, shape: TreeShape) -> DraftTree:
@@ -141,6 +151,15 @@ class Drafter(ABC):
         """``admit`` has more jobs. A drafter that waits on something other than its own
         passes (``starhub.hub.drafting_process``) looks now, not at its next timeout."""
         return None
+
+    def check(self) -> None:
+        """Raise ``DrafterLost`` if the drafter is gone. One in the hub's own process never
+        is; one in a process of its own looks whether that process lives and answers."""
+        return None
+
+    def restart(self) -> None:
+        """A fresh drafter in place of a lost one (``DrafterLost``); it holds no sessions."""
+        raise NotImplementedError(f"the {self.name} drafter cannot be restarted")
 
     def close(self) -> None:
         """Let go of what outlives the hub's event loop (a drafting process)."""

@@ -8,6 +8,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 
 import zmq
 
@@ -16,6 +18,7 @@ from starhub.drafters.base import DraftContext, Drafter
 from starhub.hub.drafting_messages import (
     CHILD_DECODER,
     LINK_LIMITS,
+    Beat,
     Done,
     Draft,
     End,
@@ -29,7 +32,7 @@ from starhub.hub.drafting_messages import (
     ToChild,
     owned,
 )
-from starhub.hub.drafting_process import POLL_MS, Job
+from starhub.hub.drafting_process import BEAT_S, POLL_MS, Job
 from starhub.wire.codec import encode
 from starhub.wire.messages import Framed
 from starhub.wire.tree import DraftTree
@@ -139,6 +142,38 @@ class DraftingServer:
         self.send(reply)
 
 
+class Beating:
+    """A thread that tells the hub this process is alive every ``BEAT_S``, on a socket of
+    its own, whatever drafting does meanwhile: a stopped or frozen process falls silent, a
+    busy one does not."""
+
+    def __init__(self, context: zmq.Context, endpoint: str):
+        self._sock = context.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.CONFLATE, 1)  # the hub reads only the newest
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="beat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while True:
+            now = time.monotonic()
+            try:
+                self._sock.send_multipart(encode(Beat(at=now, gap=now - last)), zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the hub is not listening yet: the next beat says the same
+            last = now
+            if self._stop.wait(BEAT_S):
+                break
+        self._sock.close(0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def ready_message(drafter: Drafter) -> Ready:
     """What the hub's ``RemoteDrafter`` takes on from the drafter it stands for."""
     return Ready(name=drafter.name, label=getattr(drafter, "label", drafter.name),
@@ -154,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         description="The hub's drafter in a process of its own. `starhub hub` starts it; "
                     "it serves only the hub that started it, over --link.")
     parser.add_argument("--link", required=True, help="the hub's ipc:// endpoint")
+    parser.add_argument("--beats", required=True,
+                        help="the hub's ipc:// endpoint for this process's heartbeat")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for drafting")
     parser.add_argument("--drafter", default="eagle")
     parser.add_argument("--draft", default=None)
@@ -183,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         link.close()
         return 2
     link.send_multipart(encode(ready_message(drafter)))
+    beating = Beating(context, args.beats)
     DraftingServer(drafter, link).serve()
+    beating.stop()
     link.close()
     return 0
 

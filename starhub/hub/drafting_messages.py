@@ -5,7 +5,8 @@ a tagged union, a msgpack header with each array in a raw frame of its own, noth
 pickled. The hub sends jobs (``Draft``, ``More``, ``Predraft``) and control (``Stop``,
 ``Quit``); each carries the sessions the child may forget. The child answers with
 ``Ready`` or ``Failed`` once, then ``Done`` per drafted tree and ``End`` per batch, or
-``Predrafted``.
+``Predrafted``. On a socket of its own, a thread of the child sends a ``Beat`` every so
+often, whatever its drafting is doing.
 """
 
 from __future__ import annotations
@@ -121,11 +122,20 @@ class Predrafted(Framed, tag="PREDRAFTED"):
     error: str = ""
 
 
+class Beat(Framed, tag="BEAT"):
+    """The child is alive at ``at`` (``time.monotonic()``: one machine, one clock);
+    ``gap``: seconds since its previous beat."""
+
+    at: float = 0.0
+    gap: float = 0.0
+
+
 TO_CHILD = (Draft, More, Predraft, Stop, Quit)
 TO_HUB = (Ready, Failed, Done, End, Predrafted)
-describe(*TO_CHILD, *TO_HUB)
+describe(*TO_CHILD, *TO_HUB, Beat)
 CHILD_DECODER = Decoder(TO_CHILD, max_arrays=MAX_LINK_ARRAYS)
 HUB_DECODER = Decoder(TO_HUB, max_arrays=MAX_LINK_ARRAYS)
+BEAT_DECODER = Decoder((Beat,), max_arrays=0)
 
 
 def owned(tree: DraftTree) -> DraftTree:

@@ -15,6 +15,13 @@ typed as on the wire, a msgpack header and raw array frames: nothing is pickled.
 All of ``RemoteDrafter``'s socket work happens on the hub's one drafting thread; the
 event loop only calls ``wake`` (a byte down a pipe) when it hands a running batch more
 jobs.
+
+The hub watches its child (``Watch``): a thread of the child beats on a socket of its own
+whatever its drafting does, so a child that was stopped or froze is found within seconds
+even in the middle of a long draft, and each call has a deadline derived from the longest
+wait a call has needed so far. A child that exited, stopped beating or missed a call's
+deadline raises ``DrafterLost``; ``restart`` kills what is left of it and starts a fresh
+one, which holds no sessions.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import itertools
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,8 +44,9 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from starhub.drafters.base import DraftContext, Drafter, TargetNeeds, TreeShape
+from starhub.drafters.base import DraftContext, Drafter, DrafterLost, TargetNeeds, TreeShape
 from starhub.hub.drafting_messages import (
+    BEAT_DECODER,
     HUB_DECODER,
     LINK_LIMITS,
     Done,
@@ -56,7 +65,7 @@ from starhub.hub.drafting_messages import (
     owned,
 )
 from starhub.wire.codec import encode
-from starhub.wire.messages import Framed
+from starhub.wire.messages import Framed, ProtocolError
 from starhub.wire.tree import DraftTree
 
 log = logging.getLogger("starhub.hub")
@@ -67,6 +76,78 @@ POLL_MS = 1000
 """How often a waiting side looks whether the other one is still alive."""
 PREDRAFT_POLL_MS = 1
 """While pre-drafting, how often the hub looks whether a real request arrived."""
+BEAT_S = 0.2
+"""How often the child's beating thread says it is alive."""
+HANG_FLOOR_S = 2.0
+"""Without a sign of life for this long (or ``WATCH_FACTOR`` times the longest gap between
+two of its beats, if longer) the child counts as hung: stopped, or frozen as a whole. The
+beats come from a thread that needs the interpreter only for a moment, so ten missed ones
+mean the process no longer runs; a child whose beats came late (a loaded machine) is
+given ten times its longest gap."""
+CALL_FLOOR_S = 60.0
+"""A call the child has not answered for this long (or ``WATCH_FACTOR`` times the longest
+wait a call has needed, if longer) counts as stuck though the child still beats. Generous:
+a session's first job carries its whole prompt."""
+WATCH_FACTOR = 10.0
+CHECK_EVERY_S = 0.1
+"""How often a waiting call looks at the child's process and beats (at most)."""
+
+
+class Watch:
+    """Tells a slow drafting process from a dead or hung one, from what it sends. Times are
+    ``time.monotonic()``, which the child's beats also carry (one machine, one clock)."""
+
+    def __init__(self, now: float, longest_gap: float = BEAT_S, longest_wait: float = 0.0):
+        self.alive_at = now
+        """The newest sign of life: a beat, or any message."""
+        self.longest_gap = longest_gap
+        """The longest gap between two beats the child has reported."""
+        self.longest_wait = longest_wait
+        """The longest a call has waited for the child's next message and got it."""
+        self.waiting_since: float | None = None
+        """In a call: since when it waits for the child's next message."""
+
+    def beat(self, at: float, gap: float) -> None:
+        self.alive_at = max(self.alive_at, at)
+        self.longest_gap = max(self.longest_gap, gap)
+
+    def heard(self, now: float) -> None:
+        """A message from the child."""
+        self.alive_at = max(self.alive_at, now)
+        if self.waiting_since is not None:
+            self.longest_wait = max(self.longest_wait, now - self.waiting_since)
+            self.waiting_since = now
+
+    def call(self, now: float | None) -> None:
+        """A call begins (``now``) or ends (None)."""
+        self.waiting_since = now
+
+    @property
+    def hang_s(self) -> float:
+        return max(HANG_FLOOR_S, WATCH_FACTOR * self.longest_gap)
+
+    @property
+    def call_s(self) -> float:
+        return max(CALL_FLOOR_S, WATCH_FACTOR * self.longest_wait)
+
+    def verdict(self, now: float) -> str | None:
+        """Why the child counts as lost at ``now``, or None."""
+        if now - self.alive_at > self.hang_s:
+            return f"stopped answering: no sign of life for {now - self.alive_at:.1f}s"
+        if self.waiting_since is not None and now - self.waiting_since > self.call_s:
+            return (f"did not answer a drafting call for {now - self.waiting_since:.1f}s, "
+                    f"though it still beats")
+        return None
+
+
+def exit_reason(code: int) -> str:
+    """How a process ended, from its ``returncode``."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code} (its log is above)"
 
 
 # -- the hub's side --------------------------------------------------------------------------
@@ -76,6 +157,8 @@ class Mirror:
     """A session's handle on the child's copy of it, kept in the hub's ``ctx.state``."""
 
     sid: int
+    start: int
+    """Which of the drafter's child processes holds it (``RemoteDrafter.starts``)."""
     synced: int = 0
     """Tokens the child has been sent."""
     probe: bool = False
@@ -86,14 +169,13 @@ class RemoteDrafter(Drafter):
     ``python -m starhub.hub.drafting_child --help`` explains; ``threads`` are its torch
     threads."""
 
+    supervised = True
+
     def __init__(self, argv: list[str], threads: int = 1, start_timeout_s: float = 600.0):
+        self._argv, self._threads, self._start_timeout_s = list(argv), threads, start_timeout_s
         self._dir = tempfile.mkdtemp(prefix="starhub-draft-")
         os.chmod(self._dir, 0o700)
         self._zmq = zmq.Context()
-        self._link = self._zmq.socket(zmq.PAIR)
-        self._link.setsockopt(zmq.LINGER, 0)
-        endpoint = f"ipc://{self._dir}/link"
-        self._link.bind(endpoint)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -103,27 +185,26 @@ class RemoteDrafter(Drafter):
         self._busy = threading.Lock()
         """Held while a call talks to the child, so that ``close`` never pulls the link
         from under one (a hub that stops mid-batch closes from another thread)."""
+        self._spawning = threading.Lock()
+        """Orders a (re)start's spawn against ``close``: no child is started once closed."""
         self._closed = False
-        self._proc = subprocess.Popen([sys.executable, "-m", "starhub.hub.drafting_child",
-                                       "--link", endpoint, "--threads", str(threads), *argv])
+        self._link: zmq.Socket | None = None
+        self._beats: zmq.Socket | None = None
+        self._proc: subprocess.Popen | None = None
+        self._checked_at = 0.0
+        self.starts = 0
+        """Child processes started so far."""
+        self.watch = Watch(time.monotonic())
         try:
-            ready = self._recv(start_timeout_s, starting=True)
+            self._start()
         except BaseException:
             self.close()  # no child, socket or folder outlives a failed start
             raise
-        if not isinstance(ready, Ready):
-            self.close()
-            raise RuntimeError(f"the drafting process began with {type(ready).__name__}")
-        self.name = ready.name
-        self.label = ready.label
-        self.dtype = ready.dtype
-        self.feature_layers = ready.feature_layers
-        self.feature_size = ready.feature_size
-        self.lookup_branches = ready.lookup_branches
-        self.batches = ready.batches
-        self._predrafts = ready.predrafts
-        self._needs: TargetNeeds = ready.needs
-        log.info("drafting in process %d (%s drafter)", self._proc.pid, self.name)
+        log.info("drafting in process %d (%s drafter)", self.pid, self.name)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid if self._proc is not None else 0
 
     @property
     def predrafts(self) -> bool:
@@ -159,7 +240,11 @@ class RemoteDrafter(Drafter):
         in step in the child all the same, and the hub drafts them next)."""
         with self._busy:
             self._check_open()
-            return self._propose_batch(jobs, admit, finished)
+            self.watch.call(time.monotonic())
+            try:
+                return self._propose_batch(jobs, admit, finished)
+            finally:
+                self.watch.call(None)
 
     def _propose_batch(self, jobs: list[Job], admit: Callable[[], list[Job]] | None,
                        finished: Callable[[int, DraftTree | Exception, float, float], None]
@@ -190,7 +275,11 @@ class RemoteDrafter(Drafter):
                  stop: Callable[[], bool]) -> dict[tuple[int, ...], DraftTree]:
         with self._busy:
             self._check_open()
-            return self._predraft(ctx, tree, shape, stop)
+            self.watch.call(time.monotonic())
+            try:
+                return self._predraft(ctx, tree, shape, stop)
+            finally:
+                self.watch.call(None)
 
     def _predraft(self, ctx: DraftContext, tree: DraftTree, shape: TreeShape,
                   stop: Callable[[], bool]) -> dict[tuple[int, ...], DraftTree]:
@@ -208,38 +297,116 @@ class RemoteDrafter(Drafter):
                     raise RuntimeError(msg.error)
                 return {tuple(key): owned(tree) for key, tree in msg.trees}
 
+    def check(self) -> None:
+        """``DrafterLost`` if the child exited or stopped beating (between calls)."""
+        with self._busy:
+            self._check_open()
+            self._checked_at = 0.0
+            self._check_alive()
+
+    def restart(self) -> None:
+        """Kill what is left of a lost child and start a fresh one. It holds no sessions:
+        the hub lets go of every session first (a session from before the restart is
+        refused). A start that fails raises, and leaves no child behind."""
+        with self._busy:
+            self._check_open()
+            self._stop_child()
+            self._drain_wake()
+            self._start()
+        log.info("drafting in process %d again (start %d)", self.pid, self.starts)
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the child and let go of the link. A call still running on another thread
         (a hub stopped mid-batch) ends with an error once the child is gone; the link is
         then left open rather than closed under it, and a later ``close`` closes it."""
-        self._closed = True
+        with self._spawning:
+            self._closed = True
         idle = self._busy.acquire(timeout=0.1)
-        if self._proc.poll() is None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
             try:
-                if idle:
+                if idle and self._link is not None:
                     self._send(Quit())
                 else:
-                    self._proc.terminate()
-                self._proc.wait(timeout_s)
+                    proc.terminate()
+                proc.wait(timeout_s)
             except (zmq.ZMQError, RuntimeError, subprocess.TimeoutExpired):
-                self._proc.kill()
-                self._proc.wait()
+                proc.kill()
+                proc.wait()
         if not idle:
             idle = self._busy.acquire(timeout=2 * POLL_MS / 1e3)
         if idle:
-            if not self._link.closed:
-                self._link.close(0)
+            if not self._zmq.closed:
+                self._close_sockets()
                 self._zmq.term()
                 for fd in (self._wake_r, self._wake_w):
                     os.close(fd)
             self._busy.release()
         shutil.rmtree(self._dir, ignore_errors=True)
 
+    def _start(self) -> None:
+        """Start child number ``starts + 1`` on links of its own and take on what it says
+        of itself."""
+        self.starts += 1
+        link, beats = (f"ipc://{self._dir}/{kind}{self.starts}" for kind in ("link", "beat"))
+        self._link = self._zmq.socket(zmq.PAIR)
+        self._link.setsockopt(zmq.LINGER, 0)
+        self._link.bind(link)
+        self._beats = self._zmq.socket(zmq.PULL)
+        self._beats.setsockopt(zmq.CONFLATE, 1)  # only the newest beat matters
+        self._beats.setsockopt(zmq.LINGER, 0)
+        self._beats.bind(beats)
+        with self._spawning:
+            if self._closed:
+                raise RuntimeError("the drafting process has been stopped")
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "starhub.hub.drafting_child", "--link", link,
+                 "--beats", beats, "--threads", str(self._threads), *self._argv])
+        try:
+            ready = self._recv(self._start_timeout_s, starting=True)
+            if not isinstance(ready, Ready):
+                raise RuntimeError(f"the drafting process began with {type(ready).__name__}")
+        except BaseException:
+            self._stop_child()
+            raise
+        self.watch = Watch(time.monotonic(), self.watch.longest_gap, self.watch.longest_wait)
+        self.name = ready.name
+        self.label = ready.label
+        self.dtype = ready.dtype
+        self.feature_layers = ready.feature_layers
+        self.feature_size = ready.feature_size
+        self.lookup_branches = ready.lookup_branches
+        self.batches = ready.batches
+        self._predrafts = ready.predrafts
+        self._needs: TargetNeeds = ready.needs
+
+    def _stop_child(self) -> None:
+        """Kill the child if it still runs (a hung one, stopped or not) and close its links."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._link, self._beats):
+            if sock is not None and not sock.closed:
+                sock.close(0)
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
     def _mirror(self, ctx: DraftContext, probe: bool = False) -> Mirror:
         """The session's handle; the child forgets the session once the hub drops it."""
         if ctx.state is None:
-            ctx.state = Mirror(next(self._ids), probe=probe)
+            ctx.state = Mirror(next(self._ids), self.starts, probe=probe)
             weakref.finalize(ctx, self._forgotten.append, ctx.state.sid)
+        elif ctx.state.start != self.starts:
+            raise RuntimeError("this session was drafted by a drafting process that has "
+                               "since been restarted")
         return ctx.state
 
     def _jobs(self, msg: Jobs, jobs: list[Job]) -> Jobs:
@@ -274,16 +441,40 @@ class RemoteDrafter(Drafter):
             raise RuntimeError("the drafting process has been stopped")
 
     def _check_alive(self, starting: bool = False) -> None:
+        """Raise if the child exited; once it has started, ``DrafterLost`` also when it
+        stopped beating or missed a call's deadline (``Watch``)."""
+        now = time.monotonic()
+        if now - self._checked_at < CHECK_EVERY_S:
+            return
+        self._checked_at = now
         code = self._proc.poll()
         if code is not None:
-            when = "before it was ready" if starting else "while drafting"
-            raise RuntimeError(f"the drafting process exited with code {code} {when} "
-                               f"(its log is above)")
+            if starting:
+                raise RuntimeError(f"the drafting process exited with code {code} before it "
+                                   f"was ready (its log is above)")
+            raise DrafterLost(f"the drafting process (pid {self._proc.pid}) "
+                              f"{exit_reason(code)}")
+        if starting:
+            return
+        while True:
+            try:
+                frames = self._beats.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                beat = BEAT_DECODER.decode(frames, LINK_LIMITS)
+            except ProtocolError:
+                continue
+            self.watch.beat(beat.at, beat.gap)
+        verdict = self.watch.verdict(time.monotonic())
+        if verdict is not None:
+            raise DrafterLost(f"the drafting process (pid {self._proc.pid}) {verdict}")
 
     def _recv(self, timeout_s: float | None = None, wake: bool = False, quiet: bool = False,
               starting: bool = False) -> Framed | object | None:
         """The child's next message; WAKE when ``wake`` and the event loop handed work
-        over; None after ``timeout_s`` when ``quiet``. A child that exits raises."""
+        over; None after ``timeout_s`` when ``quiet``. A child that exits or hangs raises
+        (``_check_alive``)."""
         poller = zmq.Poller()
         poller.register(self._link, zmq.POLLIN)
         if wake:
@@ -294,15 +485,12 @@ class RemoteDrafter(Drafter):
             ready = dict(poller.poll(min(wait, POLL_MS)))
             if self._link in ready:
                 msg = HUB_DECODER.decode(self._link.recv_multipart(copy=False), LINK_LIMITS)
+                self.watch.heard(time.monotonic())
                 if isinstance(msg, Failed):
                     raise RuntimeError(f"the drafting process failed: {msg.error}")
                 return msg
             if wake and self._wake_r in ready:
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
+                self._drain_wake()
                 return WAKE
             self._check_alive(starting)
             if deadline is not None and time.monotonic() >= deadline:

@@ -373,6 +373,11 @@ class PrometheusCollector:
                                     "(accepted plus bonus), one sample per request",
                                     buckets=buckets,
                                     sum_value=sum(k * v for k, v in hist.items()))
+        yield CounterMetricFamily("starhub_drafter_restarts", "restarts of a drafting process "
+                                  "that died or hung", value=snap.drafting.restarts)
+        yield GaugeMetricFamily("starhub_drafter_healthy", "1 while the drafter can serve, 0 "
+                                "while it restarts (no targets admitted)",
+                                value=int(snap.drafting.healthy))
         errors = CounterMetricFamily("starhub_errors", "ERROR replies by code", labels=["code"])
         for code, count in snap.errors.items():
             errors.add_metric([code], count)

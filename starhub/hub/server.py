@@ -7,7 +7,8 @@ says what each message means to a hub. The receiver never waits for drafting, so
 target never holds up the others.
 The controller (``starhub.control.plane``) admits targets at their TARGET_CARD and shapes
 every round before it enters the buffer; a round it makes plain is answered at once and
-never drafted.
+never drafted. While a lost drafting process restarts (``starhub.hub.supervision``), no
+target is admitted and no session opened.
 """
 
 from __future__ import annotations
@@ -142,7 +143,9 @@ class Hub(Server):
     def handle_target_card(self, identity: bytes, msg: TargetCard) -> None:
         reason = self.drafter.check_target(msg)
         retry = 0.0
-        if reason is None:
+        if reason is None and not self.worker.supervisor.healthy:
+            reason, retry = self.worker.supervisor.unavailable, self.config.retry_after_s
+        elif reason is None:
             reason = self.control.join(identity, msg.name, msg.step_ms / 1e3, time.monotonic())
             retry = self.config.retry_after_s
         if reason is not None:
@@ -194,6 +197,9 @@ class Hub(Server):
 
     def handle_open(self, identity: bytes, msg: Open) -> None:
         peer = self.table.peer(identity, msg, "TARGET_CARD")
+        if not self.worker.supervisor.healthy:
+            raise ProtocolError(ErrorCode.REJECTED, self.worker.supervisor.unavailable,
+                                ref=msg.ref)
         self.table.check_open(identity, len(msg.tokens), msg.ref)
         self._check_payload(peer, msg)
         keep = msg.features is not None and self.drafter.feature_layers
@@ -292,7 +298,8 @@ class Hub(Server):
                     max_targets=self.config.max_targets, admitted=control.admitted,
                     n_max=control.n_max, n_full=control.n_full,
                     cached_tokens=self.table.budget.cached,
-                    rejections=control.rejections, control=control)
+                    rejections=control.rejections, control=control,
+                    drafting=self.worker.supervisor.report())
         return msgspec.convert(snap, HubReport)
 
     def stats_reply(self, identity: bytes, request: StatsQuery) -> HubReport | PeerReport:

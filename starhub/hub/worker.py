@@ -7,7 +7,9 @@ answered at once. When the buffer is empty, the worker pre-drafts: for the sessi
 proposal went out last, it grows the next tree for the likeliest outcomes of the round in
 flight, and gives way to any request that arrives, within one tree layer. Every greedy
 tree leaves with a prompt-lookup branch grafted on where the session's own tokens suggest
-one (``--lookup``).
+one (``--lookup``). A drafter in a process of its own is looked at every ``CHECK_S`` while
+the worker idles; when it is lost (``DrafterLost``), ``starhub.hub.supervision`` ends every
+session and restarts it.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from starhub.control.plane import Controller
-from starhub.drafters.base import Drafter, TreeShape
+from starhub.drafters.base import Drafter, DrafterLost, TreeShape
 from starhub.drafters.ngram import NgramIndex
 from starhub.hub.config import HubConfig
 from starhub.hub.metrics import HubMetrics
 from starhub.hub.sessions import DraftSession, TargetPeer
+from starhub.hub.supervision import Supervisor
 from starhub.server.sessions import SessionTable
 from starhub.wire.messages import Error, ErrorCode, Message, Propose
 from starhub.wire.tree import DraftTree, graft
@@ -41,6 +44,10 @@ almost anywhere, and its branch would cost verification more often than it pays.
 MAX_AUTO_BATCH = 16
 """``--batch auto`` drafts every waiting request up to this many: past it, a CPU pass costs
 about as much per session as drafting one by one, and the batch only delays its first."""
+
+CHECK_S = 0.5
+"""While idle, how often the worker asks a drafting process whether it lives (its calls
+look by themselves while they wait)."""
 
 
 @dataclass
@@ -92,6 +99,7 @@ class DraftWorker:
         self.predrafting = config.predraft and drafter.predrafts
         """Only for drafters that can guess; the others would return nothing every time."""
         self.lookup = config.lookup and drafter.lookup_branches
+        self.supervisor = Supervisor(drafter, table, self.call, reply, close)
 
     def submit(self, req: Request) -> None:
         self.buffer.append(req)
@@ -105,6 +113,15 @@ class DraftWorker:
         self.executor.shutdown(wait=wait, cancel_futures=True)
 
     async def run(self) -> None:
+        while True:
+            try:
+                await self._drafting()
+            except DrafterLost as exc:
+                refs = {req.session.tag: req.ref for req in self.buffer}
+                self.buffer.clear()  # their sessions end with the rest
+                await self.supervisor.recover(exc, refs)
+
+    async def _drafting(self) -> None:
         backlog_since: float | None = None
         while True:
             if not self.buffer:
@@ -112,7 +129,7 @@ class DraftWorker:
                 if self.predrafting and await self.predraft():
                     continue
                 self._work.clear()
-                await self._work.wait()
+                await self._idle()
                 continue
             batch = self.take()
             if not batch:
@@ -122,6 +139,17 @@ class DraftWorker:
                 self.control.observe_overhead(started - backlog_since)
             await self.draft(batch, started)
             backlog_since = time.monotonic() if self.buffer else None
+
+    async def _idle(self) -> None:
+        """Wait for work; meanwhile look, every ``CHECK_S``, whether the drafter lives."""
+        if not self.drafter.supervised:
+            await self._work.wait()
+            return
+        while not self._work.is_set():
+            try:
+                await asyncio.wait_for(self._work.wait(), CHECK_S)
+            except TimeoutError:
+                await self.call(self.drafter.check)
 
     def take(self, limit: int | None = None) -> list[Request]:
         """Pop up to a batch (or ``limit``) of live requests; answer those a pre-drafted
@@ -211,9 +239,12 @@ class DraftWorker:
 
         jobs = [(req.session.ctx, self.shape(req.session)) for req in batch]
         feeding = loop.create_task(feeder()) if self.max_batch > 1 else None
+        lost: DrafterLost | None = None
         try:
             await loop.run_in_executor(self.executor, lambda: self.drafter.propose_batch(
                 jobs, admit=admit if feeding else None, finished=finished))
+        except DrafterLost as exc:  # its requests wait in the buffer for the supervisor
+            lost = exc
         except Exception as exc:  # a failing drafter fails this batch's rounds, not the hub
             log.exception("drafting a batch of %d failed", counts["admitted"])
             for k in range(counts["admitted"]):
@@ -226,6 +257,8 @@ class DraftWorker:
         # handed over after the drafting thread last looked: back to the front of the line
         self.buffer.extendleft(reversed([req for k, req in enumerate(requests)
                                          if k not in delivered]))
+        if lost is not None:
+            raise lost  # the supervisor ends every session and restarts the drafter
 
     def deliver(self, req: Request, result: DraftTree | Exception, begun: float,
                 seconds: float, shared: float) -> None:
@@ -286,6 +319,8 @@ class DraftWorker:
             found = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self.drafter.predraft, session.ctx, session.out_tree,
                 self.shape(session), lambda: bool(self.buffer))
+        except DrafterLost:
+            raise
         except Exception:
             log.exception("pre-drafting failed for tag %d (its rounds go on as usual)",
                           session.tag)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from starhub.wire.messages import ObserverCard, StatsQuery
-from starhub.wire.reports import HubReport, VerifierReport
+from starhub.wire.reports import DrafterHealth, HubReport, VerifierReport
 from starhub.wire.security import ClientCurve, SecurityError, client_curve
 from starhub.wire.text import printable
 
@@ -106,8 +106,14 @@ class StatusPoller:
             dt = now - self._last[0]
             rate, tok = (rounds - self._last[1]) / dt, (tokens - self._last[2]) / dt
         self._last = (now, rounds, tokens)
-        return (f"{who} up {up}/{self.expected} | {rate:.1f} rounds/s | tau {tau:.2f} | "
+        line = (f"{who} up {up}/{self.expected} | {rate:.1f} rounds/s | tau {tau:.2f} | "
                 f"{tok:.1f} tok/s")
+        drafting = body.drafting if isinstance(body, HubReport) else None
+        if drafting is not None and not drafting.healthy:
+            line += " | drafting process restarting"
+        elif drafting is not None and drafting.restarts:
+            line += f" | drafting process restarted {drafting.restarts}x"
+        return line
 
 
 def _fmt(value, spec: str = ".1f") -> str:
@@ -123,6 +129,21 @@ def table(rows: list[list[str]]) -> str:
                      for r in rows)
 
 
+def drafting_line(health: DrafterHealth) -> str:
+    """A hub's drafting process: up or restarting, its restarts, and the last loss."""
+    if not health.process:
+        return ""
+    state = "up" if health.healthy else "RESTARTING (no targets admitted meanwhile)"
+    line = (f"\ndrafting process {health.pid}: {state}, restarts {health.restarts}, "
+            f"sessions ended {health.sessions_ended}")
+    if health.events:
+        last = health.events[-1]
+        back = f"back after {last.restart_s:.1f}s" if last.restart_s else "not back yet"
+        line += (f"\n  last lost at {time.strftime('%H:%M:%S', time.localtime(last.at))}: "
+                 f"{last.reason} ({last.sessions} sessions ended, {back})")
+    return line
+
+
 def hub_report(address: str, body: HubReport) -> str:
     """The ``starhub status`` text for a hub: its settings and load, then one row per target.
     Names come from the server's report: printable and short here too, whatever it sent."""
@@ -136,7 +157,8 @@ def hub_report(address: str, body: HubReport) -> str:
             f"rounds {body.rounds}, r_q {_fmt(body.r_q)}/s, load "
             f"{_fmt(body.load, '.2f')}, t_s {_fmt(body.t_s_ms, '.2f')} ms, "
             f"tau {_fmt(body.mean_accept_len, '.2f')}, "
-            f"{_fmt(body.system_tok_s)} tok/s, plain rounds {body.plain_rounds}")
+            f"{_fmt(body.system_tok_s)} tok/s, plain rounds {body.plain_rounds}"
+            f"{drafting_line(body.drafting)}")
     control = {t.name: t for t in body.control.targets or []}
     rows = [["target", "state", "rounds", "tokens", "tok/s", "step ms", "alone tok/s",
              "predicted tok/s", "t_c ms"]]

@@ -156,6 +156,33 @@ class ControlReport(Entry):
     targets: Annotated[list[TargetEntry], Meta(max_length=MAX_ENTRIES)] | None = None
 
 
+MAX_DRAFTER_EVENTS = 16
+"""Drafter losses a hub's report lists (the most recent); ``restarts`` counts them all."""
+
+
+class DrafterEvent(Entry):
+    """One loss of a hub's drafting process (``starhub.hub.supervision``): when (Unix
+    time), why, how many sessions it ended, and how long the restart took (0: not back)."""
+
+    at: float
+    reason: Annotated[str, Meta(max_length=512)]
+    sessions: int
+    restart_s: float = 0.0
+
+
+class DrafterHealth(Entry):
+    """Whether a hub's drafter can serve: ``process`` says it drafts in a process of its own
+    (``pid``), which the hub watches and restarts; ``healthy`` is false while it restarts
+    (admission is closed then); ``restarts`` and ``sessions_ended`` count every loss."""
+
+    process: bool
+    healthy: bool
+    pid: int
+    restarts: int
+    sessions_ended: int
+    events: Annotated[list[DrafterEvent], Meta(max_length=MAX_DRAFTER_EVENTS)]
+
+
 class HubReport(Report, tag="hub"):
     """A hub's STATS: DESIGN.md's metrics over its active window (``metrics.derive``), its
     sessions and settings, the control plane, and on request the raw ``counters``."""
@@ -214,6 +241,7 @@ class HubReport(Report, tag="hub"):
     cached_tokens: int
     rejections: int
     control: ControlReport
+    drafting: DrafterHealth
     counters: Counters | None = None
 
 
