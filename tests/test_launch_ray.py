@@ -167,3 +167,58 @@ def test_a_gpu_deployment_on_a_cpu_cluster_fails_at_once_naming_the_gpus(ray_hea
                            capture_output=True, text=True, env=env, timeout=120)
     assert check.returncode == 0, check.stderr
     assert json.loads(check.stdout.strip().splitlines()[-1]) == {"named": [], "alive": []}
+
+
+def test_ray_launch_of_serving_targets_prints_reachable_urls_and_stops_on_sigint(
+        ray_head, tmp_path, tiny_dir):
+    import signal
+    import threading
+
+    from openai import OpenAI
+
+    address, env = ray_head
+    config = tmp_path / "serve.toml"
+    config.write_text(f"""
+backend = "ray"
+name = "ray-serve-test"
+[hub]
+drafter = "ngram"
+num_cpus = 1
+insecure = true
+[targets]
+serve = true
+count = 1
+model = "{tiny_dir}"
+num_cpus = 1
+""")
+    proc = subprocess.Popen([sys.executable, "-m", "starhub", "launch", str(config),
+                             "--out-dir", str(tmp_path / "out")], cwd=ROOT, text=True,
+                            env={**env, "RAY_ADDRESS": address, "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines: list[str] = []
+    serving = threading.Event()
+    url: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if m := re.search(r"target0 serving at (http://\S+)", line):
+                url.append(m[1])
+                serving.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert serving.wait(300), "".join(lines)
+        assert not url[0].startswith("http://0.0.0.0"), "the URL must name the node"
+        api = OpenAI(base_url=url[0] + "/v1", api_key="unused", max_retries=0)
+        reply = api.completions.create(model=tiny_dir.name, prompt="one two", max_tokens=6,
+                                       temperature=0)
+        assert reply.usage.completion_tokens == 6
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(120) == 130, "".join(lines)
+    check = subprocess.run([sys.executable, "-c", LIST_ACTORS.format(address=address)],
+                           capture_output=True, text=True, env=env, timeout=120)
+    assert check.returncode == 0, check.stderr
+    assert json.loads(check.stdout.strip().splitlines()[-1]) == {"named": [], "alive": []}
