@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bench.defaults import BASELINES, DEFAULT_PROMPTS, DEFAULT_REPLAY_PROMPTS
 from bench.emulate import EmulateOptions, EmulateSpec, emulated_doc
-from bench.plot import plot, plot_edge
+from bench.plot import plot, plot_edge, plot_serve
 from bench.report import markdown_table, text_table
 from starhub.options import (
     AMOUNT,
@@ -37,6 +37,9 @@ from starhub.options import (
     tree_defaults,
 )
 
+SERVE_TARGETS = 2
+SERVE_REQUESTS = 30
+
 TREE_ARGS = ("drafter", "draft", "depth", "topk", "max_nodes", "draft_dtype")
 PREDRAFT_DEFAULT = "on" if DEFAULT_PREDRAFT else "off"
 LOOKUP_DEFAULT = "on" if DEFAULT_LOOKUP else "off"
@@ -50,8 +53,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "Table 1 layout) next to baselines measured on the same prompts. With "
                     "--emulate, model compute is replaced by calibrated waits so that N can "
                     "reach hundreds on one machine, and the analytical model's prediction "
-                    "is printed beside each row.")
-    p.add_argument("--targets", default="1,2,3,4,6,8", help="comma-separated values of N")
+                    "is printed beside each row. With --serve, `starhub serve` processes "
+                    "with and without a hub are driven by Poisson arrivals instead.")
+    p.add_argument("--targets", default=None,
+                   help="comma-separated values of N (default 1,2,3,4,6,8; --serve: one N, "
+                        f"default {SERVE_TARGETS})")
     p.add_argument("--model", default="default", help="the targets' model")
     p.add_argument("--drafter", default=None, help="the hub's drafter (default: the hub's)")
     p.add_argument("--draft", default=None,
@@ -62,9 +68,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="comma list of tree depths or 'auto' (e.g. 2,4,6,auto); each value "
                         "gets its own star row for every N, measured in the same run "
                         "(default: the hub's; emulation: the spec's depth=)")
-    p.add_argument("--max-targets", default="0",
+    p.add_argument("--max-targets", default=None,
                    help="comma list of the hub's admission setting (0, N or auto); each value "
-                        "gets its own star row for every N")
+                        "gets its own star row for every N (default 0)")
     p.add_argument("--batch", default=None,
                    help="comma list of the hub's --batch (auto or N); each value gets its own "
                         "star or hub-load row for every N (default: auto)")
@@ -161,6 +167,22 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                       help="torch threads of the verifier process. auto (default): every "
                            "core, as `starhub verifier`; the drafters, standing in for devices "
                            "of their own, run at a lower priority")
+    serve = p.add_argument_group(
+        "serving", "--serve: N `starhub serve` processes sharing one hub (star) against the "
+        "same N servers without a hub (plain), driven open-loop by seeded Poisson arrivals "
+        "at each --rate, streamed by the openai client; one row per mode and rate, every "
+        "output checked against the plain rows' and generate()'s. The hub runs its defaults "
+        "unless a hub flag (--drafter, --depth, ...) is given, one value each")
+    serve.add_argument("--serve", action="store_true")
+    serve.add_argument("--rate", default="0.5,1,2",
+                       help="comma list of request rates: requests per second in total, sent "
+                            "round-robin to the N servers (default 0.5,1,2)")
+    serve.add_argument("--requests", type=positive_int, default=SERVE_REQUESTS,
+                       help=f"requests per rate and mode (default {SERVE_REQUESTS})")
+    serve.add_argument("--seed", type=int, default=0,
+                       help="seed of the arrival times and the prompts drawn (default 0)")
+    serve.add_argument("--max-concurrency", type=positive_int, default=None,
+                       help="each server's --max-concurrency (default: the server's)")
     p.add_argument("--log-dir", default=None, help="hub and target logs (default: a temp dir)")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -273,7 +295,57 @@ def hub_load_doc(args: argparse.Namespace, ns: list[int], tree: dict,
     return run_hub_load(cfg, progress=not args.no_progress)
 
 
+SERVE_HUB_FLAGS = {"drafter": str, "draft": str, "depth": depth_arg, "topk": positive_int,
+                   "max_nodes": positive_int, "max_targets": max_targets_arg,
+                   "batch": batch_arg, "predraft": on_off_arg, "lookup": on_off_arg,
+                   "draft_process": auto_on_off_arg, "draft_dtype": str}
+"""The hub flags --serve passes on, one value each, where given, with their parsers."""
+
+
+def serve_doc(args: argparse.Namespace) -> dict:
+    # deferred: torch and transformers load only when this runs
+    from bench.serve import ServeConfig, run_serve
+
+    others = [flag for flag, on in (("--hub-load", args.hub_load), ("--emulate", args.emulate),
+                                    ("--topology edge", args.topology == "edge"),
+                                    ("--repeat", args.repeat != 1)) if on]
+    if others:
+        raise ValueError(f"--serve cannot be combined with {' or '.join(others)}")
+    ns = parse_targets(args.targets or str(SERVE_TARGETS))
+    if len(ns) > 1:
+        raise ValueError(f"--serve takes one N in --targets (got {args.targets})")
+    hub_args = []
+    for key, parse in SERVE_HUB_FLAGS.items():
+        value = getattr(args, key)
+        if value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if len(parse_list(value, parse, flag)) > 1:
+            raise ValueError(f"{flag} takes one value with --serve (got {value})")
+        hub_args += [flag, str(value).strip()]
+    cfg = ServeConfig(targets=ns[0], rates=parse_list(args.rate, rate_arg, "--rate"),
+                      requests=args.requests, model=args.model,
+                      prompts=args.prompts or str(DEFAULT_PROMPTS),
+                      max_new_tokens=args.max_new_tokens or 64, threads=args.threads,
+                      hub_threads=args.hub_threads, hub_args=hub_args, seed=args.seed,
+                      max_concurrency=args.max_concurrency, dtype=args.dtype,
+                      linear=args.linear, log_dir=args.log_dir)
+    return run_serve(cfg, progress=not args.no_progress)
+
+
+def rate_arg(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not rate > 0 or rate == float("inf"):
+        raise argparse.ArgumentTypeError(f"a rate must be a positive number, got {text}")
+    return rate
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.serve:
+        return write(args, serve_doc(args))
     if args.repeat != 1 and not args.hub_load:
         raise ValueError("--repeat applies to --hub-load only")
     if args.topology == "edge" or (args.emulate and not args.hub_load):
@@ -290,9 +362,9 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--topk and --max-nodes apply to the real star bench and --hub-load; "
                          "emulated trees are chains of the spec's depth")
 
-    ns = parse_targets(args.targets)
+    ns = parse_targets(args.targets or "1,2,3,4,6,8")
     depths = parse_list(args.depth, depth_arg, "--depth") if args.depth else None
-    admission = parse_list(args.max_targets, max_targets_arg, "--max-targets")
+    admission = parse_list(args.max_targets or "0", max_targets_arg, "--max-targets")
     tree = tree_options(args, depths)
     if args.hub_load:
         return write(args, hub_load_doc(args, ns, tree, admission))
@@ -358,7 +430,8 @@ def write(args: argparse.Namespace, doc: dict) -> int:
     if args.markdown:
         Path(args.markdown).write_text(markdown_table(doc))
     if args.plot:
-        (plot_edge if doc["config"].get("topology") == "edge" else plot)(doc, args.plot)
+        mode = "serve" if doc["config"].get("mode") == "serve" else doc["config"].get("topology")
+        {"serve": plot_serve, "edge": plot_edge}.get(mode, plot)(doc, args.plot)
     for path in filter(None, (args.json_out, args.markdown, args.plot)):
         print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -141,3 +141,51 @@ def plot_edge(doc: dict, out: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def plot_serve(doc: dict, out: str | Path) -> None:
+    """Serving rows against the offered rate, star and plain: output tokens/s (left), p99
+    TTFT and TPOT (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    lat = right.twinx()
+    for mode, color in (("star", "tab:blue"), ("plain", "tab:orange")):
+        rows = sorted((r for r in doc["rows"] if r["mode"] == mode), key=lambda r: r["rate"])
+        if not rows:
+            continue
+
+        def series(key: str, rows=rows) -> tuple[list, list]:
+            pts = [(r["rate"], r[key]) for r in rows if r.get(key) is not None]
+            return [x for x, _ in pts], [y for _, y in pts]
+
+        left.plot(*series("output_tok_s"), "o-", color=color, label=f"{mode} output tok/s")
+        right.plot(*series("tpot_p99_ms"), "s-", color=color, label=f"{mode} TPOT p99")
+        lat.plot(*series("ttft_p99_ms"), "^:", color=color, label=f"{mode} TTFT p99")
+    left.set_xlabel("offered rate (requests/s, all servers)")
+    left.set_ylabel("output tokens per second")
+    left.set_title("throughput")
+    right.set_xlabel("offered rate (requests/s, all servers)")
+    right.set_ylabel("TPOT p99 (ms)")
+    lat.set_ylabel("TTFT p99 (ms)")
+    right.set_title("p99 latency")
+    handles = right.get_legend_handles_labels()
+    more = lat.get_legend_handles_labels()
+    right.legend(handles[0] + more[0], handles[1] + more[1], fontsize=8, loc="upper left")
+    left.legend(fontsize=8)
+    rates = sorted({r["rate"] for r in doc["rows"]})
+    for ax in (left, right, lat):
+        ax.set_ylim(bottom=0)
+    for ax in (left, right):
+        ax.set_xticks(rates, [f"{r:g}" for r in rates])
+        ax.grid(alpha=0.3)
+    cfg = doc["config"]
+    fig.suptitle(f"starhub serve: {cfg['targets']} servers, star (one hub) vs plain, "
+                 f"{cfg['requests']} Poisson requests per rate x {cfg['max_new_tokens']} "
+                 f"tokens, {cfg['threads_resolved']['servers']} thread(s)/server", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

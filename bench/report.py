@@ -79,6 +79,26 @@ EDGE_COLUMNS = [
 ]
 EDGE_REAL_EXTRA = [("lossless", "lossless", "{}")]
 EDGE_EMULATED_EXTRA = [("mape", "time_model_mape", "{:.3f}")]
+SERVE_COLUMNS = [
+    ("mode", "mode", "{}"),
+    ("N", "targets", "{}"),
+    ("rate", "rate", "{:g}"),
+    ("req/s", "request_throughput", "{:.2f}"),
+    ("output_tok_s", "output_tok_s", "{:.1f}"),
+    ("vs plain", "tok_s_vs_plain", "{:.2f}x"),
+    ("ttft_p50_ms", "ttft_p50_ms", "{:.0f}"),
+    ("ttft_p99_ms", "ttft_p99_ms", "{:.0f}"),
+    ("tpot_p50_ms", "tpot_p50_ms", "{:.1f}"),
+    ("tpot_p99_ms", "tpot_p99_ms", "{:.1f}"),
+    ("tpot vs plain", "tpot_p50_vs_plain", "{:.2f}x"),
+    ("tau", "tau", "{:.2f}"),
+    ("plain_share", "plain_token_share", "{:.2f}"),
+    ("hub_load", "hub_load", "{:.3f}"),
+    ("verify_batch", "mean_verify_batch", "{:.2f}"),
+    ("done", "completed", "{}"),
+    ("failed", "failed", "{}"),
+    ("lossless", "lossless", "{}"),
+]
 
 
 def _get(row: dict, key):
@@ -113,6 +133,8 @@ def with_tree_columns(cols: list, rows: list[dict]) -> list:
 
 def columns(doc: dict) -> list[tuple[str, object, str]]:
     emulated = doc["config"].get("mode") == "emulated"
+    if doc["config"].get("mode") == "serve":
+        return SERVE_COLUMNS
     if doc["config"].get("topology") == "edge":
         return EDGE_COLUMNS + (EDGE_EMULATED_EXTRA if emulated else EDGE_REAL_EXTRA)
     if doc["config"].get("mode") == "hub-load":
@@ -152,6 +174,8 @@ def preamble(doc: dict) -> list[str]:
                 cfg.get("threads_note", "")]
     if cfg.get("mode") == "hub-load":
         return hub_load_preamble(cfg)
+    if cfg.get("mode") == "serve":
+        return serve_preamble(doc)
     if cfg.get("mode") == "emulated":
         m = cfg["model"]
         lines.append(f"emulated {cfg['emulate']}: S(d)={m['S_ms']:.2f}ms Z(d)={m['Z_ms']:.2f}ms "
@@ -178,6 +202,23 @@ def threads_phrase(cfg: dict) -> str:
     per_n = ", ".join(f"{t} with N={n}" for n, t in resolved["targets"].items())
     return (f"torch threads {cfg['threads']} ({resolved['cores']} usable cores): per target "
             f"{per_n}; baselines {resolved['baselines']}")
+
+
+def serve_preamble(doc: dict) -> list[str]:
+    cfg, machine = doc["config"], doc.get("machine") or {}
+    threads = cfg["threads_resolved"]
+    load = machine.get("loadavg_at_start")
+    return [f"serve: CPU {machine.get('cpu', '?')} ({machine.get('isa', '?')}), "
+            f"{threads['cores']} usable cores, load average at start "
+            f"{'/'.join(f'{x:.2f}' for x in load) if load else '?'}; torch threads: "
+            f"{threads['servers']} per server, {threads['hub']} for the hub "
+            f"(N={cfg['targets']} servers per mode; the load generator shares the cores)",
+            f"open-loop Poisson arrivals (seed {cfg['seed']}), rate = requests/s over all N "
+            f"servers, sent round-robin; {cfg['requests']} requests per row, prompts drawn "
+            f"from {cfg['n_prompts']} in {cfg['prompts']}, {cfg['max_new_tokens']} new tokens, "
+            f"greedy, streamed by the openai client",
+            f"star: one hub ({' '.join(cfg['hub_args']) or 'default flags'}) shared by the "
+            f"N servers; {cfg['plain_note']}"]
 
 
 def hub_load_preamble(cfg: dict) -> list[str]:

@@ -185,7 +185,8 @@ def machine_info() -> dict:
     except OSError:
         pass
     return {"platform": platform.platform(), "python": platform.python_version(),
-            "cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "cpu": cpu, "isa": torch.backends.cpu.get_cpu_capability(),
+            "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "transformers": transformers.__version__,
             "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 

@@ -163,3 +163,108 @@ def test_usable_cores_are_the_affinity_capped_by_the_cgroup_quota(monkeypatch, t
         path.write_text(cpu_max + "\n")
     monkeypatch.setattr(options, "CPU_MAX", path)
     assert usable_cores() == cores
+
+
+def serve_doc(rows: list[dict]) -> dict:
+    config = {"mode": "serve", "targets": 2, "seed": 0, "requests": 4, "n_prompts": 2,
+              "prompts": "p.jsonl", "max_new_tokens": 8, "hub_args": [],
+              "plain_note": "plain: no hub",
+              "threads_resolved": {"cores": 2, "servers": 1, "hub": 1, "generate": 2}}
+    return {"machine": {"cpu": "some CPU", "isa": "AVX2", "loadavg_at_start": [0.5, 0.4, 0.3]},
+            "config": config, "rows": rows}
+
+
+def test_poisson_schedule_is_seeded_open_loop_and_round_robin():
+    from bench.serve_load import poisson_schedule
+
+    a = poisson_schedule(2.0, 400, 3, 5, seed=7)
+    assert a == poisson_schedule(2.0, 400, 3, 5, seed=7)
+    assert a != poisson_schedule(2.0, 400, 3, 5, seed=8)
+    assert a[0].at_s == 0.0 and all(x.at_s <= y.at_s for x, y in zip(a, a[1:], strict=False))
+    assert [x.server for x in a[:7]] == [0, 1, 2, 0, 1, 2, 0]
+    assert {x.prompt for x in a} == set(range(5))
+    assert 150 < a[-1].at_s < 250, "400 arrivals at 2/s in total take about 200 s"
+    with pytest.raises(ValueError):
+        poisson_schedule(0.0, 4, 1, 1, seed=0)
+
+
+def test_serve_lossless_compares_every_output_with_plain_and_generate():
+    from bench.serve import check_lossless
+    from bench.serve_load import Outcome
+
+    def out(i, prompt, ids, error=None):
+        return Outcome(i, 0, prompt, token_ids=ids, error=error)
+
+    rows = [{"mode": "plain"}, {"mode": "star"}, {"mode": "star"}]
+    outcomes = [[out(0, 0, [1, 2]), out(1, 1, [3, 4])],
+                [out(0, 0, [1, 2]), out(1, 1, [3, 4]), out(2, 1, [], "boom")],
+                [out(0, 0, [1, 2]), out(1, 1, [3, 5])]]
+    check_lossless(rows, outcomes, generated={0: [1, 2]})
+    assert [r["lossless"] for r in rows] == [True, True, False]
+    assert rows[1]["lossless_compared"] == 2, "a failed request is not compared"
+    assert rows[2]["lossless_mismatches"] == [1]
+    check_lossless(rows[:1], outcomes[:1], generated={1: [3, 9]})
+    assert rows[0]["lossless"] is False, "generate() judges the plain rows too"
+
+
+def test_serve_table_and_plot(tmp_path):
+    from bench.plot import plot_serve
+
+    rows = [{"mode": mode, "targets": 2, "rate": rate, "request_throughput": rate,
+             "output_tok_s": 10 * rate * (1.5 if mode == "star" else 1), "ttft_p50_ms": 100.0,
+             "ttft_p99_ms": 300.0, "tpot_p50_ms": 40.0, "tpot_p99_ms": 60.0,
+             "tau": 2.5 if mode == "star" else None, "lossless": True, "completed": 4,
+             "failed": 0} for rate in (0.5, 1.0) for mode in ("star", "plain")]
+    text = text_table(serve_doc(rows))
+    first = text.splitlines()[0]
+    assert "some CPU" in first and "AVX2" in first and "1 per server, 1 for the hub" in first
+    assert "ttft_p99_ms" in text and "tpot_p50_ms" in text and "lossless" in text
+    assert markdown_table(serve_doc(rows)).count("\n| star ") == 2
+    out = tmp_path / "serve.png"
+    plot_serve(serve_doc(rows), out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--targets", "1,2"], "one N"),
+    (["--rate", "1,0"], "--rate"),
+    (["--depth", "3,4"], "--depth takes one value"),
+    (["--topk", "0"], "--topk"),
+    (["--hub-load"], "--hub-load"),
+])
+def test_serve_rejects_what_it_cannot_run(argv, error):
+    from bench.cli import main
+
+    with pytest.raises(ValueError, match=error):
+        main(build_parser().parse_args(["bench", "--serve", *argv]))
+
+
+def test_serve_bench_end_to_end(tiny_dir, tmp_path):
+    from bench.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n"
+                               for i, p in enumerate(PROMPTS)))
+    out = tmp_path / "serve.json"
+    args = build_parser().parse_args([
+        "bench", "--serve", "--targets", "1", "--rate", "2", "--requests", "3",
+        "--max-new-tokens", "8", "--model", str(tiny_dir), "--drafter", "ngram",
+        "--depth", "3", "--threads", "1", "--prompts", str(prompts), "--json", str(out),
+        "--plot", str(tmp_path / "serve.png"), "--log-dir", str(tmp_path / "logs"),
+        "--no-progress"])
+    assert main(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["mode"] == "serve" and doc["machine"]["isa"]
+    assert doc["config"]["hub_args"] == ["--drafter", "ngram", "--depth", "3"]
+    assert [(r["mode"], r["rate"]) for r in doc["rows"]] == [("star", 2.0), ("plain", 2.0)]
+    for row in doc["rows"]:
+        for key in ("output_tok_s", "request_throughput", "ttft_p50_ms", "ttft_p99_ms",
+                    "tpot_p50_ms", "tpot_p99_ms", "mean_verify_batch"):
+            assert row[key] is not None and row[key] > 0, key
+        assert row["completed"] == 3 and row["failed"] == 0
+        assert row["lossless"] is True and row["lossless_compared"] == 3
+        assert row["threads"]["servers"] == 1
+    star, plain = doc["rows"]
+    assert star["tau"] is not None and star["hub_rounds"] > 0 and star["threads"]["hub"] == 1
+    assert plain["tau"] is None and plain["hub_load"] is None
+    assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,359 @@
+"""``starhub bench --serve``: N ``starhub serve`` processes sharing one hub (star) against
+the same N servers without a hub (plain), driven open-loop by Poisson arrivals at each
+request rate, every greedy output checked against the other mode's and ``generate()``'s.
+
+Both fleets start once and stay up for the whole run; the rates run in turn, each rate
+once per mode (the mode that goes first alternates from rate to rate, so slow drift of a
+shared host falls on both). The hub's figures for a row are its counters over that row's
+window, as ``--hub-load`` reads them."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+
+import msgspec
+
+from bench.baselines import hf_generate
+from bench.defaults import DEFAULT_PROMPTS
+from bench.run import machine_info
+from bench.serve_load import Arrival, Outcome, drive, poisson_schedule, spec_summary, summarize
+from starhub.hub.metrics import derive
+from starhub.launch import HubProcess, child_env, spawn_hub
+from starhub.launch.spawn import wait_ready
+from starhub.launch.status import observer_client
+from starhub.models.prompts import read_prompts
+from starhub.options import AUTO, resolve_threads, usable_cores
+from starhub.wire.messages import StatsQuery
+
+MODES = ("star", "plain")
+GENERATE_SAMPLE = 8
+"""Distinct prompts whose outputs are also checked against ``generate()`` in this process."""
+WARMUP_TOKENS = 16
+
+SERVE_NOTES = {
+    "rate": "offered load: Poisson arrivals at this many requests per second in total, sent "
+            "round-robin to the N servers (each gets rate/N); the same seeded schedule "
+            "drives both modes",
+    "request_throughput": "completed requests over the span from the first send to the "
+                          "last finish",
+    "output_tok_s": "output tokens over that span, all servers together; below the servers' "
+                    "capacity it follows the offered load in both modes",
+    "ttft_p50_ms": "time to first token: the client's send to the first streamed chunk with "
+                   "text (p50 and p99 over the row's requests)",
+    "tpot_p50_ms": "time per output token after the first: (last chunk - first text chunk) / "
+                   "(completion tokens - 1), per request",
+    "tau": "committed tokens per verified round, bonus included, from the responses' "
+           "spec_decode fields (star only)",
+    "plain_token_share": "output tokens decoded without a draft tree (the hub sent the "
+                         "request plain, or was late), from spec_decode",
+    "hub_load": "fraction of the row's window the hub spent drafting (its counters, as "
+                "--hub-load reads them); hub_tau, hub_r_q, hub_batch_mean the same window",
+    "mean_verify_batch": "requests per batched verify pass over the row's window, all "
+                         "servers (their /metrics counters)",
+    "lossless": "every output's token ids equal the plain rows' for the same prompt (greedy), "
+                f"and generate()'s for up to {GENERATE_SAMPLE} distinct prompts",
+    "tok_s_vs_plain": "output_tok_s over the plain row's at the same rate",
+    "tpot_p50_vs_plain": "the plain row's tpot_p50_ms over this row's (above 1: faster)",
+    "max_send_lag_ms": "how late the load generator sent a request after its scheduled "
+                       "arrival (it shares the cores with the servers)",
+}
+PLAIN_NOTE = ("plain: the same servers without --hub decode every request alone, batched, "
+              "one plain step per pass; that already is plain generate() serving, so there is "
+              "no third row")
+
+
+@dataclass
+class ServeConfig:
+    targets: int
+    rates: list[float]
+    requests: int
+    model: str = "default"
+    prompts: str = str(DEFAULT_PROMPTS)
+    max_new_tokens: int = 64
+    threads: int | str = AUTO
+    """Each server's torch threads; ``auto``: the usable cores over the N servers."""
+    hub_threads: int = 1
+    hub_args: list[str] = field(default_factory=list)
+    """``starhub hub`` flags beyond ``--model`` (none: the hub's defaults)."""
+    seed: int = 0
+    max_concurrency: int | None = None
+    """The servers' ``--max-concurrency`` (None: theirs)."""
+    dtype: str = "auto"
+    linear: str = "auto"
+    log_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.targets < 1:
+            raise ValueError("--targets: at least one server")
+        if not self.rates or min(self.rates) <= 0:
+            raise ValueError("--rate: request rates must be positive")
+        if self.requests < 1:
+            raise ValueError("--requests must be at least 1")
+        if self.max_new_tokens < 1:
+            raise ValueError("--max-new-tokens must be at least 1")
+
+
+class Fleet:
+    """N ``starhub serve`` processes on loopback, with a hub of their own (star) or none
+    (plain); a context manager that stops them all."""
+
+    def __init__(self, mode: str, cfg: ServeConfig, threads: int, log_dir: str):
+        self.mode, self.cfg, self.threads, self.log_dir = mode, cfg, threads, log_dir
+        self.hub: HubProcess | None = None
+        self.procs: list[subprocess.Popen] = []
+        self.urls: list[str] = []
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Fleet:
+        try:
+            self._start()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _start(self) -> None:
+        cfg = self.cfg
+        if self.mode == "star":
+            hub_log = self._stack.enter_context(open(f"{self.log_dir}/hub.log", "w"))
+            self.hub = self._stack.enter_context(
+                spawn_hub(["--model", cfg.model, *cfg.hub_args], threads=cfg.hub_threads,
+                          log_file=hub_log))
+        log = self._stack.enter_context(open(f"{self.log_dir}/servers-{self.mode}.log", "w"))
+        self._stack.callback(self._stop)
+        for i in range(cfg.targets):
+            cmd = [sys.executable, "-m", "starhub", "serve", "--model", cfg.model,
+                   "--port", "0", "--threads", str(self.threads), "--dtype", cfg.dtype,
+                   "--linear", cfg.linear, "--name", f"{self.mode}{i}"]
+            if self.hub is not None:
+                cmd += ["--hub", self.hub.address]
+            if cfg.max_concurrency:
+                cmd += ["--max-concurrency", str(cfg.max_concurrency)]
+            self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log,
+                                               text=True, env=child_env(self.threads)))
+        self.urls = [wait_ready(p, f"{self.mode} server {i} (see {log.name})", 300)
+                     for i, p in enumerate(self.procs)]
+
+    def _stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def model_name(self) -> str:
+        with urllib.request.urlopen(self.urls[0] + "/v1/models", timeout=30) as resp:
+            return json.loads(resp.read())["data"][0]["id"]
+
+    def hub_stats(self) -> dict | None:
+        """The hub's STATS with its raw counters (None without a hub)."""
+        if self.hub is None:
+            return None
+        client = observer_client(self.hub.address, timeout_s=30, name="bench")
+        try:
+            return msgspec.to_builtins(client.request(StatsQuery(counters=True)).body)
+        finally:
+            client.close()
+
+    def verify_counters(self) -> tuple[float, float]:
+        """Batched verify passes and the requests in them, summed over the servers."""
+        passes = rows = 0.0
+        for url in self.urls:
+            samples = scrape(url + "/metrics")
+            passes += samples.get("starhub_serve_verify_passes_total", 0.0)
+            rows += samples.get("starhub_serve_verify_rows_total", 0.0)
+        return passes, rows
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every unlabelled sample of a Prometheus endpoint, by sample name."""
+    # deferred: prometheus_client's parser is needed only by this benchmark
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        text = resp.read().decode()
+    return {s.name: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if not s.labels}
+
+
+def conversations(prompts: list) -> list[list[dict]]:
+    """Chat messages for each prompt of ``read_prompts``: a text becomes one user turn."""
+    return [[{"role": "user", "content": p}] if isinstance(p, str) else list(p)
+            for _, p in prompts]
+
+
+def warm_up(fleet: Fleet, model: str, convs: list[list[dict]], tokens: int) -> None:
+    """One unmeasured request per server, all at once: the first forward passes of a fresh
+    process are slow, and the hub's cost model learns from its first rounds."""
+    outs = drive(fleet.urls, model, [Arrival(0.0, i, 0) for i in range(len(fleet.urls))],
+                 convs, tokens)
+    failed = [o.error for o in outs if o.error]
+    if failed:
+        raise RuntimeError(f"{fleet.mode} servers failed their warm-up request: {failed[0]}")
+
+
+def measure(fleet: Fleet, model: str, rate: float, schedule: list[Arrival],
+            convs: list[list[dict]], cfg: ServeConfig) -> tuple[dict, list[Outcome]]:
+    """One row: the schedule's requests against ``fleet``, with the hub's and the servers'
+    counters read just before and after."""
+    h0, v0 = fleet.hub_stats(), fleet.verify_counters()
+    outs = drive(fleet.urls, model, schedule, convs, cfg.max_new_tokens)
+    time.sleep(0.2)  # the last COMMITs and CLOSEs reach the hub
+    h1, v1 = fleet.hub_stats(), fleet.verify_counters()
+    row = {"mode": fleet.mode, "rate": rate, "targets": cfg.targets, **summarize(outs),
+           **(spec_summary(outs) if fleet.mode == "star" else
+              dict.fromkeys(("tau", "spec_rounds", "plain_token_share", "hub_requests"))),
+           "mean_verify_batch": (v1[1] - v0[1]) / (v1[0] - v0[0]) if v1[0] > v0[0] else None,
+           "threads": {"servers": fleet.threads,
+                       "hub": h1.get("threads") if h1 is not None else None}}
+    row.update(hub_window(h0, h1, cfg.targets))
+    return row, outs
+
+
+HUB_KEYS = {"load": "hub_load", "r_q": "hub_r_q", "t_s_ms": "hub_t_s_ms",
+            "mean_accept_len": "hub_tau", "batch_mean": "hub_batch_mean",
+            "plain_rounds": "hub_plain_rounds", "rounds": "hub_rounds",
+            "choices": "hub_choices"}
+
+
+def hub_window(h0: dict | None, h1: dict | None, n: int) -> dict:
+    """The hub's figures over a row's window (None for plain rows)."""
+    if h0 is None or h1 is None:
+        return dict.fromkeys(HUB_KEYS.values())
+    window = derive(h0["counters"], h1["counters"], targets=n)
+    out = {name: window.get(key) for key, name in HUB_KEYS.items()}
+    out.update(hub_admitted=h1.get("admitted"), hub_n_max=h1.get("n_max"))
+    return out
+
+
+def check_lossless(rows: list[dict], outcomes: list[list[Outcome]],
+                   generated: dict[int, list[int]]) -> None:
+    """Set each row's ``lossless``: every finished request's token ids equal the first
+    plain output for its prompt, and ``generate()``'s where that prompt was generated."""
+    plain: dict[int, list[int]] = {}
+    for row, outs in zip(rows, outcomes, strict=True):
+        if row["mode"] == "plain":
+            for o in outs:
+                if o.error is None:
+                    plain.setdefault(o.prompt, o.token_ids)
+    for row, outs in zip(rows, outcomes, strict=True):
+        mismatches, compared = [], 0
+        for o in outs:
+            if o.error is not None:
+                continue
+            refs = [r for r in (plain.get(o.prompt), generated.get(o.prompt)) if r is not None]
+            compared += bool(refs)
+            if any(o.token_ids != r for r in refs) or not o.token_ids:
+                mismatches.append(o.index)
+        row.update(lossless=bool(compared) and not mismatches, lossless_compared=compared,
+                   lossless_mismatches=mismatches)
+
+
+def generate_references(cfg: ServeConfig, outcomes: list[list[Outcome]]) -> dict:
+    """``generate()``'s greedy tokens, in this process, for up to ``GENERATE_SAMPLE``
+    distinct prompts, from the prompt ids the servers reported."""
+    # deferred: torch and transformers load only when this runs
+    from starhub.models.loading import load_model, set_threads
+
+    prompt_ids: dict[int, list[int]] = {}
+    for o in (o for outs in outcomes for o in outs):
+        if o.error is None and o.prompt_token_ids:
+            prompt_ids.setdefault(o.prompt, o.prompt_token_ids)
+    sample = sorted(prompt_ids)[:GENERATE_SAMPLE]
+    if not sample:
+        return {}
+    previous = set_threads(None)
+    try:
+        set_threads(resolve_threads(cfg.threads))
+        model, _ = load_model(cfg.model, dtype=cfg.dtype, linear=cfg.linear)
+        runs = hf_generate(model, [(p, prompt_ids[p]) for p in sample], cfg.max_new_tokens)
+    finally:
+        set_threads(previous)
+    return {r.id: r.output_ids for r in runs}
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Each row against the plain row at its rate."""
+    plain = {r["rate"]: r for r in rows if r["mode"] == "plain"}
+    for row in rows:
+        base = plain.get(row["rate"])
+        row["tok_s_vs_plain"] = (row["output_tok_s"] / base["output_tok_s"]
+                                 if base and base["output_tok_s"] else None)
+        row["tpot_p50_vs_plain"] = (base["tpot_p50_ms"] / row["tpot_p50_ms"]
+                                    if base and base["tpot_p50_ms"] and row["tpot_p50_ms"]
+                                    else None)
+
+
+def run_serve(cfg: ServeConfig, progress: bool = True) -> dict:
+    """Both fleets, every rate in both modes, then the lossless check."""
+    prompts = read_prompts(cfg.prompts)
+    if not prompts:
+        raise ValueError(f"--prompts: {cfg.prompts} holds no prompts")
+    convs = conversations(prompts)
+    log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="starhub-bench-serve-")
+    os.makedirs(log_dir, exist_ok=True)
+    threads = resolve_threads(cfg.threads, sharing=cfg.targets)
+    loadavg = list(os.getloadavg())
+
+    def say(text: str) -> None:
+        if progress:
+            print(f"serve: {text}", file=sys.stderr, flush=True)
+
+    rows: list[dict] = []
+    outcomes: list[list[Outcome]] = []
+    say(f"starting {cfg.targets} star servers and their hub, and {cfg.targets} plain "
+        f"servers (logs in {log_dir})")
+    with Fleet("star", cfg, threads, log_dir) as star, \
+            Fleet("plain", cfg, threads, log_dir) as plain:
+        model = star.model_name()
+        for fleet in (star, plain):
+            warm_up(fleet, model, convs, WARMUP_TOKENS)
+        hub_threads = (star.hub_stats() or {}).get("threads")
+        for k, rate in enumerate(cfg.rates):
+            schedule = poisson_schedule(rate, cfg.requests, cfg.targets, len(convs), cfg.seed)
+            for fleet in (star, plain) if k % 2 == 0 else (plain, star):
+                say(f"{fleet.mode} at {rate:g} requests/s: {cfg.requests} requests "
+                    f"(~{schedule[-1].at_s:.0f}s of arrivals)")
+                row, outs = measure(fleet, model, rate, schedule, convs, cfg)
+                rows.append(row)
+                outcomes.append(outs)
+    say(f"generate() for up to {GENERATE_SAMPLE} prompts")
+    check_lossless(rows, outcomes, generate_references(cfg, outcomes))
+    rows.sort(key=lambda r: (r["rate"], MODES.index(r["mode"])))
+    add_ratios(rows)
+    config = {k: v for k, v in asdict(cfg).items() if k != "log_dir"}
+    config.update(mode="serve", served_model=model, n_prompts=len(prompts),
+                  threads_resolved={"cores": usable_cores(), "servers": threads,
+                                    "hub": hub_threads, "generate": resolve_threads(cfg.threads)},
+                  threads_note=threads_note(cfg, threads), plain_note=PLAIN_NOTE,
+                  metric_notes=SERVE_NOTES, logs=log_dir, generate_sample=GENERATE_SAMPLE,
+                  warmup_tokens=WARMUP_TOKENS)
+    machine = machine_info()
+    machine["loadavg_at_start"] = loadavg
+    return {"machine": machine, "config": config, "rows": rows}
+
+
+def threads_note(cfg: ServeConfig, threads: int) -> str:
+    why = ("--threads auto: the usable cores over N" if str(cfg.threads) == AUTO
+           else f"--threads {cfg.threads}")
+    return (f"each of the {cfg.targets} servers per mode runs {threads} torch thread(s) "
+            f"({why}), the hub "
+            f"{cfg.hub_threads} (--hub-threads); child processes get matching "
+            f"OMP_NUM_THREADS/MKL_NUM_THREADS. Both modes' servers stay up for the whole run, "
+            f"one mode loaded at a time; the load generator shares the same cores; "
+            f"generate() runs in this process afterwards")

@@ -1,0 +1,182 @@
+"""An open-loop load generator for OpenAI-compatible servers: requests arrive by a seeded
+Poisson process, whatever the servers' progress, and each is streamed by the official
+``openai`` client, which times its first token and its tokens after that."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One request of a schedule: when it is sent (seconds after the start), to which
+    server, with which prompt (an index into the prompt list)."""
+
+    at_s: float
+    server: int
+    prompt: int
+
+
+def poisson_schedule(rate: float, requests: int, servers: int, prompts: int,
+                     seed: int) -> list[Arrival]:
+    """``requests`` arrivals at ``rate`` requests/s in total (exponential gaps, the first at
+    0), spread round-robin over ``servers``; each draws its prompt uniformly from
+    ``prompts``. The same (rate, requests, servers, prompts, seed) give the same schedule,
+    so every mode is driven by the same arrivals."""
+    if rate <= 0:
+        raise ValueError(f"a request rate must be positive, got {rate}")
+    rng = np.random.default_rng([seed, round(rate * 1e6)])
+    gaps = rng.exponential(1.0 / rate, size=requests)
+    starts = np.concatenate([[0.0], np.cumsum(gaps[:-1])]) if requests else []
+    picks = rng.integers(prompts, size=requests)
+    return [Arrival(float(t), i % servers, int(p))
+            for i, (t, p) in enumerate(zip(starts, picks, strict=True))]
+
+
+@dataclass
+class Outcome:
+    """One streamed request as its client saw it; times in seconds on the driver's
+    ``perf_counter`` clock."""
+
+    index: int
+    server: int
+    prompt: int
+    sent: float = 0.0
+    lag_s: float = 0.0
+    """How late the driver sent it after its scheduled arrival."""
+    first: float | None = None
+    """When the first chunk with text arrived."""
+    done: float | None = None
+    """When the last chunk (the one with ``finish_reason``) arrived."""
+    tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    spec: dict = field(default_factory=dict)
+    """The response's ``spec_decode`` extension (rounds, mean_accept_len, ...)."""
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first is None else self.first - self.sent
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first, over the whole request."""
+        if self.first is None or self.done is None or self.tokens < 2:
+            return None
+        return (self.done - self.first) / (self.tokens - 1)
+
+
+async def _one(client, model: str, messages: list[dict], max_tokens: int,
+               out: Outcome, start: float, at_s: float) -> None:
+    delay = start + at_s - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    out.sent = time.perf_counter()
+    out.lag_s = max(0.0, out.sent - start - at_s)
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0.0,
+            stream=True, stream_options={"include_usage": True},
+            extra_body={"return_token_ids": True})
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                out.tokens = chunk.usage.completion_tokens
+            if not chunk.choices:
+                continue
+            choice = chunk.choices[0]
+            if out.first is None and choice.delta and choice.delta.content:
+                out.first = now
+            if choice.finish_reason is not None:
+                out.done = now
+                out.finish_reason = choice.finish_reason
+                extra = choice.model_extra or {}
+                out.token_ids = list(extra.get("token_ids") or [])
+                top = chunk.model_extra or {}
+                out.prompt_token_ids = list(top.get("prompt_token_ids") or [])
+                out.spec = dict(top.get("spec_decode") or {})
+        if out.done is None:
+            out.error = "the stream ended without a finish_reason"
+        elif out.first is None and out.tokens:
+            out.first = out.done  # every token's text was empty (or held back to the end)
+    except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
+        out.error = f"{type(exc).__name__}: {exc}"
+
+
+async def _drive(urls: list[str], model: str, schedule: list[Arrival],
+                 conversations: list[list[dict]], max_tokens: int,
+                 timeout_s: float) -> list[Outcome]:
+    # deferred: openai is a [dev] dependency, needed only by this benchmark
+    from openai import AsyncOpenAI
+
+    for name in ("httpx", "httpx2"):  # the openai client's HTTP library logs every request
+        logging.getLogger(name).setLevel(logging.WARNING)
+    clients = [AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                           timeout=timeout_s) for url in urls]
+    outs = [Outcome(i, a.server, a.prompt) for i, a in enumerate(schedule)]
+    start = time.perf_counter() + 0.05
+    try:
+        await asyncio.gather(*(
+            _one(clients[a.server], model, conversations[a.prompt], max_tokens, out, start,
+                 a.at_s) for a, out in zip(schedule, outs, strict=True)))
+    finally:
+        for client in clients:
+            await client.close()
+    return outs
+
+
+def drive(urls: list[str], model: str, schedule: list[Arrival],
+          conversations: list[list[dict]], max_tokens: int,
+          timeout_s: float = 600.0) -> list[Outcome]:
+    """Send ``schedule``'s requests open-loop (greedy chat completions, streamed, with
+    their token ids) and wait for all of them; failures are outcomes with ``error``."""
+    return asyncio.run(_drive(urls, model, schedule, conversations, max_tokens, timeout_s))
+
+
+def percentile_ms(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (linear interpolation) in milliseconds; None if empty."""
+    return float(1e3 * np.percentile(values, q)) if values else None
+
+
+def summarize(outs: list[Outcome]) -> dict:
+    """A row's client-side figures: throughput over the span from the first send to the
+    last finish, TTFT and TPOT percentiles over the requests that finished."""
+    ok = [o for o in outs if o.error is None]
+    span = (max(o.done for o in ok) - min(o.sent for o in outs)) if ok else 0.0
+    tokens = sum(o.tokens for o in ok)
+    ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
+    tpot = [o.tpot_s for o in ok if o.tpot_s is not None]
+    e2e = [o.done - o.sent for o in ok]
+    return {
+        "requests": len(outs), "completed": len(ok), "failed": len(outs) - len(ok),
+        "errors": sorted({o.error for o in outs if o.error})[:5],
+        "span_s": span,
+        "request_throughput": len(ok) / span if span else 0.0,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / span if span else 0.0,
+        "ttft_p50_ms": percentile_ms(ttft, 50), "ttft_p99_ms": percentile_ms(ttft, 99),
+        "tpot_p50_ms": percentile_ms(tpot, 50), "tpot_p99_ms": percentile_ms(tpot, 99),
+        "e2e_p50_ms": percentile_ms(e2e, 50), "e2e_p99_ms": percentile_ms(e2e, 99),
+        "max_send_lag_ms": 1e3 * max((o.lag_s for o in outs), default=0.0),
+    }
+
+
+def spec_summary(outs: list[Outcome]) -> dict:
+    """τ (tokens per verified round, bonus included) and the share of output tokens the
+    servers decoded without a tree, from the responses' ``spec_decode`` fields."""
+    specs = [o.spec for o in outs if o.error is None and o.spec]
+    rounds = sum(s.get("rounds", 0) for s in specs)
+    accepted = sum(s.get("accepted_draft_tokens", 0) for s in specs)
+    plain = sum(s.get("plain_steps", 0) for s in specs)
+    tokens = sum(o.tokens for o in outs if o.error is None)
+    return {"tau": (rounds + accepted) / rounds if rounds else None,
+            "spec_rounds": rounds,
+            "plain_token_share": plain / tokens if tokens else None,
+            "hub_requests": sum(bool(s.get("hub")) for s in specs)}
