@@ -264,9 +264,11 @@ def check_lossless(rows: list[dict], outcomes: list[list[Outcome]],
                    lossless_mismatches=mismatches)
 
 
-def generate_references(cfg: ServeConfig, outcomes: list[list[Outcome]]) -> dict:
-    """``generate()``'s greedy tokens, in this process, for up to ``GENERATE_SAMPLE``
-    distinct prompts, from the prompt ids the servers reported."""
+def generate_references(cfg: ServeConfig, outcomes: list[list[Outcome]],
+                        threads: int) -> dict:
+    """``generate()``'s greedy tokens, in this process with ``threads`` torch threads (a
+    server's: on a shared host more threads than a server's can run much slower), for up
+    to ``GENERATE_SAMPLE`` distinct prompts, from the prompt ids the servers reported."""
     # deferred: torch and transformers load only when this runs
     from starhub.models.loading import load_model, set_threads
 
@@ -279,7 +281,7 @@ def generate_references(cfg: ServeConfig, outcomes: list[list[Outcome]]) -> dict
         return {}
     previous = set_threads(None)
     try:
-        set_threads(resolve_threads(cfg.threads))
+        set_threads(threads)
         model, _ = load_model(cfg.model, dtype=cfg.dtype, linear=cfg.linear)
         runs = hf_generate(model, [(p, prompt_ids[p]) for p in sample], cfg.max_new_tokens)
     finally:
@@ -333,13 +335,13 @@ def run_serve(cfg: ServeConfig, progress: bool = True) -> dict:
                 rows.append(row)
                 outcomes.append(outs)
     say(f"generate() for up to {GENERATE_SAMPLE} prompts")
-    check_lossless(rows, outcomes, generate_references(cfg, outcomes))
+    check_lossless(rows, outcomes, generate_references(cfg, outcomes, threads))
     rows.sort(key=lambda r: (r["rate"], MODES.index(r["mode"])))
     add_ratios(rows)
     config = {k: v for k, v in asdict(cfg).items() if k != "log_dir"}
     config.update(mode="serve", served_model=model, n_prompts=len(prompts),
                   threads_resolved={"cores": usable_cores(), "servers": threads,
-                                    "hub": hub_threads, "generate": resolve_threads(cfg.threads)},
+                                    "hub": hub_threads, "generate": threads},
                   threads_note=threads_note(cfg, threads), plain_note=PLAIN_NOTE,
                   metric_notes=SERVE_NOTES, logs=log_dir, generate_sample=GENERATE_SAMPLE,
                   warmup_tokens=WARMUP_TOKENS)
@@ -356,4 +358,4 @@ def threads_note(cfg: ServeConfig, threads: int) -> str:
             f"{cfg.hub_threads} (--hub-threads); child processes get matching "
             f"OMP_NUM_THREADS/MKL_NUM_THREADS. Both modes' servers stay up for the whole run, "
             f"one mode loaded at a time; the load generator shares the same cores; "
-            f"generate() runs in this process afterwards")
+            f"generate() runs afterwards in this process, with a server's threads")
