@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from msgspec import Meta
+
 from bench.defaults import BASELINES, DEFAULT_PROMPTS, DEFAULT_REPLAY_PROMPTS
 from bench.emulate import EmulateOptions, EmulateSpec, emulated_doc
 from bench.plot import plot, plot_edge, plot_serve
@@ -25,6 +27,7 @@ from starhub.options import (
     SCHEDULES,
     SECONDS,
     TREE,
+    Number,
     auto_on_off_arg,
     auto_or_count,
     batch_arg,
@@ -39,6 +42,8 @@ from starhub.options import (
 
 SERVE_TARGETS = 2
 SERVE_REQUESTS = 30
+RATE = Number(float, Meta(gt=0))
+"""A request rate, in requests per second."""
 
 TREE_ARGS = ("drafter", "draft", "depth", "topk", "max_nodes", "draft_dtype")
 PREDRAFT_DEFAULT = "on" if DEFAULT_PREDRAFT else "off"
@@ -177,11 +182,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     serve.add_argument("--rate", default="0.5,1,2",
                        help="comma list of request rates: requests per second in total, sent "
                             "round-robin to the N servers (default 0.5,1,2)")
-    serve.add_argument("--requests", type=positive_int, default=SERVE_REQUESTS,
+    serve.add_argument("--requests", type=POSITIVE.arg, default=SERVE_REQUESTS,
                        help=f"requests per rate and mode (default {SERVE_REQUESTS})")
-    serve.add_argument("--seed", type=int, default=0,
+    serve.add_argument("--seed", type=COUNT.arg, default=0,
                        help="seed of the arrival times and the prompts drawn (default 0)")
-    serve.add_argument("--max-concurrency", type=positive_int, default=None,
+    serve.add_argument("--max-concurrency", type=POSITIVE.arg, default=None,
                        help="each server's --max-concurrency (default: the server's)")
     p.add_argument("--log-dir", default=None, help="hub and target logs (default: a temp dir)")
     p.add_argument("--no-progress", action="store_true")
@@ -295,8 +300,8 @@ def hub_load_doc(args: argparse.Namespace, ns: list[int], tree: dict,
     return run_hub_load(cfg, progress=not args.no_progress)
 
 
-SERVE_HUB_FLAGS = {"drafter": str, "draft": str, "depth": depth_arg, "topk": positive_int,
-                   "max_nodes": positive_int, "max_targets": max_targets_arg,
+SERVE_HUB_FLAGS = {"drafter": str, "draft": str, "depth": depth_arg, "topk": TREE.arg,
+                   "max_nodes": TREE.arg, "max_targets": max_targets_arg,
                    "batch": batch_arg, "predraft": on_off_arg, "lookup": on_off_arg,
                    "draft_process": auto_on_off_arg, "draft_dtype": str}
 """The hub flags --serve passes on, one value each, where given, with their parsers."""
@@ -323,7 +328,7 @@ def serve_doc(args: argparse.Namespace) -> dict:
         if len(parse_list(value, parse, flag)) > 1:
             raise ValueError(f"{flag} takes one value with --serve (got {value})")
         hub_args += [flag, str(value).strip()]
-    cfg = ServeConfig(targets=ns[0], rates=parse_list(args.rate, rate_arg, "--rate"),
+    cfg = ServeConfig(targets=ns[0], rates=parse_list(args.rate, RATE.arg, "--rate"),
                       requests=args.requests, model=args.model,
                       prompts=args.prompts or str(DEFAULT_PROMPTS),
                       max_new_tokens=args.max_new_tokens or 64, threads=args.threads,
@@ -331,16 +336,6 @@ def serve_doc(args: argparse.Namespace) -> dict:
                       max_concurrency=args.max_concurrency, dtype=args.dtype,
                       linear=args.linear, log_dir=args.log_dir)
     return run_serve(cfg, progress=not args.no_progress)
-
-
-def rate_arg(text: str) -> float:
-    try:
-        rate = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
-    if not rate > 0 or rate == float("inf"):
-        raise argparse.ArgumentTypeError(f"a rate must be a positive number, got {text}")
-    return rate
 
 
 def main(args: argparse.Namespace) -> int:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import msgspec
@@ -24,10 +24,10 @@ import msgspec
 from bench.baselines import hf_generate
 from bench.defaults import DEFAULT_PROMPTS
 from bench.run import machine_info
+from bench.serve_checks import scrape
 from bench.serve_load import Arrival, Outcome, drive, poisson_schedule, spec_summary, summarize
 from starhub.hub.metrics import derive
-from starhub.launch import HubProcess, child_env, spawn_hub
-from starhub.launch.spawn import wait_ready
+from starhub.launch.spawn import HubProcess, ServeProcess, spawn_hub, spawn_serve
 from starhub.launch.status import observer_client
 from starhub.models.prompts import read_prompts
 from starhub.options import AUTO, resolve_threads, usable_cores
@@ -108,7 +108,6 @@ class Fleet:
     def __init__(self, mode: str, cfg: ServeConfig, threads: int, log_dir: str):
         self.mode, self.cfg, self.threads, self.log_dir = mode, cfg, threads, log_dir
         self.hub: HubProcess | None = None
-        self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self._stack = contextlib.ExitStack()
 
@@ -131,30 +130,27 @@ class Fleet:
                 spawn_hub(["--model", cfg.model, *cfg.hub_args], threads=cfg.hub_threads,
                           log_file=hub_log))
         log = self._stack.enter_context(open(f"{self.log_dir}/servers-{self.mode}.log", "w"))
-        self._stack.callback(self._stop)
-        for i in range(cfg.targets):
-            cmd = [sys.executable, "-m", "starhub", "serve", "--model", cfg.model,
-                   "--port", "0", "--threads", str(self.threads), "--dtype", cfg.dtype,
-                   "--linear", cfg.linear, "--name", f"{self.mode}{i}"]
-            if self.hub is not None:
-                cmd += ["--hub", self.hub.address]
-            if cfg.max_concurrency:
-                cmd += ["--max-concurrency", str(cfg.max_concurrency)]
-            self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log,
-                                               text=True, env=child_env(self.threads)))
-        self.urls = [wait_ready(p, f"{self.mode} server {i} (see {log.name})", 300)
-                     for i, p in enumerate(self.procs)]
 
-    def _stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
+        def start(i: int) -> ServeProcess:
+            args = ["--model", cfg.model, "--dtype", cfg.dtype, "--linear", cfg.linear,
+                    "--name", f"{self.mode}{i}"]
+            if self.hub is not None:
+                args += ["--hub", self.hub.address]
+            if cfg.max_concurrency:
+                args += ["--max-concurrency", str(cfg.max_concurrency)]
+            return spawn_serve(args, threads=self.threads, timeout_s=300, log_file=log)
+
+        with ThreadPoolExecutor(cfg.targets) as pool:  # the servers load their models at once
+            futures = [pool.submit(start, i) for i in range(cfg.targets)]
+        failed = None
+        for future in futures:
             try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                self.urls.append(self._stack.enter_context(future.result()).url)
+            except Exception as exc:  # noqa: BLE001 - stop the others, then raise the first
+                failed = failed or exc
+        if failed is not None:
+            raise RuntimeError(f"a {self.mode} server did not start ({failed}); see "
+                               f"{log.name}") from failed
 
     def model_name(self) -> str:
         with urllib.request.urlopen(self.urls[0] + "/v1/models", timeout=30) as resp:
@@ -178,17 +174,6 @@ class Fleet:
             passes += samples.get("starhub_serve_verify_passes_total", 0.0)
             rows += samples.get("starhub_serve_verify_rows_total", 0.0)
         return passes, rows
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Every unlabelled sample of a Prometheus endpoint, by sample name."""
-    # deferred: prometheus_client's parser is needed only by this benchmark
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        text = resp.read().decode()
-    return {s.name: s.value for fam in text_string_to_metric_families(text)
-            for s in fam.samples if not s.labels}
 
 
 def conversations(prompts: list) -> list[list[dict]]:
