@@ -25,7 +25,15 @@ from bench.baselines import hf_generate
 from bench.defaults import DEFAULT_PROMPTS
 from bench.run import machine_info
 from bench.serve_checks import scrape
-from bench.serve_load import Arrival, Outcome, drive, poisson_schedule, spec_summary, summarize
+from bench.serve_load import (
+    Arrival,
+    Outcome,
+    drive,
+    per_request,
+    poisson_schedule,
+    spec_summary,
+    summarize,
+)
 from starhub.hub.metrics import derive
 from starhub.launch.spawn import HubProcess, ServeProcess, spawn_hub, spawn_serve
 from starhub.launch.status import observer_client
@@ -64,6 +72,9 @@ SERVE_NOTES = {
     "tpot_p50_vs_plain": "the plain row's tpot_p50_ms over this row's (above 1: faster)",
     "max_send_lag_ms": "how late the load generator sent a request after its scheduled "
                        "arrival (it shares the cores with the servers)",
+    "per_request": "each request in schedule order: its server, prompt (index), send time "
+                   "from the row's first, TTFT, TPOT, end-to-end time, tokens, and its "
+                   "spec_decode rounds and plain steps",
 }
 PLAIN_NOTE = ("plain: the same servers without --hub decode every request alone, batched, "
               "one plain step per pass; that already is plain generate() serving, so there is "
@@ -207,6 +218,7 @@ def measure(fleet: Fleet, model: str, rate: float, schedule: list[Arrival],
            "threads": {"servers": fleet.threads,
                        "hub": h1.get("threads") if h1 is not None else None}}
     row.update(hub_window(h0, h1, cfg.targets))
+    row["per_request"] = per_request(outs)
     return row, outs
 
 

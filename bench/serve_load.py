@@ -168,6 +168,21 @@ def summarize(outs: list[Outcome]) -> dict:
     }
 
 
+def per_request(outs: list[Outcome]) -> list[dict]:
+    """Each request's own figures, in the order of the schedule (times in ms, ``sent_s``
+    from the first send)."""
+    t0 = min((o.sent for o in outs), default=0.0)
+
+    def ms(seconds: float | None) -> float | None:
+        return None if seconds is None else round(1e3 * seconds, 1)
+
+    return [{"server": o.server, "prompt": o.prompt, "sent_s": round(o.sent - t0, 3),
+             "ttft_ms": ms(o.ttft_s), "tpot_ms": ms(o.tpot_s),
+             "e2e_ms": ms(None if o.done is None else o.done - o.sent), "tokens": o.tokens,
+             "rounds": o.spec.get("rounds"), "plain_steps": o.spec.get("plain_steps"),
+             "error": o.error} for o in outs]
+
+
 def spec_summary(outs: list[Outcome]) -> dict:
     """τ (tokens per verified round, bonus included) and the share of output tokens the
     servers decoded without a tree, from the responses' ``spec_decode`` fields."""

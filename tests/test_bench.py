@@ -264,6 +264,7 @@ def test_serve_bench_end_to_end(tiny_dir, tmp_path):
         assert row["completed"] == 3 and row["failed"] == 0
         assert row["lossless"] is True and row["lossless_compared"] == 3
         assert row["threads"]["servers"] == 1
+        assert [r["tokens"] > 0 and r["error"] is None for r in row["per_request"]] == [True] * 3
     star, plain = doc["rows"]
     assert star["tau"] is not None and star["hub_rounds"] > 0 and star["threads"]["hub"] == 1
     assert plain["tau"] is None and plain["hub_load"] is None
