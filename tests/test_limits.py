@@ -83,6 +83,9 @@ def test_total_sessions_are_bounded(make_hub):
 
 
 def commit_plainly(hub: HubHarness, who: bytes, prop: Propose, token: int = 7):
+    """Accept nothing: the one token is the target's own, so no first node may hold it."""
+    roots = {int(t) for t, p in zip(prop.tokens, prop.parents, strict=True) if p < 0}
+    token = next(t for t in range(token, token + 100) if t not in roots)
     return hub.ask(who, Commit(tag=prop.tag, seq=prop.seq, accepted=0,
                                tokens=np.array([token], np.int32)))
 

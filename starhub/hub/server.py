@@ -217,12 +217,8 @@ class Hub(Server):
             raise ProtocolError(ErrorCode.BAD_FIELD,
                                 f"COMMIT after a plain round of {plain} tokens carries "
                                 f"{len(msg.tokens)} with {msg.accepted} accepted", tag=msg.tag)
-        if not plain and (msg.accepted > session.last_tree_size
-                          or len(msg.tokens) != msg.accepted + 1):
-            raise ProtocolError(ErrorCode.BAD_FIELD,
-                                f"COMMIT accepts {msg.accepted} nodes of a "
-                                f"{session.last_tree_size}-node tree with {len(msg.tokens)} "
-                                f"tokens", tag=msg.tag)
+        if not plain:
+            self._check_accepted(session, msg)
         self._check_payload(peer, msg)
         self.table.check_grow(session.tag, len(msg.tokens))
         now = time.monotonic()
@@ -238,6 +234,22 @@ class Hub(Server):
         self.metrics.committed(msg.accepted, len(msg.tokens), identity, plain=bool(plain),
                                looked_up=self._looked_up(session, msg))
         self.enqueue(identity, session, 0, tuple(msg.tokens.tolist()))
+
+    @staticmethod
+    def _check_accepted(session: DraftSession, msg: Commit) -> None:
+        """A tree's COMMIT must be what walking that tree gives: its tokens follow
+        ``accepted`` nodes from the root, then one token that no child there holds (the
+        target's own). The count the controller learns acceptance from is then the hub's
+        own, not the target's word."""
+        tree = session.out_tree
+        path = accepted_path(tree.tokens, tree.parents, msg.tokens) if tree is not None else []
+        if len(path) != msg.accepted or len(msg.tokens) != msg.accepted + 1:
+            raise ProtocolError(ErrorCode.BAD_FIELD,
+                                f"COMMIT says {msg.accepted} of the {session.last_tree_size} "
+                                f"nodes were accepted, but its {len(msg.tokens)} tokens walk "
+                                f"{len(path)} nodes down the tree (a COMMIT carries the "
+                                f"accepted path, then one token no child there holds)",
+                                tag=msg.tag)
 
     @staticmethod
     def _looked_up(session: DraftSession, msg: Commit) -> int | None:
