@@ -69,6 +69,8 @@ from targets.verifier_state import (
 
 log = logging.getLogger("starhub.verifier")
 
+RETRY_AFTER_S = 1.0
+"""Told to a drafter turned away because every peer slot holds sessions."""
 RECEIVE_BATCH = 1024
 """Messages taken between two passes at most: a peer that keeps the socket full cannot
 hold verification up."""
@@ -174,6 +176,7 @@ class Verifier(Server):
 
     def housekeeping(self) -> None:
         self.stats.expired += self.expire()
+        self.drop_idle_peers(self.config.peer_grace_s)
 
     # -- messages ---------------------------------------------------------------------
     def handle(self, identity: bytes, msg: Message) -> None:
@@ -208,6 +211,11 @@ class Verifier(Server):
             self.reply(identity, Reject(
                 code=int(ErrorCode.BAD_FIELD),
                 reason=f"feature layers {bad} do not exist in a {layers}-layer target"))
+            return
+        reason = self.room_for(identity)
+        if reason:
+            self.reply(identity, Reject(code=int(ErrorCode.REJECTED), reason=reason,
+                                        retry_after_s=RETRY_AFTER_S))
             return
         self.table.join(DrafterPeer(identity=identity, card=msg))
         log.info("drafter %s (%s) joined", peer_name(identity), msg.drafter or "?")

@@ -30,6 +30,8 @@ class VerifierConfig:
     max_depth: int = 16
     """Deeper trees are refused."""
     ttl_s: float = 120.0
+    peer_grace_s: float = 60.0
+    """A drafter without sessions for this long is forgotten; it sends its card again."""
     limits: SessionLimits = VERIFIER_LIMITS
     max_message_bytes: int = 64 << 20
     seed: int = 0

@@ -4,14 +4,29 @@ prompt, take a fresh allowance with each connection, or hold admission slots idl
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from starhub.drafters.ngram import NgramDrafter
-from starhub.wire.messages import Commit, DrafterCard, Error, ErrorCode, Open, Propose, TargetCard
+from starhub.server.limits import VERIFIER_LIMITS, SessionLimits
+from starhub.wire.messages import (
+    Close,
+    Commit,
+    DrafterCard,
+    Error,
+    ErrorCode,
+    Open,
+    Opened,
+    Propose,
+    Reject,
+    TargetCard,
+)
 from starhub.wire.tree import DraftTree
 from targets.acceptance import walk
-from tests.servers import HubHarness
+from tests.servers import HubHarness, VerifierHarness
 
 T = b"target-a"
 REPEATING = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
@@ -53,3 +68,47 @@ def test_a_commit_whose_accepted_count_its_tokens_do_not_walk_gets_an_error(hub)
     assert isinstance(hub.ask(T, commit(prop, len(path), honest)), Propose)
     assert hub.hub.metrics.accept_lengths[len(path) + 1] == 1
 
+
+def card(harness, who: bytes):
+    return harness.ask(who, DrafterCard(drafter="d", depth=4, topk=2, max_nodes=8))
+
+
+def test_the_verifiers_peer_table_forgets_idle_drafters_and_stays_bounded(tiny_model):
+    a, b, c, d = b"drafter-a", b"drafter-b", b"drafter-c", b"drafter-d"
+    harness = VerifierHarness(*tiny_model, peer_grace_s=0.2,
+                              limits=replace(VERIFIER_LIMITS, max_peers=2))
+    v = harness.verifier
+    assert isinstance(card(harness, a), TargetCard)
+    assert isinstance(card(harness, b), TargetCard)
+    assert isinstance(card(harness, c), TargetCard), "the longest idle makes room"
+    assert set(v.table.peers) == {b, c}
+    gone = harness.ask(a, Open(ref=1, prompt_len=3, tokens=np.array([1, 2, 3], np.int32)))
+    assert isinstance(gone, Error) and gone.code == ErrorCode.NO_CARD
+    opened = {}
+    for who in (b, c):
+        opened[who] = harness.ask(who, Open(ref=2, prompt_len=3,
+                                            tokens=np.array([4, 5, 6], np.int32)))
+        assert isinstance(opened[who], Opened)
+    full = card(harness, d)
+    assert isinstance(full, Reject) and "--max-peers" in full.reason and full.retry_after_s > 0
+    harness.send(b, Close(tag=opened[b].tag))
+    time.sleep(0.3)
+    v.housekeeping()
+    assert set(v.table.peers) == {c}, "idle past the grace: forgotten; with a session: kept"
+    assert isinstance(card(harness, d), TargetCard)
+
+
+def test_the_hubs_peer_table_is_bounded_and_gives_an_idle_slot_to_a_newcomer():
+    harness = HubHarness(NgramDrafter(), limits=SessionLimits(max_peers=1))
+    try:
+        hello = TargetCard(name="t", vocab_size=100)
+        assert isinstance(harness.ask(T, hello), DrafterCard)
+        prop = harness.ask(T, Open(ref=1, prompt_len=10, tokens=np.asarray(REPEATING, np.int32)))
+        refused = harness.ask(b"target-b", hello)
+        assert isinstance(refused, Reject) and "--max-peers" in refused.reason
+        harness.send(T, Close(tag=prop.tag))
+        assert isinstance(harness.ask(b"target-b", hello), DrafterCard)
+        assert set(harness.hub.table.peers) == {b"target-b"}
+        assert set(harness.hub.control.targets) == {b"target-b"}, "its admission slot went too"
+    finally:
+        harness.close()

@@ -128,8 +128,8 @@ def test_expired_sessions_give_their_budget_back(make_hub):
 def test_hub_flags_carry_the_limits():
     args = build_parser().parse_args(["hub", "--max-sessions", "7", "--max-sessions-per-peer",
                                       "2", "--max-prompt-tokens", "100", "--max-session-tokens",
-                                      "200", "--max-cache-tokens", "5000"])
-    assert limits_from_args(args) == SessionLimits(7, 2, 100, 200, 5000)
+                                      "200", "--max-cache-tokens", "5000", "--max-peers", "9"])
+    assert limits_from_args(args) == SessionLimits(7, 2, 100, 200, 5000, 9)
     assert limits_from_args(build_parser().parse_args(["hub"])) == SessionLimits()
 
 

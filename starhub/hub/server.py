@@ -143,10 +143,11 @@ class Hub(Server):
         reason = self.drafter.check_target(msg)
         retry = 0.0
         if reason is None:
-            reason = self.control.join(identity, msg.name, msg.step_ms / 1e3, time.monotonic())
+            reason = self.room_for(identity) or self.control.join(
+                identity, msg.name, msg.step_ms / 1e3, time.monotonic())
             retry = self.config.retry_after_s
         if reason is not None:
-            log.log(logging.DEBUG if reason == "saturated" else logging.INFO,
+            log.log(logging.DEBUG if reason.startswith("saturated") else logging.INFO,
                     "rejecting %s (%s): %s", msg.name, peer_name(identity), reason)
             self.reply(identity, Reject(code=int(ErrorCode.REJECTED), reason=reason,
                                         retry_after_s=retry))
@@ -170,14 +171,12 @@ class Hub(Server):
         self.table.close(tag)
         self.control.close(tag)
 
-    def free_idle_slots(self) -> None:
-        """A peer whose last session ended a grace period ago gives its slot back."""
-        for identity in self.table.idle_peers(self.config.peer_grace_s):
-            peer = self.table.peers.pop(identity)
-            self.control.leave(identity)
-            self.metrics.forget(identity)
-            log.info("target %s (%s) left; %d admitted", peer.name, peer_name(identity),
-                     len(self.table.peers))
+    def forgot(self, peer: TargetPeer, why: str) -> None:
+        """A target the table let go gives its admission slot back."""
+        self.control.leave(peer.identity)
+        self.metrics.forget(peer.identity)
+        log.info("target %s (%s) left (%s); %d admitted", peer.name, peer_name(peer.identity),
+                 why, len(self.table.peers))
 
     def _check_payload(self, peer: TargetPeer, msg: Open | Commit) -> None:
         """Token ids in the target's vocabulary; features where the drafter needs them."""
@@ -284,7 +283,7 @@ class Hub(Server):
     def housekeeping(self) -> None:
         """Release sessions idle past their TTL; log a one-line summary now and then."""
         self.metrics.sessions_expired += self.expire()
-        self.free_idle_slots()
+        self.drop_idle_peers(self.config.peer_grace_s)
         now = time.monotonic()
         if self.config.log_every_s and now - self._last_log >= self.config.log_every_s:
             self._last_log = now

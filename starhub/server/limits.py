@@ -32,6 +32,9 @@ class SessionLimits:
     features, the drafter's or target's KV cache) grows with them, so this bounds its
     memory: about 2 GB with the shipped EAGLE head in bfloat16, whose features and KV
     take ~2 kB a token (4 kB in float32)."""
+    max_peers: int = 1024
+    """Peers (connections that sent their card) known at once; past it the one idle the
+    longest is forgotten to make room, and with none idle the card is refused."""
 
 
 VERIFIER_LIMITS = SessionLimits(max_sessions=256, max_cache_tokens=1 << 18)
@@ -42,6 +45,8 @@ _HELP = {
     "max_sessions": "sessions open at once, over all peers; past it OPEN gets ERROR "
                     "(REJECTED)",
     "max_sessions_per_peer": "sessions one peer may hold at once",
+    "max_peers": "peers (connections that sent their card) known at once; past it the one "
+                 "idle the longest is forgotten, and with none idle the card gets REJECTED",
     "max_prompt_tokens": "the longest prompt an OPEN may carry; longer ones get ERROR "
                          "(TOO_LARGE)",
     "max_session_tokens": "the most tokens one session may grow to, prompt included",

@@ -114,6 +114,28 @@ class Server:
         """Forget session ``tag`` (the table's entry and whatever the server holds for it)."""
         raise NotImplementedError
 
+    def forgot(self, peer, why: str) -> None:
+        """A peer the table no longer holds (idle past its grace, or pushed out to make
+        room): whatever else the server keeps for it goes too."""
+        self.log.info("%s forgotten (%s); %d peers", peer_name(peer.identity), why,
+                      len(self.table.peers))
+
+    def room_for(self, identity: bytes) -> str | None:
+        """Before a card joins the table: room for one more peer (``SessionTable.make_room``),
+        or why there is none."""
+        try:
+            gone = self.table.make_room(identity)
+        except ProtocolError as exc:
+            return exc.message
+        for peer in gone:
+            self.forgot(peer, "idle the longest, to make room")
+        return None
+
+    def drop_idle_peers(self, grace_s: float) -> None:
+        """Forget the peers that have held no session for ``grace_s``."""
+        for peer in self.table.drop_idle(grace_s):
+            self.forgot(peer, f"no session for {grace_s:g}s")
+
     def housekeeping(self) -> None:
         """Every ``sweep_s``: expire sessions, free slots, log."""
         self.expire()

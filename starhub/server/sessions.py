@@ -78,6 +78,24 @@ class SessionTable(Generic[S, P]):
         return [i for i, p in self.peers.items()
                 if p.idle_since is not None and now - p.idle_since > grace_s]
 
+    def drop_idle(self, grace_s: float, now: float | None = None) -> list[P]:
+        """Forget the peers that have held no session for ``grace_s``; they send their
+        card again when they come back."""
+        return [self.peers.pop(i) for i in self.idle_peers(grace_s, now)]
+
+    def make_room(self, identity: bytes, ref: int = 0) -> list[P]:
+        """Before ``join``: a new peer past ``max_peers`` first pushes out the one idle the
+        longest (returned, forgotten); with every peer holding sessions it is refused."""
+        limit = self.budget.limits.max_peers
+        if identity in self.peers or len(self.peers) < limit:
+            return []
+        idle = [p for p in self.peers.values() if p.idle_since is not None]
+        if not idle:
+            raise ProtocolError(ErrorCode.REJECTED, f"saturated: {len(self.peers)} peers hold "
+                                f"sessions, the limit is {limit} (--max-peers)", ref=ref)
+        oldest = min(idle, key=lambda p: p.idle_since)
+        return [self.peers.pop(oldest.identity)]
+
     # -- sessions ---------------------------------------------------------------------
     def check_open(self, identity: bytes, tokens: int, ref: int = 0) -> None:
         """Refuse, changing nothing, an OPEN of ``tokens`` that the budget cannot hold."""
