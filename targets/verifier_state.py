@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import Any
 
 from starhub.server.limits import VERIFIER_LIMITS, SessionLimits
 from starhub.server.sessions import Peer, Session
@@ -37,6 +39,8 @@ class VerifierConfig:
     seed: int = 0
     gather_fraction: float = 0.5
     """How long, as a fraction of a pass, to wait for proposals about to arrive."""
+    prefill_chunk: int = 0
+    """Prompt tokens prefilled between two passes; 0: as many as take about one pass."""
     security: ServerSecurity = field(default_factory=ServerSecurity)
 
 
@@ -59,6 +63,22 @@ class DrafterPeer(Peer):
 
 
 @dataclass
+class Prefill:
+    """An OPEN whose prompt is being prefilled, a chunk between two passes."""
+
+    identity: bytes
+    ref: int
+    prompt: list[int]
+    chunks: Generator[None, int, tuple[int, Any]]
+    """``VerifyEngine.open_chunks``: one chunk a step, then the first token and features."""
+    target_tok_s: float
+    left: int
+    """Prompt tokens not yet prefilled."""
+    size: int
+    """The first chunk's size, fixed when the OPEN came."""
+
+
+@dataclass
 class Pending:
     waiting: Waiting
     tree: DraftTree
@@ -75,6 +95,7 @@ class VerifierStats:
     """Time spent waiting for proposals about to arrive, so that they share a pass."""
     prefill_s: float = 0.0
     """Time spent prefilling the prompts of new sessions."""
+    prefill_chunks: int = 0
     rounds: int = 0
     committed: int = 0
     accepted: int = 0

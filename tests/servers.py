@@ -79,8 +79,12 @@ class VerifierHarness:
         self.verifier = Verifier.for_model(model, tokenizer, VerifierConfig(**config))
 
     def send(self, identity: bytes, msg: Message | list[bytes]) -> list[Message]:
+        """The message, then every prompt it left to prefill, as the loop does between
+        passes."""
         frames = msg if isinstance(msg, list) else wire(msg)
         self.verifier.on_frames(identity, frames)
+        while self.verifier.prefills:
+            self.verifier.prefill_step()
         return self._drain(identity)
 
     def ask(self, identity: bytes, msg: Message | list[bytes]) -> Message:

@@ -12,6 +12,7 @@ import pytest
 
 from starhub.drafters.ngram import NgramDrafter
 from starhub.server.limits import VERIFIER_LIMITS, SessionLimits
+from starhub.wire.codec import decode, encode
 from starhub.wire.messages import (
     Close,
     Commit,
@@ -27,6 +28,9 @@ from starhub.wire.messages import (
 from starhub.wire.tree import DraftTree
 from targets.acceptance import walk
 from tests.servers import HubHarness, VerifierHarness
+from tests.test_edge import VerifierThread
+from tests.test_edge import _reference as reference
+from tests.test_flood import ask, dealer
 
 T = b"target-a"
 REPEATING = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
@@ -112,3 +116,38 @@ def test_the_hubs_peer_table_is_bounded_and_gives_an_idle_slot_to_a_newcomer():
         assert set(harness.hub.control.targets) == {b"target-b"}, "its admission slot went too"
     finally:
         harness.close()
+
+
+def test_a_long_prompt_is_prefilled_between_the_passes_of_other_sessions(tiny_model):
+    """While a long prompt is prefilled, a chunk at a time, another drafter's tree is
+    verified: its COMMIT leaves before the long prompt's OPENED, and both are what
+    ``generate()`` gives."""
+    model, tokenizer = tiny_model
+    server = VerifierThread(model, tokenizer, prefill_chunk=32)
+    long_prompt = [int(t) for t in np.random.default_rng(3).integers(3, 40000, 1500)]
+    short_prompt = [1, 5, 9, 14, 3]
+    try:
+        hurried, waiting = dealer(server.address), dealer(server.address)
+        for sock in (hurried, waiting):
+            assert isinstance(ask(sock, DrafterCard(drafter="d", depth=4, topk=1, max_nodes=4)),
+                              TargetCard)
+        opened = ask(waiting, Open(ref=1, prompt_len=5, tokens=np.asarray(short_prompt,
+                                                                          np.int32)))
+        expected = reference(model, short_prompt, 3)
+        assert int(opened.tokens[-1]) == expected[0]
+        hurried.send_multipart(encode(Open(ref=2, prompt_len=len(long_prompt),
+                                           tokens=np.asarray(long_prompt, np.int32))))
+        waiting.send_multipart(encode(Propose(tag=opened.tag, seq=1,
+                                              tokens=np.asarray(expected[1:], np.int32),
+                                              parents=np.array([-1, 0], np.int32))))
+        assert waiting.poll(60_000), "no COMMIT"
+        commit = decode(waiting.recv_multipart())
+        assert isinstance(commit, Commit) and commit.tokens.tolist()[:2] == expected[1:]
+        assert not hurried.poll(0), "the long prompt's OPENED came first: it held the pass up"
+        assert hurried.poll(60_000), "no OPENED"
+        late = decode(hurried.recv_multipart())
+        assert isinstance(late, Opened), late
+        assert int(late.tokens[-1]) == reference(model, long_prompt, 1)[0]
+        assert server.verifier.stats.prefill_chunks >= len(long_prompt) // 32
+    finally:
+        server.stop()
