@@ -127,6 +127,9 @@ class EdgeSpec:
 class EmulatedEngine:
     """``VerifyEngine``'s interface over ``truth``: waits for a pass instead of running one."""
 
+    token_bytes = 0
+    """No KV cache: a session holds only its length."""
+
     def __init__(self, spec: EdgeSpec):
         self.spec = spec
         self.lengths: dict[int, int] = {}

@@ -74,6 +74,8 @@ log = logging.getLogger("starhub.verifier")
 PREFILL_CHUNK = (16, 64, 1024)
 """Prompt tokens prefilled between two passes: the least, the first guess and the most, when
 sized to take about one pass (``--prefill-chunk 0``)."""
+TOKEN_BYTES = 64
+"""What the verifier holds per session token besides its KV cache: its id, in lists."""
 RETRY_AFTER_S = 1.0
 """Told to a drafter turned away because every peer slot holds sessions."""
 RECEIVE_BATCH = 1024
@@ -232,13 +234,19 @@ class Verifier(Server):
             self.reply(identity, Reject(code=int(ErrorCode.REJECTED), reason=reason,
                                         retry_after_s=RETRY_AFTER_S))
             return
-        self.table.join(DrafterPeer(identity=identity, card=msg))
+        self.table.join(DrafterPeer(identity=identity, principal=self.principal, card=msg))
         log.info("drafter %s (%s) joined", peer_name(identity), msg.drafter or "?")
         self.reply(identity, self.card)
 
+    def held_bytes(self, tokens: int) -> int:
+        """What ``tokens`` more make the verifier hold: the target's KV cache for each at its
+        real size (``VerifyEngine.token_bytes``), and their ids."""
+        return tokens * (self.engine.token_bytes + TOKEN_BYTES)
+
     def handle_open(self, identity: bytes, msg: Open) -> None:
         peer = self.table.peer(identity, msg, "DRAFTER_CARD")
-        self.table.check_open(identity, len(msg.tokens), msg.ref)
+        self.table.check_open(identity, len(msg.tokens), self.held_bytes(len(msg.tokens) + 1),
+                              msg.ref)
         check_ids(msg.tokens, self.card.vocab_size, msg)
         prompt = msg.tokens.tolist()
         tag = self.table.new_tag()
@@ -248,7 +256,8 @@ class Verifier(Server):
         now = time.monotonic()
         # busy while prefilling: it does not expire, and it holds its budget from now on
         self.table.add(EdgeSession(tag=tag, owner=identity, greedy=msg.temperature <= 0,
-                                   opened_at=now, last_seen=now, busy=True), len(prompt) + 1)
+                                   opened_at=now, last_seen=now, busy=True), len(prompt) + 1,
+                       self.held_bytes(len(prompt) + 1))
         self.prefills[tag] = Prefill(identity, msg.ref, prompt, chunks, msg.target_tok_s,
                                      len(prompt), self.chunk)
 
@@ -312,7 +321,7 @@ class Verifier(Server):
             raise ProtocolError(ErrorCode.BAD_FIELD, "a verifier takes trees, not plain rounds",
                                 tag=msg.tag)
         check_tree(msg.parents, self.config.max_nodes, self.config.max_depth, msg.tag)
-        self.table.check_grow(msg.tag, len(msg.tokens) + 1)
+        self.table.check_grow(msg.tag, len(msg.tokens) + 1, self.held_bytes(len(msg.tokens) + 1))
         check_ids(msg.tokens, self.card.vocab_size, msg)
         if msg.dist_ids is not None:
             check_ids(msg.dist_ids.reshape(-1), self.card.vocab_size, msg)
@@ -380,7 +389,7 @@ class Verifier(Server):
                                    p.waiting.deadline)
             session.rounds += 1
             session.committed += len(verdict.tokens)
-            self.table.grew(sid, len(verdict.tokens))
+            self.table.grew(sid, len(verdict.tokens), self.held_bytes(len(verdict.tokens)))
             session.committed_at = done
             st.rounds += 1
             st.accepted += accepted

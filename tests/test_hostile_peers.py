@@ -9,9 +9,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
+from starhub.client.connection import HubClient, HubError
 from starhub.drafters.ngram import NgramDrafter
+from starhub.hub.server import TOKEN_BYTES
 from starhub.server.limits import VERIFIER_LIMITS, SessionLimits
+from starhub.server.loop import QUEUED_PER_PEER
 from starhub.wire.codec import decode, encode
 from starhub.wire.messages import (
     Close,
@@ -21,16 +25,19 @@ from starhub.wire.messages import (
     ErrorCode,
     Open,
     Opened,
+    Ping,
     Propose,
     Reject,
     TargetCard,
 )
 from starhub.wire.tree import DraftTree
 from targets.acceptance import walk
-from tests.servers import HubHarness, VerifierHarness
+from tests.conftest import HubThread
+from tests.servers import HubHarness, VerifierHarness, wire
 from tests.test_edge import VerifierThread
 from tests.test_edge import _reference as reference
 from tests.test_flood import ask, dealer
+from tests.test_security import keys  # noqa: F401 - the fixture
 
 T = b"target-a"
 REPEATING = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
@@ -151,3 +158,85 @@ def test_a_long_prompt_is_prefilled_between_the_passes_of_other_sessions(tiny_mo
         assert server.verifier.stats.prefill_chunks >= len(long_prompt) // 32
     finally:
         server.stop()
+
+
+class FeatureNgram(NgramDrafter):
+    """An n-gram drafter that asks for features, as an EAGLE head does, and keeps them."""
+
+    feature_layers = [-1]
+    feature_size = 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cache_budget_counts_features_at_their_real_size(dtype):
+    harness = HubHarness(FeatureNgram())
+    try:
+        assert isinstance(harness.ask(T, TargetCard(name="t", vocab_size=100)), DrafterCard)
+        feats = torch.randn(len(REPEATING) - 1, 8).to(dtype)
+        prop = harness.ask(T, Open(ref=1, prompt_len=10, tokens=np.asarray(REPEATING, np.int32),
+                                   features=feats))
+        assert isinstance(prop, Propose), prop
+        width = 4 if dtype == torch.float32 else 2
+        assert harness.hub.table.budget.held == len(REPEATING) * TOKEN_BYTES + feats.numel() * width
+    finally:
+        harness.close()
+
+
+def test_one_peer_cannot_take_the_whole_cache_from_those_who_come_after():
+    """Long prompts from one connection stop at its fair share: a newcomer still opens."""
+    harness = HubHarness(NgramDrafter(), limits=SessionLimits(max_cache_mb=4))
+    try:
+        for who in (T, b"target-b"):
+            assert isinstance(harness.ask(who, TargetCard(name="t", vocab_size=100)), DrafterCard)
+        long_prompt = np.arange(1000, dtype=np.int32) % 90 + 1
+        opened = 0
+        while True:
+            reply = harness.ask(T, Open(ref=opened + 1, prompt_len=999, tokens=long_prompt))
+            if isinstance(reply, Error):
+                break
+            opened += 1
+        assert reply.code == ErrorCode.REJECTED and "fair share" in reply.message, reply
+        assert opened < 4
+        late = harness.ask(b"target-b", Open(ref=9, prompt_len=999, tokens=long_prompt))
+        assert isinstance(late, Propose), late
+    finally:
+        harness.close()
+
+
+def test_a_peer_that_reads_nothing_cannot_grow_the_outbox():
+    harness = HubHarness(NgramDrafter())
+    try:
+        hub = harness.hub
+        ping = wire(Ping(nonce=1))
+        for _ in range(QUEUED_PER_PEER + 50):
+            hub.on_frames(T, ping)
+        assert len(hub.outbox) == QUEUED_PER_PEER
+        assert hub.errors["QUEUE_FULL"] == 50
+        hub.on_frames(b"someone-else", ping)
+        assert hub.outbox[-1][0] == b"someone-else", "another peer's reply still goes out"
+        while hub.outbox:
+            hub.next_reply()
+        assert not hub.queued and hub.queued_total == 0
+    finally:
+        harness.close()
+
+
+def test_connections_with_one_curve_key_share_one_allowance(keys):  # noqa: F811
+    hub = HubThread(NgramDrafter(), security=keys.server,
+                    limits=SessionLimits(max_sessions_per_peer=1))
+    first = HubClient(hub.address, timeout_s=30, curve=keys.allowed)
+    second = HubClient(hub.address, timeout_s=30, curve=keys.allowed)
+    try:
+        for client in (first, second):
+            client.greet(TargetCard(name="same-key", vocab_size=100))
+        opening = Open(ref=1, prompt_len=10, tokens=np.asarray(REPEATING, np.int32))
+        assert isinstance(first.request(opening, ref=1), Propose)
+        with pytest.raises(HubError, match="--max-sessions-per-peer"):
+            second.request(opening, ref=1)
+        principals = {p.principal for p in hub.hub.table.peers.values()}
+        assert len(hub.hub.table.peers) == 2 and len(principals) == 1
+        assert principals.pop().startswith(b"key:")
+    finally:
+        first.close()
+        second.close()
+        hub.stop()

@@ -8,6 +8,7 @@ import pytest
 
 from starhub.cli.main import build_parser
 from starhub.drafters.ngram import NgramDrafter
+from starhub.hub.server import TOKEN_BYTES
 from starhub.server.limits import SessionLimits, limits_from_args
 from starhub.wire.messages import (
     Close,
@@ -103,32 +104,37 @@ def test_a_session_cannot_grow_past_its_limit(make_hub):
     assert hub.hub.table.budget.cached == 0
 
 
-def test_the_cache_bound_holds_over_all_sessions_and_frees_on_close(make_hub):
-    hub = make_hub(max_cache_tokens=20)
-    first = hub.ask(A, opening(10))
-    second = hub.ask(B, opening(10, ref=2))
-    assert hub.hub.table.budget.cached == 20
+def test_the_cache_bound_holds_over_all_sessions_with_fair_shares_and_frees_on_close(make_hub):
+    hub = make_hub(max_cache_mb=1)  # 1,024 tokens at 1 kB each, without features
+    first = hub.ask(A, opening(500))
+    assert hub.hub.table.budget.held == 500 * TOKEN_BYTES
     before = hub.state()
-    refused(hub.ask(A, opening(2, ref=3)), ErrorCode.REJECTED, "--max-cache-tokens")
-    refused(commit_plainly(hub, B, second), ErrorCode.REJECTED, "--max-cache-tokens")
+    refused(hub.ask(A, opening(100, ref=2)), ErrorCode.REJECTED, "fair share")
+    assert hub.state() == before
+    second = hub.ask(B, opening(300, ref=3))
+    assert isinstance(second, Propose), "a newcomer still finds its share free"
+    before = hub.state()
+    refused(hub.ask(B, opening(300, ref=4)), ErrorCode.REJECTED, "--max-cache-mb")
+    refused(commit_plainly(hub, A, first), ErrorCode.REJECTED, "--max-cache-mb")
     assert hub.state() == before
     hub.send(A, Close(tag=first.tag))
     assert isinstance(commit_plainly(hub, B, second), Propose)
-    assert hub.hub.table.budget.cached == 11
+    assert hub.hub.table.budget.cached == 301
 
 
 def test_expired_sessions_give_their_budget_back(make_hub):
     hub = make_hub(max_sessions=1)
     prop = hub.ask(A, opening(4))
     hub.hub.close(prop.tag)  # what housekeeping does at the TTL
-    assert hub.hub.table.budget.snapshot() == {"sessions": 0, "peers": 0, "cached_tokens": 0}
+    assert hub.hub.table.budget.snapshot() == {"sessions": 0, "peers": 0, "cached_tokens": 0,
+                                               "cached_bytes": 0}
     assert isinstance(hub.ask(B, opening(4, ref=2)), Propose)
 
 
 def test_hub_flags_carry_the_limits():
     args = build_parser().parse_args(["hub", "--max-sessions", "7", "--max-sessions-per-peer",
                                       "2", "--max-prompt-tokens", "100", "--max-session-tokens",
-                                      "200", "--max-cache-tokens", "5000", "--max-peers", "9"])
+                                      "200", "--max-cache-mb", "5000", "--max-peers", "9"])
     assert limits_from_args(args) == SessionLimits(7, 2, 100, 200, 5000, 9)
     assert limits_from_args(build_parser().parse_args(["hub"])) == SessionLimits()
 

@@ -51,6 +51,11 @@ from starhub.wire.tree import accepted_path
 
 log = logging.getLogger("starhub.hub")
 
+TOKEN_BYTES = 1024
+"""What the hub holds per session token besides its features: the id, the lookup index's
+entries, and the drafting state grown from it (the shipped EAGLE head's KV cache takes
+about 0.9 kB a token in bfloat16)."""
+
 
 class Hub(Server):
     role = "hub"
@@ -153,8 +158,9 @@ class Hub(Server):
                                         retry_after_s=retry))
             return
         self.metrics.peer(identity, msg.name)
-        self.table.join(TargetPeer(identity=identity, name=msg.name, vocab_size=msg.vocab_size,
-                                   hidden_size=msg.hidden_size, num_layers=msg.num_layers))
+        self.table.join(TargetPeer(identity=identity, principal=self.principal, name=msg.name,
+                                   vocab_size=msg.vocab_size, hidden_size=msg.hidden_size,
+                                   num_layers=msg.num_layers))
         log.info("target %s (%s) joined; %d admitted", msg.name, peer_name(identity),
                  len(self.table.peers))
         self.reply(identity, self.drafter_card())
@@ -191,15 +197,22 @@ class Hub(Server):
                                 f"wide, got {msg.features.shape[1]}", tag=msg.tag,
                                 ref=getattr(msg, "ref", 0))
 
+    def held_bytes(self, msg: Open | Commit) -> int:
+        """What an OPEN or COMMIT makes the hub hold: each token at ``TOKEN_BYTES``, and the
+        features at their real size where the drafter keeps them."""
+        feats = msg.features if self.drafter.feature_layers else None
+        return len(msg.tokens) * TOKEN_BYTES + (feats.nbytes if feats is not None else 0)
+
     def handle_open(self, identity: bytes, msg: Open) -> None:
         peer = self.table.peer(identity, msg, "TARGET_CARD")
-        self.table.check_open(identity, len(msg.tokens), msg.ref)
+        self.table.check_open(identity, len(msg.tokens), self.held_bytes(msg), msg.ref)
         self._check_payload(peer, msg)
         keep = msg.features is not None and self.drafter.feature_layers
         ctx = DraftContext(tokens=msg.tokens.tolist(), temperature=msg.temperature,
                            features=[msg.features] if keep else [], seed=msg.seed)
         session = self.table.add(DraftSession(tag=self.table.new_tag(), owner=identity, ctx=ctx,
-                                              prompt_len=msg.prompt_len), len(msg.tokens))
+                                              prompt_len=msg.prompt_len), len(msg.tokens),
+                                 self.held_bytes(msg))
         self.control.open(session.tag, identity, msg.step_ms / 1e3)
         self.metrics.sessions_opened += 1
         self.enqueue(identity, session, msg.ref)
@@ -219,10 +232,11 @@ class Hub(Server):
         if not plain:
             self._check_accepted(session, msg)
         self._check_payload(peer, msg)
-        self.table.check_grow(session.tag, len(msg.tokens))
+        held = self.held_bytes(msg)
+        self.table.check_grow(session.tag, len(msg.tokens), held)
         now = time.monotonic()
         session.ctx.tokens.extend(msg.tokens.tolist())
-        self.table.grew(session.tag, len(msg.tokens))
+        self.table.grew(session.tag, len(msg.tokens), held)
         if msg.features is not None and self.drafter.feature_layers:
             session.ctx.features.append(msg.features)  # the drafting thread copies it
         session.seq += 1
