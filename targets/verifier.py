@@ -250,7 +250,8 @@ class Verifier(Server):
         check_ids(msg.tokens, self.card.vocab_size, msg)
         prompt = msg.tokens.tolist()
         tag = self.table.new_tag()
-        chunks = self.engine.open_chunks(tag, prompt, self.chunk,
+        size = self._chunk_now()
+        chunks = self.engine.open_chunks(tag, prompt, size,
                                          Sampling(msg.temperature, msg.top_p), msg.seed,
                                          list(peer.card.feature_layers))
         now = time.monotonic()
@@ -259,7 +260,7 @@ class Verifier(Server):
                                    opened_at=now, last_seen=now, busy=True), len(prompt) + 1,
                        self.held_bytes(len(prompt) + 1))
         self.prefills[tag] = Prefill(identity, msg.ref, prompt, chunks, msg.target_tok_s,
-                                     len(prompt), self.chunk)
+                                     len(prompt), size)
 
     def prefill_step(self) -> None:
         """One chunk of the prompt with the fewest tokens left (so that short prompts are
@@ -267,7 +268,7 @@ class Verifier(Server):
         tag = min(self.prefills, key=lambda t: self.prefills[t].left)
         job = self.prefills[tag]
         first = job.left == len(job.prompt)
-        size = job.size if first else self.chunk  # the first chunk's was set at the OPEN
+        size = job.size if first else self._chunk_now()  # the first one's was set at OPEN
         started = time.perf_counter()
         try:
             job.chunks.send(None if first else size)
@@ -302,9 +303,18 @@ class Verifier(Server):
             tokens=torch.tensor([*job.prompt, first], dtype=torch.int32),
             features=self._half(feats)))
 
+    def _chunk_now(self) -> int:
+        """The next prefill chunk's tokens: about a pass's worth while other sessions may
+        wait for passes, the most while every session is still prefilling (nobody waits)."""
+        if self.config.prefill_chunk:
+            return self.config.prefill_chunk
+        if len(self.table.sessions) <= len(self.prefills):
+            return PREFILL_CHUNK[2]
+        return self.chunk
+
     def _size_chunks(self, fed: int, size: int, took: float) -> None:
         """Prefill chunks that take about one pass (unless ``prefill_chunk`` fixes them)."""
-        if self.config.prefill_chunk or fed < size or took <= 0:
+        if self.config.prefill_chunk or size != self.chunk or fed < size or took <= 0:
             return
         least, _, most = PREFILL_CHUNK
         pass_s = self.scheduler.pass_s or self.step_s
