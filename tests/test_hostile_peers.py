@@ -184,7 +184,7 @@ def test_the_cache_budget_counts_features_at_their_real_size(dtype):
 
 def test_one_peer_cannot_take_the_whole_cache_from_those_who_come_after():
     """Long prompts from one connection stop at its fair share: a newcomer still opens."""
-    harness = HubHarness(NgramDrafter(), limits=SessionLimits(max_cache_mb=4))
+    harness = HubHarness(NgramDrafter(), limits=SessionLimits(max_cache_mb=8))
     try:
         for who in (T, b"target-b"):
             assert isinstance(harness.ask(who, TargetCard(name="t", vocab_size=100)), DrafterCard)
@@ -196,7 +196,7 @@ def test_one_peer_cannot_take_the_whole_cache_from_those_who_come_after():
                 break
             opened += 1
         assert reply.code == ErrorCode.REJECTED and "fair share" in reply.message, reply
-        assert opened < 4
+        assert opened and harness.hub.table.budget.held <= (8 << 20) // 2, "half at most, alone"
         late = harness.ask(b"target-b", Open(ref=9, prompt_len=999, tokens=long_prompt))
         assert isinstance(late, Propose), late
     finally:

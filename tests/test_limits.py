@@ -105,21 +105,22 @@ def test_a_session_cannot_grow_past_its_limit(make_hub):
 
 
 def test_the_cache_bound_holds_over_all_sessions_with_fair_shares_and_frees_on_close(make_hub):
-    hub = make_hub(max_cache_mb=1)  # 1,024 tokens at 1 kB each, without features
-    first = hub.ask(A, opening(500))
-    assert hub.hub.table.budget.held == 500 * TOKEN_BYTES
+    hub = make_hub(max_cache_mb=1)
+    room = (1 << 20) // TOKEN_BYTES  # tokens the cap holds, without features
+    first = hub.ask(A, opening(room * 48 // 100))  # within a lone peer's half
     before = hub.state()
-    refused(hub.ask(A, opening(100, ref=2)), ErrorCode.REJECTED, "fair share")
+    refused(hub.ask(A, opening(room // 10, ref=2)), ErrorCode.REJECTED, "fair share")
     assert hub.state() == before
-    second = hub.ask(B, opening(300, ref=3))
+    second = hub.ask(B, opening(room * 30 // 100, ref=3))  # within a third
     assert isinstance(second, Propose), "a newcomer still finds its share free"
     before = hub.state()
-    refused(hub.ask(B, opening(300, ref=4)), ErrorCode.REJECTED, "--max-cache-mb")
+    refused(hub.ask(B, opening(room * 30 // 100, ref=4)), ErrorCode.REJECTED, "--max-cache-mb")
     refused(commit_plainly(hub, A, first), ErrorCode.REJECTED, "--max-cache-mb")
     assert hub.state() == before
     hub.send(A, Close(tag=first.tag))
     assert isinstance(commit_plainly(hub, B, second), Propose)
-    assert hub.hub.table.budget.cached == 301
+    assert hub.hub.table.budget.cached == room * 30 // 100 + 1
+    assert hub.hub.table.budget.held == hub.hub.table.budget.cached * TOKEN_BYTES
 
 
 def test_expired_sessions_give_their_budget_back(make_hub):
