@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Generator
 from dataclasses import asdict, dataclass
 
 import msgspec
@@ -126,6 +127,9 @@ class EdgeSpec:
 class EmulatedEngine:
     """``VerifyEngine``'s interface over ``truth``: waits for a pass instead of running one."""
 
+    token_bytes = 0
+    """No KV cache: a session holds only its length."""
+
     def __init__(self, spec: EdgeSpec):
         self.spec = spec
         self.lengths: dict[int, int] = {}
@@ -134,6 +138,12 @@ class EmulatedEngine:
     def open(self, sid: int, prompt: list[int], *_args, **_kwargs) -> tuple[int, None]:
         self.lengths[sid] = len(prompt) + 1
         return truth(len(prompt)), None
+
+    def open_chunks(self, sid: int, prompt: list[int], _chunk: int, *_args, **_kwargs
+                    ) -> Generator[None, None, tuple[int, None]]:
+        """``open`` at once: prefilling costs nothing here."""
+        yield from ()
+        return self.open(sid, prompt)
 
     def close(self, sid: int) -> None:
         self.lengths.pop(sid, None)

@@ -231,6 +231,8 @@ class EmulatedTargets:
             else:
                 accepted = min(self.draws[i](len(msg.tokens)), len(msg.tokens))
                 bonus = (int(msg.tokens[accepted - 1]) + 7 if accepted else index) % VOCAB
+                if accepted < len(msg.tokens) and bonus == int(msg.tokens[accepted]):
+                    bonus = (bonus + 1) % VOCAB  # the chain's next node would be accepted
                 tokens = np.append(msg.tokens[:accepted], np.int32(bonus)).astype(np.int32)
                 busy = self.spec.t_v
             produced += len(tokens)

@@ -120,8 +120,9 @@ class VerifyEngine:
                     feature_layers: list[int] | None = None
                     ) -> Generator[None, None, tuple[int, torch.Tensor | None]]:
         """``open``, ``chunk`` prompt tokens a step of the returned generator, so that a long
-        prompt's prefill can alternate with other sessions' passes. The session is not to
-        be verified before the generator has returned."""
+        prompt's prefill can alternate with other sessions' passes (``send`` a number to
+        change the size of the chunks that follow). The session is not to be verified
+        before the generator has returned."""
         if sid in self.sessions:
             raise KeyError(f"session {sid} is already open")
         target = TargetModel(self.model, sampling, seed, feature_layers)

@@ -5,8 +5,9 @@ The handshake uses the star's cards, each with its one meaning: a drafter introd
 itself with its DRAFTER_CARD (its drafter, the feature layers it needs, its tree shape), and
 the verifier answers with the TARGET_CARD of its target (vocabulary, tokenizer, sizes, step
 time), so the drafter checks the target exactly as a hub does. A drafter then OPENs a
-session with its prompt; the verifier prefills it and answers OPENED with the prompt, the
-first token and the prompt's features: what a star target sends its hub. Each PROPOSE is
+session with its prompt; the verifier prefills it, a chunk between two passes so that a
+long prompt never holds the other sessions up for long, and answers OPENED with the prompt,
+the first token and the prompt's features: what a star target sends its hub. Each PROPOSE is
 answered by a COMMIT with the accepted tokens, the bonus token, their features and the
 next draft budget ``S_i``. CLOSE ends a session; silence past ``ttl_s`` does too.
 
@@ -63,12 +64,20 @@ from targets.verifier_state import (
     DrafterPeer,
     EdgeSession,
     Pending,
+    Prefill,
     VerifierConfig,
     VerifierStats,
 )
 
 log = logging.getLogger("starhub.verifier")
 
+PREFILL_CHUNK = (16, 64, 1024)
+"""Prompt tokens prefilled between two passes: the least, the first guess and the most, when
+sized to take about one pass (``--prefill-chunk 0``)."""
+TOKEN_BYTES = 64
+"""What the verifier holds per session token besides its KV cache: its id, in lists."""
+RETRY_AFTER_S = 1.0
+"""Told to a drafter turned away because every peer slot holds sessions."""
 RECEIVE_BATCH = 1024
 """Messages taken between two passes at most: a peer that keeps the socket full cannot
 hold verification up."""
@@ -99,6 +108,9 @@ class Verifier(Server):
                                    seed=config.seed)
         self.observers = Observers()
         self.pending: dict[int, Pending] = {}
+        self.prefills: dict[int, Prefill] = {}
+        """OPENs whose prompts are being prefilled, a chunk between two passes."""
+        self.chunk = config.prefill_chunk or PREFILL_CHUNK[1]
         self.pass_started = 0.0
 
     @classmethod
@@ -133,16 +145,23 @@ class Verifier(Server):
 
     async def passes(self, sock: zmq.asyncio.Socket) -> None:
         """Verify what is waiting, one pass at a time; each pass starts with every message
-        that arrived during the last one."""
+        that arrived during the last one. Between two passes, one chunk of a prompt is
+        prefilled, so that a long prompt holds the others up by about a pass at a time."""
         while True:
             await self.receive_ready(sock, RECEIVE_BATCH)
+            if self.prefills:
+                self.prefill_step()
+                await asyncio.sleep(0)  # the sender sends an OPENED
+                await self.receive_ready(sock, RECEIVE_BATCH)
             if not self.pending:
-                self.arrived.clear()
-                await self.arrived.wait()
+                if not self.prefills:
+                    self.arrived.clear()
+                    await self.arrived.wait()
                 continue
-            waited = time.perf_counter()
-            await self.gather()
-            self.stats.gather_s += time.perf_counter() - waited
+            if not self.prefills:  # no waiting for more rows while a prompt waits
+                waited = time.perf_counter()
+                await self.gather()
+                self.stats.gather_s += time.perf_counter() - waited
             self.step()
             await asyncio.sleep(0)  # the sender sends the pass's COMMITs
 
@@ -174,6 +193,7 @@ class Verifier(Server):
 
     def housekeeping(self) -> None:
         self.stats.expired += self.expire()
+        self.drop_idle_peers(self.config.peer_grace_s)
 
     # -- messages ---------------------------------------------------------------------
     def handle(self, identity: bytes, msg: Message) -> None:
@@ -206,40 +226,109 @@ class Verifier(Server):
         if reason:
             self.reply(identity, Reject(code=int(ErrorCode.BAD_FIELD), reason=reason))
             return
-        self.table.join(DrafterPeer(identity=identity, card=msg))
+        reason = self.room_for(identity)
+        if reason:
+            self.reply(identity, Reject(code=int(ErrorCode.REJECTED), reason=reason,
+                                        retry_after_s=RETRY_AFTER_S))
+            return
+        self.table.join(DrafterPeer(identity=identity, principal=self.principal, card=msg))
         log.info("drafter %s (%s) joined", peer_name(identity), msg.drafter or "?")
         self.reply(identity, self.card)
 
+    def held_bytes(self, tokens: int) -> int:
+        """What ``tokens`` more make the verifier hold: the target's KV cache for each at its
+        real size (``VerifyEngine.token_bytes``), and their ids."""
+        return tokens * (self.engine.token_bytes + TOKEN_BYTES)
+
     def handle_open(self, identity: bytes, msg: Open) -> None:
         peer = self.table.peer(identity, msg, "DRAFTER_CARD")
-        self.table.check_open(identity, len(msg.tokens), msg.ref)
+        self.table.check_open(identity, len(msg.tokens), self.held_bytes(len(msg.tokens) + 1),
+                              msg.ref)
         check_ids(msg.tokens, self.card.vocab_size, msg)
         prompt = msg.tokens.tolist()
         tag = self.table.new_tag()
-        started = time.perf_counter()
-        first, feats = self.engine.open(tag, prompt, Sampling(msg.temperature, msg.top_p),
-                                        msg.seed, list(peer.card.feature_layers))
-        self.stats.prefill_s += time.perf_counter() - started
+        size = self._chunk_now()
+        chunks = self.engine.open_chunks(tag, prompt, size,
+                                         Sampling(msg.temperature, msg.top_p), msg.seed,
+                                         list(peer.card.feature_layers))
         now = time.monotonic()
+        # busy while prefilling: it does not expire, and it holds its budget from now on
         self.table.add(EdgeSession(tag=tag, owner=identity, greedy=msg.temperature <= 0,
-                                   opened_at=now, last_seen=now), len(prompt) + 1)
-        self.scheduler.open(tag, now, msg.target_tok_s)
+                                   opened_at=now, last_seen=now, busy=True), len(prompt) + 1,
+                       self.held_bytes(len(prompt) + 1))
+        self.prefills[tag] = Prefill(identity, msg.ref, prompt, chunks, msg.target_tok_s,
+                                     len(prompt), size)
+
+    def prefill_step(self) -> None:
+        """One chunk of the prompt with the fewest tokens left (so that short prompts are
+        not queued behind a long one); its OPENED once it is done."""
+        tag = min(self.prefills, key=lambda t: self.prefills[t].left)
+        job = self.prefills[tag]
+        first = job.left == len(job.prompt)
+        size = job.size if first else self._chunk_now()  # the first one's was set at OPEN
+        started = time.perf_counter()
+        try:
+            job.chunks.send(None if first else size)
+            done = None
+        except StopIteration as stop:
+            done = stop.value
+        except Exception:
+            log.exception("prefilling a %d-token prompt failed", len(job.prompt))
+            del self.prefills[tag]
+            self.close(tag)
+            self.reply(job.identity, Error(ref=job.ref, code=int(ErrorCode.INTERNAL),
+                                           message="prefill failed; see the verifier log"))
+            return
+        took = time.perf_counter() - started
+        self.stats.prefill_s += took
+        self.stats.prefill_chunks += 1
+        fed = job.left if done is not None else min(job.left, size)
+        job.left -= fed
+        self._size_chunks(fed, size, took)
+        if done is None:
+            return
+        del self.prefills[tag]
+        first, feats = done
+        now = time.monotonic()
+        session = self.table.sessions[tag]
+        session.busy, session.last_seen = False, now
+        self.scheduler.open(tag, now, job.target_tok_s)
         self.stats.opened += 1
-        self.reply(identity, Opened(
-            tag=tag, ref=msg.ref, step_ms=1e3 * self.step_s, budget=self.scheduler.nodes_for(tag),
-            tokens=torch.tensor([*prompt, first], dtype=torch.int32),
+        self.reply(job.identity, Opened(
+            tag=tag, ref=job.ref, step_ms=1e3 * self.step_s,
+            budget=self.scheduler.nodes_for(tag),
+            tokens=torch.tensor([*job.prompt, first], dtype=torch.int32),
             features=self._half(feats)))
+
+    def _chunk_now(self) -> int:
+        """The next prefill chunk's tokens: about a pass's worth while other sessions may
+        wait for passes, the most while every session is still prefilling (nobody waits)."""
+        if self.config.prefill_chunk:
+            return self.config.prefill_chunk
+        if len(self.table.sessions) <= len(self.prefills):
+            return PREFILL_CHUNK[2]
+        return self.chunk
+
+    def _size_chunks(self, fed: int, size: int, took: float) -> None:
+        """Prefill chunks that take about one pass (unless ``prefill_chunk`` fixes them)."""
+        if self.config.prefill_chunk or size != self.chunk or fed < size or took <= 0:
+            return
+        least, _, most = PREFILL_CHUNK
+        pass_s = self.scheduler.pass_s or self.step_s
+        ratio = min(2.0, max(0.5, pass_s / took))
+        self.chunk = int(min(most, max(least, self.chunk * ratio)))
 
     def handle_propose(self, identity: bytes, msg: Propose) -> None:
         session = self.table.get(msg.tag, identity)
-        if msg.tag in self.pending:
-            raise ProtocolError(ErrorCode.STALE, "a PROPOSE for this session is already waiting",
+        if msg.tag in self.pending or msg.tag in self.prefills:
+            raise ProtocolError(ErrorCode.STALE, "a PROPOSE for this session is already waiting"
+                                if msg.tag in self.pending else "this session is not open yet",
                                 tag=msg.tag)
         if msg.plain:
             raise ProtocolError(ErrorCode.BAD_FIELD, "a verifier takes trees, not plain rounds",
                                 tag=msg.tag)
         check_tree(msg.parents, self.config.max_nodes, self.config.max_depth, msg.tag)
-        self.table.check_grow(msg.tag, len(msg.tokens) + 1)
+        self.table.check_grow(msg.tag, len(msg.tokens) + 1, self.held_bytes(len(msg.tokens) + 1))
         check_ids(msg.tokens, self.card.vocab_size, msg)
         if msg.dist_ids is not None:
             check_ids(msg.dist_ids.reshape(-1), self.card.vocab_size, msg)
@@ -262,6 +351,7 @@ class Verifier(Server):
         if self.table.close(tag) is not None:
             self.stats.closed += 1
         self.pending.pop(tag, None)
+        self.prefills.pop(tag, None)
         self.engine.close(tag)
         self.scheduler.close(tag)
 
@@ -306,7 +396,7 @@ class Verifier(Server):
                                    p.waiting.deadline)
             session.rounds += 1
             session.committed += len(verdict.tokens)
-            self.table.grew(sid, len(verdict.tokens))
+            self.table.grew(sid, len(verdict.tokens), self.held_bytes(len(verdict.tokens)))
             session.committed_at = done
             st.rounds += 1
             st.accepted += accepted

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import Any
 
 from starhub.options import BUDGET, COUNT, FRACTION, MESSAGE_BYTES, SEED, TREE, TTL
 from starhub.server.limits import VERIFIER_LIMITS, SessionLimits
@@ -31,11 +33,15 @@ class VerifierConfig:
     max_depth: int = 16
     """Deeper trees are refused."""
     ttl_s: float = 120.0
+    peer_grace_s: float = 60.0
+    """A drafter without sessions for this long is forgotten; it sends its card again."""
     limits: SessionLimits = VERIFIER_LIMITS
     max_message_bytes: int = 64 << 20
     seed: int = 0
     gather_fraction: float = 0.5
     """How long, as a fraction of a pass, to wait for proposals about to arrive."""
+    prefill_chunk: int = 0
+    """Prompt tokens prefilled between two passes; 0: as many as take about one pass."""
     security: ServerSecurity = field(default_factory=ServerSecurity)
 
     def __post_init__(self) -> None:
@@ -69,6 +75,22 @@ class DrafterPeer(Peer):
 
 
 @dataclass
+class Prefill:
+    """An OPEN whose prompt is being prefilled, a chunk between two passes."""
+
+    identity: bytes
+    ref: int
+    prompt: list[int]
+    chunks: Generator[None, int, tuple[int, Any]]
+    """``VerifyEngine.open_chunks``: one chunk a step, then the first token and features."""
+    target_tok_s: float
+    left: int
+    """Prompt tokens not yet prefilled."""
+    size: int
+    """The first chunk's size, fixed when the OPEN came."""
+
+
+@dataclass
 class Pending:
     waiting: Waiting
     tree: DraftTree
@@ -85,6 +107,7 @@ class VerifierStats:
     """Time spent waiting for proposals about to arrive, so that they share a pass."""
     prefill_s: float = 0.0
     """Time spent prefilling the prompts of new sessions."""
+    prefill_chunks: int = 0
     rounds: int = 0
     committed: int = 0
     accepted: int = 0

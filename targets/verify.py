@@ -90,17 +90,20 @@ class TargetModel:
     def prefill_chunks(self, prompt: list[int], chunk: int
                        ) -> Generator[None, None, tuple[int, torch.Tensor | None]]:
         """``prefill``, ``chunk`` tokens a forward pass: yields between passes, so that a
-        caller can run other work between them; returns what ``prefill`` returns."""
+        caller can run other work between them; returns what ``prefill`` returns. A caller
+        that ``send``s a number sets the size of the chunks that follow."""
         if len(prompt) <= chunk:
             return self.prefill(prompt)
         feats = []
-        for start in range(0, len(prompt), chunk):
+        start = 0
+        while start < len(prompt):
             with torch.inference_mode():
                 out = self._forward(prompt[start:start + chunk])
                 if self.feature_layers:
                     feats.append(self.features_of(out))
-            if start + chunk < len(prompt):
-                yield
+            start += chunk
+            if start < len(prompt):
+                chunk = (yield) or chunk
         with torch.inference_mode():
             self.last = self.next_token(out.logits[0, -1], len(prompt))
         return self.last, torch.cat(feats) if feats else None

@@ -32,7 +32,7 @@ class HubHarness:
         self.loop.run_until_complete(self._settle())
         replies = []
         while self.hub.outbox:
-            to, reply = self.hub.outbox.popleft()
+            to, reply = self.hub.next_reply()
             assert to == identity
             replies.append(decode(wire(reply)))
         return replies
@@ -79,8 +79,12 @@ class VerifierHarness:
         self.verifier = Verifier.for_model(model, tokenizer, VerifierConfig(**config))
 
     def send(self, identity: bytes, msg: Message | list[bytes]) -> list[Message]:
+        """The message, then every prompt it left to prefill, as the loop does between
+        passes."""
         frames = msg if isinstance(msg, list) else wire(msg)
         self.verifier.on_frames(identity, frames)
+        while self.verifier.prefills:
+            self.verifier.prefill_step()
         return self._drain(identity)
 
     def ask(self, identity: bytes, msg: Message | list[bytes]) -> Message:
@@ -92,10 +96,11 @@ class VerifierHarness:
         return self._drain(identity)
 
     def _drain(self, identity: bytes) -> list[Message]:
-        out = self.verifier.outbox
-        assert all(to == identity for to, _ in out)
-        replies = [decode(wire(reply)) for _, reply in out]
-        out.clear()
+        replies = []
+        while self.verifier.outbox:
+            to, reply = self.verifier.next_reply()
+            assert to == identity
+            replies.append(decode(wire(reply)))
         return replies
 
     def state(self) -> tuple:

@@ -77,8 +77,8 @@ def test_a_flooding_peer_does_not_hold_up_the_hubs_other_sessions(ngram_hub):
     assert isinstance(ask(good, TargetCard(name="good", vocab_size=100)), DrafterCard)
     prop = ask(good, Open(ref=1, prompt_len=4, tokens=np.array([5, 6, 5, 6, 5], np.int32)))
     reply = flood_before(ngram_hub.hub, good, ngram_hub.address,
-                         Commit(tag=prop.tag, seq=prop.seq, accepted=0,
-                                tokens=np.array([6], np.int32)))
+                         Commit(tag=prop.tag, seq=prop.seq, accepted=0,  # no node holds 9
+                                tokens=np.array([9], np.int32)))
     answered = sum(ngram_hub.hub.metrics.errors.values())
     assert isinstance(reply, Propose)
     assert answered < FLOOD, "the round waited for the whole flood"

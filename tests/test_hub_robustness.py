@@ -127,7 +127,10 @@ def test_each_malformed_message_gets_an_error_and_the_hub_keeps_serving(ngram_hu
     tokens = list(REPEATING)
     for _ in range(5):
         accepted = len(prop.tokens) and 1
-        new = [int(prop.tokens[0])] * accepted + [int(np.int32(8))]
+        # the first node, then a token no child of it holds: what walking the tree gives
+        kids = {int(t) for t, p in zip(prop.tokens, prop.parents, strict=True)
+                if p == accepted - 1}
+        new = [int(t) for t in prop.tokens[:accepted]] + [min({8, 9} - kids)]
         good.send(Commit(tag=prop.tag, seq=prop.seq, accepted=accepted,
                          tokens=np.asarray(new, np.int32)))
         tokens += new

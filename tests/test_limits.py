@@ -8,6 +8,7 @@ import pytest
 
 from starhub.cli.main import build_parser
 from starhub.drafters.ngram import NgramDrafter
+from starhub.hub.server import TOKEN_BYTES
 from starhub.server.limits import SessionLimits, limits_from_args
 from starhub.wire.messages import (
     Close,
@@ -83,6 +84,9 @@ def test_total_sessions_are_bounded(make_hub):
 
 
 def commit_plainly(hub: HubHarness, who: bytes, prop: Propose, token: int = 7):
+    """Accept nothing: the one token is the target's own, so no first node may hold it."""
+    roots = {int(t) for t, p in zip(prop.tokens, prop.parents, strict=True) if p < 0}
+    token = next(t for t in range(token, token + 100) if t not in roots)
     return hub.ask(who, Commit(tag=prop.tag, seq=prop.seq, accepted=0,
                                tokens=np.array([token], np.int32)))
 
@@ -100,33 +104,39 @@ def test_a_session_cannot_grow_past_its_limit(make_hub):
     assert hub.hub.table.budget.cached == 0
 
 
-def test_the_cache_bound_holds_over_all_sessions_and_frees_on_close(make_hub):
-    hub = make_hub(max_cache_tokens=20)
-    first = hub.ask(A, opening(10))
-    second = hub.ask(B, opening(10, ref=2))
-    assert hub.hub.table.budget.cached == 20
+def test_the_cache_bound_holds_over_all_sessions_with_fair_shares_and_frees_on_close(make_hub):
+    hub = make_hub(max_cache_mb=1)
+    room = (1 << 20) // TOKEN_BYTES  # tokens the cap holds, without features
+    first = hub.ask(A, opening(room * 48 // 100))  # within a lone peer's half
     before = hub.state()
-    refused(hub.ask(A, opening(2, ref=3)), ErrorCode.REJECTED, "--max-cache-tokens")
-    refused(commit_plainly(hub, B, second), ErrorCode.REJECTED, "--max-cache-tokens")
+    refused(hub.ask(A, opening(room // 10, ref=2)), ErrorCode.REJECTED, "fair share")
+    assert hub.state() == before
+    second = hub.ask(B, opening(room * 30 // 100, ref=3))  # within a third
+    assert isinstance(second, Propose), "a newcomer still finds its share free"
+    before = hub.state()
+    refused(hub.ask(B, opening(room * 30 // 100, ref=4)), ErrorCode.REJECTED, "--max-cache-mb")
+    refused(commit_plainly(hub, A, first), ErrorCode.REJECTED, "--max-cache-mb")
     assert hub.state() == before
     hub.send(A, Close(tag=first.tag))
     assert isinstance(commit_plainly(hub, B, second), Propose)
-    assert hub.hub.table.budget.cached == 11
+    assert hub.hub.table.budget.cached == room * 30 // 100 + 1
+    assert hub.hub.table.budget.held == hub.hub.table.budget.cached * TOKEN_BYTES
 
 
 def test_expired_sessions_give_their_budget_back(make_hub):
     hub = make_hub(max_sessions=1)
     prop = hub.ask(A, opening(4))
     hub.hub.close(prop.tag)  # what housekeeping does at the TTL
-    assert hub.hub.table.budget.snapshot() == {"sessions": 0, "peers": 0, "cached_tokens": 0}
+    assert hub.hub.table.budget.snapshot() == {"sessions": 0, "peers": 0, "cached_tokens": 0,
+                                               "cached_bytes": 0}
     assert isinstance(hub.ask(B, opening(4, ref=2)), Propose)
 
 
 def test_hub_flags_carry_the_limits():
     args = build_parser().parse_args(["hub", "--max-sessions", "7", "--max-sessions-per-peer",
                                       "2", "--max-prompt-tokens", "100", "--max-session-tokens",
-                                      "200", "--max-cache-tokens", "5000"])
-    assert limits_from_args(args) == SessionLimits(7, 2, 100, 200, 5000)
+                                      "200", "--max-cache-mb", "5000", "--max-peers", "9"])
+    assert limits_from_args(args) == SessionLimits(7, 2, 100, 200, 5000, 9)
     assert limits_from_args(build_parser().parse_args(["hub"])) == SessionLimits()
 
 

@@ -109,7 +109,9 @@ def drive_rounds(address: str, rounds: int = 3) -> HubClient:
     reply = client.request(Open(ref=7, prompt_len=7, tokens=prompt), ref=7)
     for _ in range(rounds):
         assert isinstance(reply, Propose)
-        tokens = np.append(reply.tokens[:1], 3).astype(np.int32)
+        # the first node, then a token no child of it holds: what walking the tree gives
+        kids = {int(t) for t, p in zip(reply.tokens, reply.parents, strict=True) if p == 0}
+        tokens = np.append(reply.tokens[:1], min({3, 4} - kids)).astype(np.int32)
         reply = client.request(Commit(tag=reply.tag, seq=reply.seq, accepted=len(tokens) - 1,
                                       tokens=tokens), tag=reply.tag)
     return client

@@ -25,7 +25,7 @@ def _shut_down(harness: HubHarness) -> list:
     harness.loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
     sent = []
     while harness.hub.outbox:
-        sent.append(harness.hub.outbox.popleft()[1])
+        sent.append(harness.hub.next_reply()[1])
     return sent
 
 

@@ -52,6 +52,14 @@ from starhub.wire.tree import accepted_path
 
 log = logging.getLogger("starhub.hub")
 
+TOKEN_BYTES = 1024
+"""What the hub holds per session token besides the features it was sent: the id (in the
+hub and in its drafting process), the lookup index's entries, and the drafting state grown
+from it (the EAGLE head's KV cache). Measured with the embedded model's head: each further
+4,096-token session grew the hub and its drafting process by about 1 kB a token all told,
+its features (1.1 kB a token) being dropped once the head has read them; counting them at
+their size on top covers the time they are held."""
+
 
 class Hub(Server):
     role = "hub"
@@ -146,17 +154,19 @@ class Hub(Server):
         if reason is None and not self.worker.supervisor.healthy:
             reason, retry = self.worker.supervisor.unavailable, self.config.retry_after_s
         elif reason is None:
-            reason = self.control.join(identity, msg.name, msg.step_ms / 1e3, time.monotonic())
+            reason = self.room_for(identity) or self.control.join(
+                identity, msg.name, msg.step_ms / 1e3, time.monotonic())
             retry = self.config.retry_after_s
         if reason is not None:
-            log.log(logging.DEBUG if reason == "saturated" else logging.INFO,
+            log.log(logging.DEBUG if reason.startswith("saturated") else logging.INFO,
                     "rejecting %s (%s): %s", msg.name, peer_name(identity), reason)
             self.reply(identity, Reject(code=int(ErrorCode.REJECTED), reason=reason,
                                         retry_after_s=retry))
             return
         self.metrics.peer(identity, msg.name)
-        self.table.join(TargetPeer(identity=identity, name=msg.name, vocab_size=msg.vocab_size,
-                                   hidden_size=msg.hidden_size, num_layers=msg.num_layers))
+        self.table.join(TargetPeer(identity=identity, principal=self.principal, name=msg.name,
+                                   vocab_size=msg.vocab_size, hidden_size=msg.hidden_size,
+                                   num_layers=msg.num_layers))
         log.info("target %s (%s) joined; %d admitted", msg.name, peer_name(identity),
                  len(self.table.peers))
         self.reply(identity, self.drafter_card())
@@ -173,14 +183,12 @@ class Hub(Server):
         self.table.close(tag)
         self.control.close(tag)
 
-    def free_idle_slots(self) -> None:
-        """A peer whose last session ended a grace period ago gives its slot back."""
-        for identity in self.table.idle_peers(self.config.peer_grace_s):
-            peer = self.table.peers.pop(identity)
-            self.control.leave(identity)
-            self.metrics.forget(identity)
-            log.info("target %s (%s) left; %d admitted", peer.name, peer_name(identity),
-                     len(self.table.peers))
+    def forgot(self, peer: TargetPeer, why: str) -> None:
+        """A target the table let go gives its admission slot back."""
+        self.control.leave(peer.identity)
+        self.metrics.forget(peer.identity)
+        log.info("target %s (%s) left (%s); %d admitted", peer.name, peer_name(peer.identity),
+                 why, len(self.table.peers))
 
     def _check_payload(self, peer: TargetPeer, msg: Open | Commit) -> None:
         """Token ids in the target's vocabulary; features where the drafter needs them."""
@@ -195,18 +203,25 @@ class Hub(Server):
                                 f"wide, got {msg.features.shape[1]}", tag=msg.tag,
                                 ref=getattr(msg, "ref", 0))
 
+    def held_bytes(self, msg: Open | Commit) -> int:
+        """What an OPEN or COMMIT makes the hub hold: each token at ``TOKEN_BYTES``, and the
+        features at their real size where the drafter keeps them."""
+        feats = msg.features if self.drafter.feature_layers else None
+        return len(msg.tokens) * TOKEN_BYTES + (feats.nbytes if feats is not None else 0)
+
     def handle_open(self, identity: bytes, msg: Open) -> None:
         peer = self.table.peer(identity, msg, "TARGET_CARD")
         if not self.worker.supervisor.healthy:
             raise ProtocolError(ErrorCode.REJECTED, self.worker.supervisor.unavailable,
                                 ref=msg.ref)
-        self.table.check_open(identity, len(msg.tokens), msg.ref)
+        self.table.check_open(identity, len(msg.tokens), self.held_bytes(msg), msg.ref)
         self._check_payload(peer, msg)
         keep = msg.features is not None and self.drafter.feature_layers
         ctx = DraftContext(tokens=msg.tokens.tolist(), temperature=msg.temperature,
                            features=[msg.features] if keep else [], seed=msg.seed)
         session = self.table.add(DraftSession(tag=self.table.new_tag(), owner=identity, ctx=ctx,
-                                              prompt_len=msg.prompt_len), len(msg.tokens))
+                                              prompt_len=msg.prompt_len), len(msg.tokens),
+                                 self.held_bytes(msg))
         self.control.open(session.tag, identity, msg.step_ms / 1e3)
         self.metrics.sessions_opened += 1
         self.enqueue(identity, session, msg.ref)
@@ -223,17 +238,14 @@ class Hub(Server):
             raise ProtocolError(ErrorCode.BAD_FIELD,
                                 f"COMMIT after a plain round of {plain} tokens carries "
                                 f"{len(msg.tokens)} with {msg.accepted} accepted", tag=msg.tag)
-        if not plain and (msg.accepted > session.last_tree_size
-                          or len(msg.tokens) != msg.accepted + 1):
-            raise ProtocolError(ErrorCode.BAD_FIELD,
-                                f"COMMIT accepts {msg.accepted} nodes of a "
-                                f"{session.last_tree_size}-node tree with {len(msg.tokens)} "
-                                f"tokens", tag=msg.tag)
+        if not plain:
+            self._check_accepted(session, msg)
         self._check_payload(peer, msg)
-        self.table.check_grow(session.tag, len(msg.tokens))
+        held = self.held_bytes(msg)
+        self.table.check_grow(session.tag, len(msg.tokens), held)
         now = time.monotonic()
         session.ctx.tokens.extend(msg.tokens.tolist())
-        self.table.grew(session.tag, len(msg.tokens))
+        self.table.grew(session.tag, len(msg.tokens), held)
         if msg.features is not None and self.drafter.feature_layers:
             session.ctx.features.append(msg.features)  # the drafting thread copies it
         session.seq += 1
@@ -244,6 +256,22 @@ class Hub(Server):
         self.metrics.committed(msg.accepted, len(msg.tokens), identity, plain=bool(plain),
                                looked_up=self._looked_up(session, msg))
         self.enqueue(identity, session, 0, tuple(msg.tokens.tolist()))
+
+    @staticmethod
+    def _check_accepted(session: DraftSession, msg: Commit) -> None:
+        """A tree's COMMIT must be what walking that tree gives: its tokens follow
+        ``accepted`` nodes from the root, then one token that no child there holds (the
+        target's own). The count the controller learns acceptance from is then the hub's
+        own, not the target's word."""
+        tree = session.out_tree
+        path = accepted_path(tree.tokens, tree.parents, msg.tokens) if tree is not None else []
+        if len(path) != msg.accepted or len(msg.tokens) != msg.accepted + 1:
+            raise ProtocolError(ErrorCode.BAD_FIELD,
+                                f"COMMIT says {msg.accepted} of the {session.last_tree_size} "
+                                f"nodes were accepted, but its {len(msg.tokens)} tokens walk "
+                                f"{len(path)} nodes down the tree (a COMMIT carries the "
+                                f"accepted path, then one token no child there holds)",
+                                tag=msg.tag)
 
     @staticmethod
     def _looked_up(session: DraftSession, msg: Commit) -> int | None:
@@ -278,7 +306,7 @@ class Hub(Server):
     def housekeeping(self) -> None:
         """Release sessions idle past their TTL; log a one-line summary now and then."""
         self.metrics.sessions_expired += self.expire()
-        self.free_idle_slots()
+        self.drop_idle_peers(self.config.peer_grace_s)
         now = time.monotonic()
         if self.config.log_every_s and now - self._last_log >= self.config.log_every_s:
             self._last_log = now

@@ -1,11 +1,18 @@
-"""What a peer may make a server hold: sessions, their lengths, the tokens cached across
-all of them, and the size and depth of the trees it sends.
+"""What a peer may make a server hold: sessions, their lengths, the bytes cached across all
+of them, and the size and depth of the trees it sends.
 
 Servers (the hub, the edge verifier) ask ``SessionBudget``, through their session table
 (``starhub.server.sessions``), before they change anything, and tell it afterwards, so a
 message past a limit is refused with a reason and changes no state. Each limit is a
 command-line flag (``add_limit_args``); nothing here imports torch, so ``starhub --help``
 stays fast.
+
+Budgets are kept per principal: the CURVE key a connection authenticated with, or the
+connection itself where there is none, so that a second connection with the same key gets
+no fresh allowance. Over all principals, sessions and cached bytes have a global cap with
+fair shares (``fair_share``): a principal may always hold its share, the cap divided among
+the principals holding something plus one for a newcomer, and more only while at least a
+share stays free, so nobody can take the whole cache from those who come after.
 """
 
 from __future__ import annotations
@@ -28,31 +35,36 @@ class SessionLimits:
     """Tokens an OPEN may carry (the prompt plus the first token)."""
     max_session_tokens: int = 65536
     """Tokens one session may grow to, prompt included."""
-    max_cache_tokens: int = 1 << 20
-    """Tokens held over all sessions. Everything a server caches per session (token ids,
-    features, the drafter's or target's KV cache) grows with them, so this bounds its
-    memory: about 2 GB with the shipped EAGLE head in bfloat16, whose features and KV
-    take ~2 kB a token (4 kB in float32)."""
+    max_cache_mb: int = 2048
+    """Megabytes (MiB) held for sessions over all of them: each token at the server's price
+    for it (the hub's ids, lookup index and draft head KV; the verifier's target KV cache)
+    plus the features it was sent, at their real size."""
+    max_peers: int = 1024
+    """Peers (connections that sent their card) known at once; past it the one idle the
+    longest is forgotten to make room, and with none idle the card is refused."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             POSITIVE.check(getattr(self, f.name), f"{f.name} (--{f.name.replace('_', '-')})")
 
 
-VERIFIER_LIMITS = SessionLimits(max_sessions=256, max_cache_tokens=1 << 18)
+VERIFIER_LIMITS = SessionLimits(max_sessions=256, max_cache_mb=12288)
 """The verifier holds a full target KV cache per token (about 46 kB a token for the
-embedded model in float32), so it caches fewer tokens by default."""
+embedded model in float32): 12 GiB is about 270,000 of its tokens."""
 
 _HELP = {
     "max_sessions": "sessions open at once, over all peers; past it OPEN gets ERROR "
                     "(REJECTED)",
     "max_sessions_per_peer": "sessions one peer may hold at once",
+    "max_peers": "peers (connections that sent their card) known at once; past it the one "
+                 "idle the longest is forgotten, and with none idle the card gets REJECTED",
     "max_prompt_tokens": "the longest prompt an OPEN may carry; longer ones get ERROR "
                          "(TOO_LARGE)",
     "max_session_tokens": "the most tokens one session may grow to, prompt included",
-    "max_cache_tokens": "tokens cached over all sessions; the memory held for sessions "
-                        "(ids, features, KV caches) grows with them. Past it OPEN and "
-                        "COMMIT get ERROR (REJECTED)",
+    "max_cache_mb": "MiB held for sessions over all peers: each token at the server's "
+                    "price for it (ids, KV caches) plus its features at their real size. "
+                    "Each peer may hold a fair share; past it, or past the cap, OPEN, "
+                    "PROPOSE and COMMIT get ERROR (REJECTED)",
 }
 
 
@@ -69,8 +81,21 @@ def limits_from_args(args: argparse.Namespace) -> SessionLimits:
     return SessionLimits(**{f.name: getattr(args, f.name) for f in fields(SessionLimits)})
 
 
+def fair_share(held: int, want: int, total: int, cap: int, holders: int) -> str | None:
+    """Whether a principal holding ``held`` of ``total`` (over ``holders`` principals, itself
+    counted) may take ``want`` more of ``cap``: None, or what stops it ("full": the cap;
+    "share": past its fair share while less than a share would stay free)."""
+    if total + want > cap:
+        return "full"
+    share = cap // (holders + 1)
+    if held + want <= share or cap - (total + want) >= share:
+        return None
+    return "share"
+
+
 class SessionBudget:
-    """The sessions a server holds, per peer and in all, and their cached tokens.
+    """The sessions a server holds, per principal and in all, and the tokens and bytes they
+    cache.
 
     ``check_*`` raise ``ProtocolError`` with the reason and change nothing; ``opened``,
     ``grew`` and ``closed`` record what the server then did.
@@ -78,68 +103,109 @@ class SessionBudget:
 
     def __init__(self, limits: SessionLimits):
         self.limits = limits
+        self.cap = limits.max_cache_mb << 20
         self.per_peer: Counter[bytes] = Counter()
+        """Sessions per principal."""
+        self.bytes_of: Counter[bytes] = Counter()
+        """Bytes per principal."""
         self.owner: dict[int, bytes] = {}
+        """Each session's principal."""
         self.tokens: dict[int, int] = {}
+        self.bytes: dict[int, int] = {}
         self.cached = 0
+        """Tokens over all sessions."""
+        self.held = 0
+        """Bytes over all sessions."""
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def check_open(self, peer: bytes, tokens: int, ref: int = 0) -> None:
+    def check_open(self, principal: bytes, tokens: int, nbytes: int, ref: int = 0) -> None:
         lim = self.limits
         if tokens > lim.max_prompt_tokens:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"a prompt of {tokens} tokens exceeds "
                                 f"the limit of {lim.max_prompt_tokens} (--max-prompt-tokens)",
                                 ref=ref)
-        if len(self.tokens) >= lim.max_sessions:
+        if self.per_peer[principal] >= lim.max_sessions_per_peer:
+            raise ProtocolError(ErrorCode.REJECTED, f"this peer holds "
+                                f"{self.per_peer[principal]} sessions, the limit is "
+                                f"{lim.max_sessions_per_peer} (--max-sessions-per-peer)",
+                                ref=ref)
+        held = self.per_peer[principal]
+        why = fair_share(held, 1, len(self.tokens), lim.max_sessions,
+                         len(self.per_peer) + (principal not in self.per_peer))
+        if why == "full":
             raise ProtocolError(ErrorCode.REJECTED, f"saturated: {len(self.tokens)} sessions "
                                 f"open, the limit is {lim.max_sessions} (--max-sessions)",
                                 ref=ref)
-        if self.per_peer[peer] >= lim.max_sessions_per_peer:
-            raise ProtocolError(ErrorCode.REJECTED, f"this peer holds {self.per_peer[peer]} "
-                                f"sessions, the limit is {lim.max_sessions_per_peer} "
-                                f"(--max-sessions-per-peer)", ref=ref)
-        self._check_cache(tokens, 0, ref)
+        if why == "share":
+            raise ProtocolError(ErrorCode.REJECTED, f"this peer holds {held} of the "
+                                f"{len(self.tokens)} sessions open, past its fair share of "
+                                f"the {lim.max_sessions} (--max-sessions)", ref=ref)
+        self._check_bytes(principal, nbytes, 0, ref)
 
-    def check_grow(self, tag: int, tokens: int) -> None:
+    def check_grow(self, tag: int, tokens: int, nbytes: int) -> None:
         held = self.tokens.get(tag, 0)
         if held + tokens > self.limits.max_session_tokens:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"the session would hold {held + tokens} "
                                 f"tokens, the limit is {self.limits.max_session_tokens} "
                                 f"(--max-session-tokens)", tag=tag)
-        self._check_cache(tokens, tag, 0)
+        if tag in self.owner:
+            self._check_bytes(self.owner[tag], nbytes, tag, 0)
 
-    def _check_cache(self, tokens: int, tag: int, ref: int) -> None:
-        if self.cached + tokens > self.limits.max_cache_tokens:
-            raise ProtocolError(ErrorCode.REJECTED, f"cache full: sessions hold {self.cached} "
-                                f"tokens, the limit is {self.limits.max_cache_tokens} "
-                                f"(--max-cache-tokens)", tag=tag, ref=ref)
+    def _check_bytes(self, principal: bytes, nbytes: int, tag: int, ref: int) -> None:
+        held = self.bytes_of[principal]
+        why = fair_share(held, nbytes, self.held, self.cap,
+                         len(self.bytes_of) + (principal not in self.bytes_of))
+        if why == "full":
+            raise ProtocolError(ErrorCode.REJECTED, f"cache full: sessions hold "
+                                f"{_mib(self.held)}, {_mib(nbytes)} more would pass the limit "
+                                f"of {self.limits.max_cache_mb} MiB (--max-cache-mb)",
+                                tag=tag, ref=ref)
+        if why == "share":
+            raise ProtocolError(ErrorCode.REJECTED, f"this peer holds {_mib(held)} of the "
+                                f"{_mib(self.held)} cached, past its fair share of the "
+                                f"{self.limits.max_cache_mb} MiB (--max-cache-mb)",
+                                tag=tag, ref=ref)
 
-    def opened(self, tag: int, peer: bytes, tokens: int) -> None:
-        self.owner[tag] = peer
-        self.per_peer[peer] += 1
+    def opened(self, tag: int, principal: bytes, tokens: int, nbytes: int) -> None:
+        self.owner[tag] = principal
+        self.per_peer[principal] += 1
         self.tokens[tag] = tokens
+        self.bytes[tag] = nbytes
+        self.bytes_of[principal] += nbytes
         self.cached += tokens
+        self.held += nbytes
 
-    def grew(self, tag: int, tokens: int) -> None:
+    def grew(self, tag: int, tokens: int, nbytes: int) -> None:
         if tag in self.tokens:
             self.tokens[tag] += tokens
+            self.bytes[tag] += nbytes
+            self.bytes_of[self.owner[tag]] += nbytes
             self.cached += tokens
+            self.held += nbytes
 
     def closed(self, tag: int) -> None:
         """Forget a session; unknown tags (closed twice) are ignored."""
         if tag not in self.tokens:
             return
         self.cached -= self.tokens.pop(tag)
-        peer = self.owner.pop(tag)
-        self.per_peer[peer] -= 1
-        if not self.per_peer[peer]:
-            del self.per_peer[peer]
+        nbytes = self.bytes.pop(tag)
+        self.held -= nbytes
+        principal = self.owner.pop(tag)
+        self.per_peer[principal] -= 1
+        self.bytes_of[principal] -= nbytes
+        if not self.per_peer[principal]:
+            del self.per_peer[principal]
+            del self.bytes_of[principal]
 
     def snapshot(self) -> dict:
         return {"sessions": len(self.tokens), "peers": len(self.per_peer),
-                "cached_tokens": self.cached}
+                "cached_tokens": self.cached, "cached_bytes": self.held}
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def check_tree(parents, max_nodes: int, max_depth: int, tag: int = 0) -> None:

@@ -18,9 +18,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
 
+import numpy as np
+import torch
 import zmq
 import zmq.asyncio
 
+from starhub.server.limits import fair_share
 from starhub.server.sessions import SessionTable
 from starhub.wire.codec import Limits, configure_socket, decode, encode, error_for
 from starhub.wire.messages import Error, ErrorCode, Message, ProtocolError
@@ -34,6 +37,14 @@ BAD_INPUT_TOTAL = 50
 """Bad messages logged in one window: from one peer, and from all peers together."""
 BAD_INPUT_PEERS = 4096
 """Peers counted one by one in a window; more than that all count as over their share."""
+QUEUED_PER_PEER = 256
+"""Replies waiting in the outbox for one peer at most; past it (or past its bytes, twice
+the message cap) further replies to that peer are dropped and counted (``QUEUE_FULL``)."""
+QUEUED_MESSAGES = 8
+"""The outbox's bytes over all peers: this many times the message cap at most, with fair
+shares; a peer with nothing queued always gets its reply in."""
+HEADER_BYTES = 256
+"""What a reply costs in the outbox besides its arrays (a generous header)."""
 
 
 class BadInputLog:
@@ -99,6 +110,13 @@ class Server:
         self.errors = errors
         """ERROR replies by code, where the server counts them."""
         self.outbox: collections.deque[tuple[bytes, Message]] = collections.deque()
+        self.queued: Counter[bytes] = Counter()
+        self.queued_bytes: Counter[bytes] = Counter()
+        """Replies in the outbox per peer, and their bytes (``reply_bytes``)."""
+        self.queued_total = 0
+        self.principal = b""
+        """Whom the message being handled counts against: its sender's CURVE key, or its
+        connection (``principal_of``)."""
         self._outgoing = asyncio.Event()
         self.arrived = asyncio.Event()
         """Set after each message the receiver takes."""
@@ -113,6 +131,28 @@ class Server:
     def close(self, tag: int) -> None:
         """Forget session ``tag`` (the table's entry and whatever the server holds for it)."""
         raise NotImplementedError
+
+    def forgot(self, peer, why: str) -> None:
+        """A peer the table no longer holds (idle past its grace, or pushed out to make
+        room): whatever else the server keeps for it goes too."""
+        self.log.info("%s forgotten (%s); %d peers", peer_name(peer.identity), why,
+                      len(self.table.peers))
+
+    def room_for(self, identity: bytes) -> str | None:
+        """Before a card joins the table: room for one more peer (``SessionTable.make_room``),
+        or why there is none."""
+        try:
+            gone = self.table.make_room(identity, self.principal)
+        except ProtocolError as exc:
+            return exc.message
+        for peer in gone:
+            self.forgot(peer, "idle the longest, to make room")
+        return None
+
+    def drop_idle_peers(self, grace_s: float) -> None:
+        """Forget the peers that have held no session for ``grace_s``."""
+        for peer in self.table.drop_idle(grace_s):
+            self.forgot(peer, f"no session for {grace_s:g}s")
 
     def housekeeping(self) -> None:
         """Every ``sweep_s``: expire sessions, free slots, log."""
@@ -130,6 +170,7 @@ class Server:
     # -- messages -----------------------------------------------------------------------
     def on_frames(self, identity: bytes, frames: list) -> None:
         """Decode and route one message; whatever is wrong with it becomes an ERROR reply."""
+        self.principal = principal_of(identity, frames)
         try:
             self.handle(identity, decode(frames, self.limits))
         except ProtocolError as exc:
@@ -145,8 +186,35 @@ class Server:
                                        message=f"internal error; see the {self.role}'s log"))
 
     def reply(self, identity: bytes, msg: Message) -> None:
+        """Queue ``msg`` for ``identity``, unless that peer already has its share of the
+        outbox waiting (then it is dropped, counted and logged at a bounded rate)."""
+        size = reply_bytes(msg)
+        held = self.queued_bytes[identity]
+        cap = QUEUED_MESSAGES * self.limits.max_message_bytes
+        if held and (self.queued[identity] >= QUEUED_PER_PEER
+                     or held + size > 2 * self.limits.max_message_bytes
+                     or fair_share(held, size, self.queued_total, cap, len(self.queued))):
+            self.errors["QUEUE_FULL"] += 1
+            self.bad_input.record(identity, logging.WARNING, "dropped a %s for %s: %d replies "
+                                  "(%d bytes) wait for it already", msg.TYPE,
+                                  peer_name(identity), self.queued[identity], held)
+            return
         self.outbox.append((identity, msg))
+        self.queued[identity] += 1
+        self.queued_bytes[identity] += size
+        self.queued_total += size
         self._outgoing.set()
+
+    def next_reply(self) -> tuple[bytes, Message]:
+        """Take the oldest reply from the outbox (the sender, or a test in its place)."""
+        identity, msg = self.outbox.popleft()
+        size = reply_bytes(msg)
+        self.queued_total -= size
+        self.queued_bytes[identity] -= size
+        self.queued[identity] -= 1
+        if not self.queued[identity]:
+            del self.queued[identity], self.queued_bytes[identity]
+        return identity, msg
 
     # -- the loop -----------------------------------------------------------------------
     def bind(self, address: str, security: ServerSecurity) -> tuple[zmq.asyncio.Socket,
@@ -198,7 +266,7 @@ class Server:
             while not self.outbox:
                 self._outgoing.clear()
                 await self._outgoing.wait()
-            identity, msg = self.outbox.popleft()
+            identity, msg = self.next_reply()
             try:
                 await sock.send_multipart([identity, *encode(msg)], copy=False)
             except zmq.ZMQError as exc:
@@ -215,6 +283,28 @@ class Server:
 async def _until(stop: Callable[[], bool]) -> None:
     while not stop():
         await asyncio.sleep(STOP_POLL_S)
+
+
+def principal_of(identity: bytes, frames: list) -> bytes:
+    """Whom a message counts against: the CURVE key its connection authenticated with (the
+    ZAP User-Id on its frames: ``starhub.wire.security``), else the connection itself."""
+    try:
+        user = frames[-1].get("User-Id")
+    except (AttributeError, IndexError, zmq.ZMQError):  # no CURVE (or no frames): none
+        return identity
+    return b"key:" + user.encode() if user else identity
+
+
+def reply_bytes(msg: Message) -> int:
+    """What a reply holds in the outbox: its arrays' bytes and a header."""
+    size = HEADER_BYTES
+    for name in msg.__struct_fields__:
+        value = getattr(msg, name)
+        if isinstance(value, np.ndarray):
+            size += value.nbytes
+        elif isinstance(value, torch.Tensor):
+            size += value.numel() * value.element_size()
+    return size
 
 
 def peer_name(identity: bytes) -> str:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from starhub.server.limits import SessionBudget, SessionLimits
+from starhub.server.limits import SessionBudget, SessionLimits, fair_share
 from starhub.wire.messages import ErrorCode, Message, ProtocolError
 
 
@@ -32,6 +32,10 @@ class Session:
 @dataclass(kw_only=True)
 class Peer:
     identity: bytes
+    """The connection: where replies go."""
+    principal: bytes = b""
+    """Whom its budgets count against: its CURVE key, or (empty) the connection itself
+    (``starhub.server.loop.principal_of``)."""
     sessions: set[int] = field(default_factory=set)
     idle_since: float | None = field(default_factory=time.monotonic)
     """Since when the peer holds no session; its admission slot frees after a grace."""
@@ -59,6 +63,7 @@ class SessionTable(Generic[S, P]):
     # -- peers ------------------------------------------------------------------------
     def join(self, peer: P) -> None:
         """Add (or refresh) a peer, keeping the sessions it already holds."""
+        peer.principal = peer.principal or peer.identity
         known = self.peers.get(peer.identity)
         if known is not None:
             peer.sessions, peer.idle_since = known.sessions, known.idle_since
@@ -78,10 +83,44 @@ class SessionTable(Generic[S, P]):
         return [i for i, p in self.peers.items()
                 if p.idle_since is not None and now - p.idle_since > grace_s]
 
+    def drop_idle(self, grace_s: float, now: float | None = None) -> list[P]:
+        """Forget the peers that have held no session for ``grace_s``; they send their
+        card again when they come back."""
+        return [self.peers.pop(i) for i in self.idle_peers(grace_s, now)]
+
+    def make_room(self, identity: bytes, principal: bytes = b"", ref: int = 0) -> list[P]:
+        """Before ``join``: a new peer past ``max_peers`` first pushes out the one idle the
+        longest (returned, forgotten); with every peer holding sessions it is refused, and
+        so is a principal (a CURVE key) past its fair share of the table."""
+        limit = self.budget.limits.max_peers
+        if identity in self.peers:
+            return []
+        principal = principal or identity
+        mine = sum(p.principal == principal for p in self.peers.values())
+        holders = len({p.principal for p in self.peers.values()} | {principal})
+        if fair_share(mine, 1, len(self.peers), limit, holders) == "share":
+            raise ProtocolError(ErrorCode.REJECTED, f"this key holds {mine} of the "
+                                f"{len(self.peers)} peers known, past its fair share of the "
+                                f"{limit} (--max-peers)", ref=ref)
+        if len(self.peers) < limit:
+            return []
+        idle = [p for p in self.peers.values() if p.idle_since is not None]
+        if not idle:
+            raise ProtocolError(ErrorCode.REJECTED, f"saturated: {len(self.peers)} peers hold "
+                                f"sessions, the limit is {limit} (--max-peers)", ref=ref)
+        oldest = min(idle, key=lambda p: p.idle_since)
+        return [self.peers.pop(oldest.identity)]
+
     # -- sessions ---------------------------------------------------------------------
-    def check_open(self, identity: bytes, tokens: int, ref: int = 0) -> None:
-        """Refuse, changing nothing, an OPEN of ``tokens`` that the budget cannot hold."""
-        self.budget.check_open(identity, tokens, ref)
+    def principal(self, identity: bytes) -> bytes:
+        """Whom a peer's budgets count against (``Peer.principal``)."""
+        peer = self.peers.get(identity)
+        return peer.principal if peer is not None else identity
+
+    def check_open(self, identity: bytes, tokens: int, nbytes: int, ref: int = 0) -> None:
+        """Refuse, changing nothing, an OPEN of ``tokens`` taking ``nbytes`` that the budget
+        cannot hold."""
+        self.budget.check_open(self.principal(identity), tokens, nbytes, ref)
 
     def new_tag(self) -> int:
         """A fresh random tag: 62 bits, never 0, none in use."""
@@ -90,10 +129,11 @@ class SessionTable(Generic[S, P]):
             tag = secrets.randbits(62) or 1
         return tag
 
-    def add(self, session: S, tokens: int) -> S:
-        """Hold ``session`` (made with ``new_tag``), counting ``tokens`` against the budget."""
+    def add(self, session: S, tokens: int, nbytes: int) -> S:
+        """Hold ``session`` (made with ``new_tag``), counting ``tokens`` and ``nbytes``
+        against the budget."""
         self.sessions[session.tag] = session
-        self.budget.opened(session.tag, session.owner, tokens)
+        self.budget.opened(session.tag, self.principal(session.owner), tokens, nbytes)
         peer = self.peers.get(session.owner)
         if peer is not None:
             peer.sessions.add(session.tag)
@@ -117,12 +157,13 @@ class SessionTable(Generic[S, P]):
         session.last_seen = time.monotonic()
         return session
 
-    def check_grow(self, tag: int, tokens: int) -> None:
-        """Refuse, changing nothing, ``tokens`` more for a session past its budget."""
-        self.budget.check_grow(tag, tokens)
+    def check_grow(self, tag: int, tokens: int, nbytes: int) -> None:
+        """Refuse, changing nothing, ``tokens`` (``nbytes``) more for a session past its
+        budget."""
+        self.budget.check_grow(tag, tokens, nbytes)
 
-    def grew(self, tag: int, tokens: int) -> None:
-        self.budget.grew(tag, tokens)
+    def grew(self, tag: int, tokens: int, nbytes: int) -> None:
+        self.budget.grew(tag, tokens, nbytes)
 
     def close(self, tag: int) -> S | None:
         """Forget a session (None if it was not held: closed twice is fine)."""
