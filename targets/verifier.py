@@ -247,7 +247,7 @@ class Verifier(Server):
         check_ids(msg.tokens, self.card.vocab_size, msg)
         prompt = msg.tokens.tolist()
         tag = self.table.new_tag()
-        size = self._chunk_now()
+        size = self._chunk_now(identity)
         chunks = self.engine.open_chunks(tag, prompt, size,
                                          Sampling(msg.temperature, msg.top_p), msg.seed,
                                          list(peer.card.feature_layers))
@@ -300,12 +300,13 @@ class Verifier(Server):
             tokens=torch.tensor([*job.prompt, first], dtype=torch.int32),
             features=self._half(feats)))
 
-    def _chunk_now(self) -> int:
-        """The next prefill chunk's tokens: about a pass's worth while other sessions may
-        wait for passes, the most while every session is still prefilling (nobody waits)."""
+    def _chunk_now(self, opening: bytes = b"") -> int:
+        """The next prefill chunk's tokens: about a pass's worth while another drafter may
+        wait for passes (one between two prompts too), the most while every drafter the
+        verifier knows is waiting for its own prefill (``opening``: one whose OPEN came)."""
         if self.config.prefill_chunk:
             return self.config.prefill_chunk
-        if len(self.table.sessions) <= len(self.prefills):
+        if set(self.table.peers) <= {opening, *(job.identity for job in self.prefills.values())}:
             return PREFILL_CHUNK[2]
         return self.chunk
 
