@@ -145,3 +145,15 @@ def test_opened_carries_a_session_start_with_the_rules_of_open():
     with pytest.raises(ProtocolError) as info:
         roundtrip(Opened(tag=3, budget=MAX_TREE_NODES + 1, tokens=np.arange(2, dtype=np.int32)))
     assert info.value.code == ErrorCode.BAD_FIELD
+
+
+def test_a_closed_connection_reports_the_link_down_instead_of_raising_zmq_errors():
+    from starhub.client.connection import HubClient, HubUnavailable
+    from starhub.wire.messages import Ping
+
+    client = HubClient("tcp://127.0.0.1:9", timeout_s=0.1)
+    client.close()
+    with pytest.raises(HubUnavailable):
+        client.send(Ping(nonce=1))
+    with pytest.raises(HubUnavailable):
+        client.recv(0)

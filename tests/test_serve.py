@@ -186,3 +186,69 @@ def test_a_body_past_the_size_limit_is_refused_with_413(stack):
     assert resp.status == 413 and b"larger than" in resp.read()
     conn.close()
     assert health(url)["status"] == "ok"
+
+
+def test_a_chat_prompt_longer_than_the_context_is_a_400_even_without_max_tokens(stack):
+    url, _, name = stack
+    code, reply, _ = post(url, "/v1/chat/completions", {
+        "model": name, "messages": [{"role": "user", "content": "hello " * 2100}]})
+    assert code == 400 and "context" in reply["error"]["message"]
+
+
+def test_a_stream_whose_client_leaves_before_any_byte_gives_its_place_back(stack):
+    url, _, name = stack
+    parts = urllib.parse.urlsplit(url)
+    for _ in range(4):  # twice --max-concurrency: a leak would leave no room
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": name, "messages": [{"role": "user", "content": "hi"}],
+             "max_tokens": 200, "stream": True}), {"Content-Type": "application/json"})
+        conn.close()
+    assert wait_until(lambda: health(url)["inflight"] == 0, 20)
+    code, _, _ = post(url, "/v1/completions", {"model": name, "prompt": "x", "max_tokens": 2})
+    assert code == 200
+
+
+def test_streamed_text_ends_with_the_decoding_of_every_id_even_a_split_character(tokenizer):
+    from targets.serve.text import TextStream
+
+    ids = tokenizer("sea 🙂🙂", add_special_tokens=False)["input_ids"][:-1]
+    stream = TextStream(tokenizer)
+    pieces = [stream.push([i]) for i in ids] + [stream.flush()]
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_the_earliest_of_several_stop_strings_ends_the_text(tokenizer):
+    from targets.serve.text import TextStream
+
+    ids = tokenizer("one two three four", add_special_tokens=False)["input_ids"]
+    stream = TextStream(tokenizer, stops=["four", "two"])
+    text = "".join(stream.push([i]) for i in ids) + stream.flush()
+    assert stream.stopped and text == "one "
+
+
+def test_an_engine_that_fails_fails_every_request_and_refuses_new_ones(tiny_model):
+    import queue as queues
+
+    from targets.serve.batcher import Batcher, Request
+
+    model, tokenizer = tiny_model
+    batcher = Batcher(model, tokenizer)
+
+    def broken(work):
+        raise MemoryError("out of memory in a pass")
+
+    batcher.engine.verify = broken  # a fault inside a forward pass
+    events: queues.SimpleQueue = queues.SimpleQueue()
+    batcher.start()
+    try:
+        batcher.submit(Request(prompt=[1, 2, 3], max_tokens=8, sink=events.put))
+        last = events.get(timeout=30)
+        while not last.done:
+            last = events.get(timeout=30)
+        assert last.done == "error" and "out of memory" in last.error
+        assert "MemoryError" in batcher.failed
+        batcher.submit(Request(prompt=[1, 2], max_tokens=4, sink=events.put))
+        assert events.get(timeout=5).done == "error"
+    finally:
+        batcher.stop()

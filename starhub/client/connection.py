@@ -76,13 +76,20 @@ class Connection:
             raise self.down(f"cannot send to the {self.server} at {self.address}: it refused "
                             f"the connection (are this {self.role}'s CURVE keys allowed?)"
                             ) from None
+        except zmq.ZMQError as exc:  # e.g. the connection was closed meanwhile
+            raise self.down(f"cannot send to the {self.server} at {self.address}: {exc}") \
+                from None
 
     def recv(self, timeout_s: float | None = None) -> Message:
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        if not self.sock.poll(int(timeout * 1000)):
-            raise self.down(f"no reply from the {self.server} at {self.address} within "
-                            f"{timeout:.3g}s")
-        frames = self.sock.recv_multipart(copy=False)
+        try:
+            if not self.sock.poll(int(timeout * 1000)):
+                raise self.down(f"no reply from the {self.server} at {self.address} within "
+                                f"{timeout:.3g}s")
+            frames = self.sock.recv_multipart(copy=False)
+        except zmq.ZMQError as exc:  # e.g. the connection was closed meanwhile
+            raise self.down(f"cannot read from the {self.server} at {self.address}: {exc}") \
+                from None
         try:
             return decode(frames, self.limits)
         except ProtocolError as exc:

@@ -59,7 +59,7 @@ class OpenAIServer:
 
     @property
     def shutting_down(self) -> bool:
-        return self.stopping()
+        return self.stopping() or bool(self.batcher.failed)
 
     # -- the app ----------------------------------------------------------------------
     def app(self) -> FastAPI:
@@ -82,7 +82,9 @@ class OpenAIServer:
 
     async def health(self) -> JSONResponse:
         s = self.batcher.stats
-        body = {"status": "shutting_down" if self.shutting_down else "ok",
+        status = "failed" if self.batcher.failed else "shutting_down" if self.stopping() \
+            else "ok"
+        body = {"status": status, "error": self.batcher.failed or None,
                 "model": self.model_name, "hub": self.batcher.hub,
                 "hub_connected": self.batcher.hub_connected, "running": s.running,
                 "waiting": s.waiting, "inflight": self.inflight,
@@ -116,11 +118,17 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
-        ids = encode_prompt(self.tokenizer, body.conversation(), self.chat_template)
+        try:
+            ids = encode_prompt(self.tokenizer, body.conversation(), self.chat_template)
+        except Exception as exc:  # the model's chat template refuses this conversation
+            raise OpenAIError(400, f"messages: the chat template refused them: {exc}",
+                              "messages") from None
         return await self._respond(request, body, ids, body.limit, chat=True)
 
     # -- one request ------------------------------------------------------------------
     async def _parse(self, request: Request, schema: type[SamplingRequest]) -> SamplingRequest:
+        if self.batcher.failed:
+            raise OpenAIError(503, f"the server cannot serve: {self.batcher.failed}")
         if self.shutting_down:
             raise OpenAIError(503, "the server is shutting down", retry_after_s=5)
         try:
@@ -147,6 +155,9 @@ class OpenAIServer:
         if not ids:
             raise OpenAIError(400, "the prompt is empty", "prompt" if not chat else "messages")
         room = self.context_len - len(ids)
+        if room < 1:
+            raise OpenAIError(400, f"this model's context is {self.context_len} tokens and "
+                              f"the prompt has {len(ids)}", "messages" if chat else "prompt")
         max_tokens = max_tokens if max_tokens is not None else room
         if max_tokens > room:
             raise OpenAIError(400, f"this model's context is {self.context_len} tokens; the "
@@ -160,9 +171,27 @@ class OpenAIServer:
                              sampling=Sampling(body.temperature, body.top_p), seed=seed)
         call = Call(self, request, req, body, chat)
         if body.stream:
-            return StreamingResponse(call.sse(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return JSONResponse(await call.whole())
+            return EventStream(call)
+        try:
+            return JSONResponse(await call.whole())
+        finally:
+            call.release()
+
+
+class EventStream(StreamingResponse):
+    """A call's server-sent events; whatever becomes of the stream (a client gone before
+    its first byte included), the call's place in ``inflight`` is given back."""
+
+    def __init__(self, call: Call):
+        super().__init__(call.sse(), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.call = call
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.call.release()
 
 
 class Call:
@@ -184,6 +213,13 @@ class Call:
         self.finish_reason: str | None = None
         self.stats: GenerationStats | None = None
         self.server.inflight += 1  # counted from admission, so that 429 sees bursts
+        self.released = False
+
+    def release(self) -> None:
+        """Give back the call's place in ``inflight`` (once, whoever calls first)."""
+        if not self.released:
+            self.released = True
+            self.server.inflight -= 1
 
     async def events(self) -> AsyncIterator[str]:
         """Text pieces as the engine commits tokens; sets ``finish_reason`` at the end.
@@ -221,7 +257,7 @@ class Call:
         finally:
             if not done:
                 self.server.batcher.cancel(rid)
-            self.server.inflight -= 1
+            self.release()
             self.server.metrics.finished(self.arrived, self.first_at, len(self.text.ids),
                                          len(self.req.prompt))
 
@@ -265,7 +301,7 @@ class Call:
                     yield self._chunk({"content": piece} if self.chat else piece, None)
             yield self._chunk({} if self.chat else "", self.finish_reason, last=True)
             if self.body.include_usage:
-                yield _sse(self._envelope([], usage=self.usage()))
+                yield _sse(self._envelope([], usage=self.usage(), chunk=True))
         except OpenAIError as exc:
             status = str(exc.status)
             yield _sse(exc.body())

@@ -110,7 +110,8 @@ class Slot:
     cohort: int = 0
     """The pass whose COMMIT it waits on: the hub drafts a pass's trees together."""
     opening: Open | None = None
-    """Its OPEN, until the hub answers it: sent again if the hub had forgotten us."""
+    """Its OPEN, until the hub answers it: sent again (once) if the hub had forgotten us."""
+    reopened: bool = False
     tree: DraftTree | None = None
     plain_left: int = 0
     plain_tokens: list[int] = field(default_factory=list)
@@ -174,6 +175,8 @@ class Batcher:
         self._rids = itertools.count(1)
         self._pass_s = 0.05
         self._pass_no = 0
+        self.failed = ""
+        """Why the engine thread stopped, if it failed: the server then refuses requests."""
         self.link = Link(hub, self._greet, name, floor_s=timeout_s) if hub else None
         if self.link is not None:
             self.link.connect()
@@ -184,8 +187,12 @@ class Batcher:
         self._thread.start()
 
     def submit(self, req: Request) -> int:
-        """Queue a request; its events go to ``req.sink``. Returns its id, for ``cancel``."""
+        """Queue a request; its events go to ``req.sink``. Returns its id, for ``cancel``.
+        A request that finds the engine stopped gets its error event at once."""
         req.rid = next(self._rids)
+        if self._thread.ident is not None and not self._thread.is_alive():
+            req.sink(Event(done="error", error=self.failed or "the server is shutting down"))
+            return req.rid
         self._inbox.put(req)
         self._wake.set()
         return req.rid
@@ -291,7 +298,7 @@ class Batcher:
             if msg.code == ErrorCode.NO_CARD:
                 self._rejoin()
             else:
-                self._alone(slot, f"hub error {msg.code}: {msg.message}", close=False)
+                self._alone(slot, f"hub error {msg.code}: {msg.message}")
             return
         if not isinstance(msg, Propose):
             self._lost(f"expected PROPOSE, got {msg.TYPE}")
@@ -327,7 +334,10 @@ class Batcher:
                 self._alone(slot, self.link.note, close=False)
             return
         for slot in reopen:
-            slot.client, slot.ref = self.link.client, next(self._refs)
+            if self.link.client is None or slot.reopened:  # lost again, or asked twice
+                self._alone(slot, "the hub forgot this target again", close=False)
+                continue
+            slot.client, slot.ref, slot.reopened = self.link.client, next(self._refs), True
             slot.opening.ref, slot.waiting_since = slot.ref, time.perf_counter()
             self._send(slot, slot.opening)
 
@@ -352,17 +362,17 @@ class Batcher:
 
     # -- the engine thread ------------------------------------------------------------
     def _run(self) -> None:
+        reason = "the server is shutting down"
         try:
             while not self._stop.is_set():
                 self._turn()
-        except Exception as exc:  # a bug, not a peer: fail every request loudly
+        except Exception as exc:  # a bug or out of memory, not a peer: fail loudly
             log.exception("%s: the engine thread failed", self.name)
-            for slot in list(self._slots.values()):
-                self._finish(slot, "error", f"the engine failed: {exc}")
-            raise
+            reason = self.failed = f"the engine failed: {type(exc).__name__}: {exc}"
         finally:
+            self._intake()
             for slot in list(self._slots.values()):
-                self._finish(slot, "error", "the server is shutting down")
+                self._finish(slot, "error", reason)
 
     def _turn(self) -> None:
         self._intake()
@@ -411,6 +421,8 @@ class Batcher:
         slot = self._new[0]
         req = slot.req
         start = time.perf_counter()
+        if client is not None and client.sock.closed:  # dropped earlier in this turn
+            client = None
         if slot.prefill is None:
             layers = list(self.link.card.feature_layers) if client is not None else []
             slot.prefill = self.engine.open_chunks(req.rid, req.prompt, self.prefill_chunk,
@@ -428,7 +440,7 @@ class Batcher:
         slot.prefill, slot.decoding = None, True
         if self._emit(slot, [first]) or slot.client is None:
             return
-        if client is not slot.client:  # replaced while prefilling
+        if slot.client is not self.link.client:  # dropped or replaced while prefilling
             slot.client = None
             return
         slot.ref = next(self._refs)

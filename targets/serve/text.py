@@ -28,17 +28,25 @@ class TextStream:
         if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
             return ""
         self.text = text
-        hold = 0
-        for stop in self.stops:
-            at = text.find(stop, max(0, self.shown - len(stop) + 1))
-            if at >= 0:
-                self.text, self.stopped = text[:at], True
-                return self._take(len(self.text))
-            hold = max(hold, len(stop) - 1)
+        if (at := self._first_stop(text)) is not None:
+            self.text, self.stopped = text[:at], True
+            return self._take(len(self.text))
+        hold = max((len(stop) - 1 for stop in self.stops), default=0)
         return self._take(max(self.shown, len(text) - hold))
 
+    def _first_stop(self, text: str) -> int | None:
+        """Where the earliest stop string starts in the text not yet shown (or None)."""
+        hits = [at for stop in self.stops
+                if (at := text.find(stop, max(0, self.shown - len(stop) + 1))) >= 0]
+        return min(hits, default=None)
+
     def flush(self) -> str:
-        """The rest, when the request has ended."""
+        """The rest, when the request has ended: the decoding of every id, a trailing
+        partial character included, up to a stop string if one appears."""
+        if not self.stopped and self.ids:
+            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            if (at := self._first_stop(self.text)) is not None:
+                self.text, self.stopped = self.text[:at], True
         return "" if self.shown >= len(self.text) else self._take(len(self.text))
 
     def _take(self, upto: int) -> str:
