@@ -32,6 +32,7 @@ from starhub.wire.messages import (
     TargetCard,
 )
 from starhub.wire.reports import MAX_KEYS, SchedulerReport, SessionEntry, VerifierReport
+from starhub.wire.text import MAX_NAME
 
 
 def one_of_each():
@@ -138,11 +139,12 @@ def test_integers_span_msgpack_and_text_and_lists_are_bounded():
     for nonce in (0, -(1 << 63), (1 << 64) - 1):
         assert decode(encode(Ping(nonce=nonce))).nonce == nonce
     name = "x" * MAX_TEXT
-    assert decode(encode(TargetCard(name=name, vocab_size=1))).name == name
+    assert decode(encode(Error(message=name))).message == name
+    shown = decode(encode(TargetCard(name=name, vocab_size=1))).name
+    assert name.startswith(shown.rstrip(".…")) and len(shown) <= MAX_NAME  # names are cut
     layers = list(range(MAX_LIST))
     assert decode(encode(DrafterCard(feature_layers=layers))).feature_layers == layers
-    for msg in (TargetCard(name=name + "x", vocab_size=1), Error(message=name + "x"),
-                DrafterCard(feature_layers=[*layers, 0])):
+    for msg in (Error(message=name + "x"), DrafterCard(feature_layers=[*layers, 0])):
         with pytest.raises(ProtocolError) as info:
             decode(encode(msg))
         assert info.value.code == ErrorCode.BAD_FIELD
