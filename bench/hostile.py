@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from bench.fuzz_hub import rss_mb
+from bench.fuzz_hub import PROMPTS, rss_mb
 from starhub.drafters.base import DraftContext, TreeShape
 from starhub.drafters.ngram import NgramDrafter
 from starhub.launch import child_env, spawn_hub
@@ -67,8 +67,6 @@ from starhub.wire.messages import (
 from starhub.wire.security import ClientCurve, generate_keys, prepare_client
 from starhub.wire.tree import DraftTree, accepted_path, chain_tree
 
-PROMPTS = ["Write a short poem about the sea.", "What is the capital of France? Explain.",
-           "List three uses of a paperclip.", "def fibonacci(n):"]
 HUB_CACHE_MB = 256
 VERIFIER_CACHE_MB = 768
 MAX_PEERS = 128
