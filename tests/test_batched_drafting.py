@@ -4,6 +4,7 @@ pre-drafts stays token-identical to generate()."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import threading
 
@@ -22,6 +23,7 @@ from starhub.hub.worker import DraftWorker, Request
 from starhub.wire.tree import DraftTree, children
 from targets import attach
 from tests.conftest import HubThread
+from tests.servers import wire
 from tests.test_eagle_drafter import random_head
 from tests.test_lossless_api import reference
 
@@ -286,3 +288,64 @@ def test_pre_drafting_runs_only_for_a_drafter_that_can_guess():
     assert not _worker(hub).predrafting
     hub.config.predraft, hub.drafter = False, EagleDrafter.__new__(EagleDrafter)
     assert not _worker(hub).predrafting
+
+
+def test_a_drafter_that_drafts_one_at_a_time_goes_straight_on_to_the_next_request():
+    """A request that arrives while another is drafted is handed over ahead, so the
+    drafting thread takes it the moment it is done (in the same ``propose_batch``), not
+    after a round trip through the event loop; its wait counts until the thread took it."""
+    import time
+
+    from starhub.drafters.emulated import EmulatedDrafter
+    from starhub.wire.messages import DrafterCard, Open, Propose, TargetCard
+    from tests.servers import HubHarness
+
+    class Gated(EmulatedDrafter):
+        def __init__(self):
+            super().__init__(0.0, 100)
+            self.entered, self.gate = threading.Event(), threading.Event()
+            self.calls: list[list[int]] = []
+
+        def propose_batch(self, jobs, **kwargs):
+            self.calls.append([])
+            return super().propose_batch(jobs, **kwargs)
+
+        def propose(self, ctx, shape):
+            self.calls[-1].append(ctx.tokens[0])
+            self.entered.set()
+            self.gate.wait(30)
+            return super().propose(ctx, shape)
+
+    drafter = Gated()
+    hub = HubHarness(drafter, shape=TreeShape(2, 1, 2))
+    run = hub.loop.run_until_complete
+
+    def until(done, what: str) -> None:
+        for _ in range(5000):
+            if done():
+                return
+            run(asyncio.sleep(0.001))
+        raise AssertionError(what)
+
+    try:
+        for name in (b"a", b"b"):
+            hub.hub.on_frames(name, wire(TargetCard(name=name.decode(), vocab_size=100)))
+        hub.hub.on_frames(b"a", wire(Open(ref=1, prompt_len=3,
+                                          tokens=np.array([11, 2, 3], np.int32))))
+        until(drafter.entered.is_set, "the first request was never drafted")
+        hub.hub.on_frames(b"b", wire(Open(ref=2, prompt_len=3,
+                                          tokens=np.array([22, 2, 3], np.int32))))
+        until(lambda: not hub.hub.worker.buffer, "the second request was not handed ahead")
+        arrived = time.monotonic()
+        run(asyncio.sleep(0.01))
+        released = time.monotonic()
+        drafter.gate.set()
+        run(hub._settle())
+        assert drafter.calls == [[11, 22]]
+        replies = [hub.hub.next_reply() for _ in range(len(hub.hub.outbox))]
+        assert [type(m) for _, m in replies] == [DrafterCard, DrafterCard, Propose, Propose]
+        assert hub.hub.metrics.rounds == 2
+        assert hub.hub.metrics.wait_s >= released - arrived
+    finally:
+        drafter.gate.set()
+        hub.close()

@@ -96,6 +96,11 @@ class DraftWorker:
         self.max_batch = MAX_AUTO_BATCH if batch == "auto" else int(batch)
         if not drafter.batches:
             self.max_batch = 1
+        self.ahead = 0 if drafter.batches else 1
+        """Requests handed to a drafter that drafts one at a time while it still drafts
+        another: it goes straight on to the next when one is done, instead of waiting a
+        round trip through the event loop (about 0.7 ms a round on a busy 2-core machine,
+        8% of an 8 ms round). A batching drafter takes what arrives between tree layers."""
         self.predrafting = config.predraft and drafter.predrafts
         """Only for drafters that can guess; the others would return nothing every time."""
         self.lookup = config.lookup and drafter.lookup_branches
@@ -183,13 +188,16 @@ class DraftWorker:
 
     async def draft(self, batch: list[Request], started: float) -> None:
         """Draft ``batch``. Continuous batching: requests that arrive meanwhile join it
-        between tree layers, up to ``--batch`` trees at a time, and each PROPOSE leaves as
+        between tree layers, up to ``--batch`` trees at a time (a drafter that drafts one
+        at a time is handed the next request ahead: ``ahead``), and each PROPOSE leaves as
         soon as its own tree is done; nothing waits for the batch to fill or to end.
 
         The event loop hands arriving requests over as they come (``feed``) and the
         drafting thread takes what is there between layers, so neither waits on the
         other: a thread that asked the loop instead waited about a millisecond a layer
-        while the loop was busy with the very COMMITs it was asking for."""
+        while the loop was busy with the very COMMITs it was asking for. A request's draft
+        begins when the drafting thread takes it (``begun``), so its wait in the buffer
+        and its draft time are each counted as what they were."""
         loop = asyncio.get_running_loop()
         requests = list(batch)
         begun = [started] * len(requests)
@@ -200,16 +208,15 @@ class DraftWorker:
         counts = {"admitted": len(requests), "finished": 0}  # written by the drafting thread
 
         def feed() -> None:  # on the event loop
-            room = self.max_batch - (len(requests) - counts["finished"])
+            room = self.max_batch + self.ahead - (len(requests) - counts["finished"])
             if room <= 0 or not self.buffer:
                 return
             now = time.monotonic()
             more = self.take(room)
-            for req in more:
-                self.metrics.draft_started(req.arrival, now, len(self.table), first=False)
+            handed.extend((len(requests) + i, (req.session.ctx, self.shape(req.session)))
+                          for i, req in enumerate(more))
             requests.extend(more)
             begun.extend([now] * len(more))
-            handed.extend((req.session.ctx, self.shape(req.session)) for req in more)
             if more:
                 self.drafter.wake()
 
@@ -221,8 +228,11 @@ class DraftWorker:
 
         def admit() -> list[tuple]:  # on the drafting thread, between tree layers
             jobs = []
+            now = time.monotonic()
             while handed:
-                jobs.append(handed.popleft())
+                k, job = handed.popleft()
+                begun[k] = now
+                jobs.append(job)
             counts["admitted"] += len(jobs)
             return jobs
 
@@ -231,14 +241,21 @@ class DraftWorker:
             counts["finished"] += 1
             loop.call_soon_threadsafe(deliver, k, result, seconds, shared)
 
+        def started_late(k: int) -> None:
+            """A request handed over while drafting began when the thread took it."""
+            if k >= len(batch):
+                self.metrics.draft_started(requests[k].arrival, begun[k], len(self.table),
+                                           first=False)
+
         def deliver(k: int, result: DraftTree | Exception, seconds: float,
                     shared: float) -> None:
             delivered.add(k)
+            started_late(k)
             self.deliver(requests[k], result, begun[k], seconds, shared)
             feed()
 
         jobs = [(req.session.ctx, self.shape(req.session)) for req in batch]
-        feeding = loop.create_task(feeder()) if self.max_batch > 1 else None
+        feeding = loop.create_task(feeder()) if self.max_batch + self.ahead > 1 else None
         lost: DrafterLost | None = None
         try:
             await loop.run_in_executor(self.executor, lambda: self.drafter.propose_batch(
@@ -249,6 +266,7 @@ class DraftWorker:
             log.exception("drafting a batch of %d failed", counts["admitted"])
             for k in range(counts["admitted"]):
                 if k not in delivered:
+                    started_late(k)
                     self.deliver(requests[k], exc, begun[k], 0.0, 1.0)
                     delivered.add(k)
         finally:
