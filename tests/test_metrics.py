@@ -178,3 +178,28 @@ def test_departed_peers_totals_stay_bounded():
     last = (DEPARTED_LIMIT + 49).to_bytes(4, "big")
     assert metrics.totals_of(last).tokens == 2
     assert len(metrics.counters()["peers"]) <= 512
+
+
+def test_a_hub_with_more_targets_than_one_header_holds_still_reports_them():
+    """Every reader refuses a header over MAX_HEADER_BYTES: a hub with a thousand targets
+    lists the latest of them that fit, and its counts stay whole."""
+    from starhub.wire.codec import MAX_HEADER_BYTES, encode
+    from starhub.wire.messages import DrafterCard, ObserverCard, StatsReport
+    from tests.servers import HubHarness
+
+    hub = HubHarness(NgramDrafter())
+    try:
+        count = 1000
+        for i in range(count):
+            name = f"target-{i:04d}-" + "x" * 52
+            assert isinstance(hub.ask(name.encode(), TargetCard(name=name, vocab_size=100)),
+                              DrafterCard)
+        hub.ask(b"observer", ObserverCard(name="status"))
+        report = hub.ask(b"observer", StatsQuery(counters=True, peers=True)).body
+        assert len(encode(StatsReport(body=report))[0]) <= MAX_HEADER_BYTES
+        assert report.admitted == report.peers == count
+        assert 0 < len(report.control.targets) < count
+        assert 0 < len(report.counters.peers) < count
+        assert report.control.targets[-1].name == f"target-{count - 1:04d}-" + "x" * 52
+    finally:
+        hub.close()

@@ -6,6 +6,10 @@ observer's card (``ObserverCard``: ``starhub status`` and the benchmark, which h
 admission slot and no session). A peer that only knocks gets aggregates. This keeps
 casual probes from listing who uses a server; keeping strangers out altogether is CURVE's
 job (``starhub.wire.security``).
+
+Every report also fits the one header frame a message has (``MAX_HEADER_BYTES``, which
+every reader enforces): where a server has more targets or sessions than that holds, its
+report lists the latest of them only (``fitted``); the counts stay whole.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from collections import OrderedDict
 
 from msgspec.structs import replace
 
-from starhub.wire.reports import HubReport, VerifierReport
+from starhub.wire.codec import MAX_HEADER_BYTES, encode
+from starhub.wire.messages import StatsReport
+from starhub.wire.reports import HubReport, Report, VerifierReport
 
 OBSERVER_LIMIT = 256
 AGGREGATES_ONLY = "aggregates_only"
@@ -46,7 +52,7 @@ def hub_view(report: HubReport, detail: bool) -> HubReport:
     """A hub's STATS, without its per-target parts unless ``detail``: the control plane's
     ``targets`` and the raw counters' ``peers``."""
     if detail:
-        return report
+        return fitted(report, _cut_hub)
     counters = report.counters and replace(report.counters, peers=None)
     return replace(report, aggregates_only=True, counters=counters,
                    control=replace(report.control, targets=None))
@@ -55,6 +61,41 @@ def hub_view(report: HubReport, detail: bool) -> HubReport:
 def verifier_view(report: VerifierReport, detail: bool) -> VerifierReport:
     """A verifier's STATS, without its scheduler's per-session entries unless ``detail``."""
     if detail:
-        return report
+        return fitted(report, _cut_verifier)
     return replace(report, aggregates_only=True,
                    scheduler=replace(report.scheduler, sessions=None))
+
+
+def fitted(report: Report, cut, limit: int = MAX_HEADER_BYTES) -> Report:
+    """``report``, its per-peer lists cut (``cut(report, share)`` keeps that share of each,
+    and None when nothing is left to cut) until its STATS_REPORT's header fits ``limit``
+    bytes: a report its reader refuses would tell nobody anything."""
+    while (size := len(encode(StatsReport(body=report))[0])) > limit:
+        smaller = cut(report, 0.9 * limit / size)
+        if smaller is None:
+            break
+        report = smaller
+    return report
+
+
+def _keep(items, share: float):
+    """The last ``share`` of ``items`` (the latest peers; None stays None)."""
+    return items if items is None else items[len(items) - int(len(items) * share):]
+
+
+def _cut_hub(report: HubReport, share: float) -> HubReport | None:
+    targets = report.control.targets
+    peers = report.counters.peers if report.counters else None
+    if not targets and not peers:
+        return None
+    return replace(report, control=replace(report.control, targets=_keep(targets, share)),
+                   counters=report.counters and replace(report.counters,
+                                                        peers=_keep(peers, share)))
+
+
+def _cut_verifier(report: VerifierReport, share: float) -> VerifierReport | None:
+    sessions = report.scheduler.sessions
+    if not sessions:
+        return None
+    kept = dict(_keep(list(sessions.items()), share))
+    return replace(report, scheduler=replace(report.scheduler, sessions=kept))
