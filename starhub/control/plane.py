@@ -17,8 +17,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from starhub.control.estimators import Acceptance, Ema
 from starhub.fit import LinearFit
 from starhub.options import AUTO, MAX_AUTO_DEPTH
@@ -325,18 +323,21 @@ class Controller:
 
     def typical(self) -> tuple[float, float, float, float, int]:
         """(S, Z, E, t_step, depth) of a typical target at its best fixed shape: the
-        hub-wide acceptance and the mean of the admitted targets' measurements."""
+        hub-wide acceptance and the mean of the admitted targets' measurements. Each
+        target's estimates are read once: a hub with a thousand targets asks this at
+        every STATS, on its event loop."""
         targets = list(self.targets.values())
-        steps = [t.step_s() for t in targets if t.step_s() > 0]
-        step = float(np.mean(steps)) if steps else self.hello_step.get(0.0)
-        t_c = float(np.mean([t.t_c.get(self.config.t_c_prior_s) for t in targets])) \
-            if targets else self.config.t_c_prior_s
+        steps = [step for t in targets if (step := t.step_s()) > 0]
+        step = sum(steps) / len(steps) if steps else self.hello_step.get(0.0)
+        prior = self.config.t_c_prior_s
+        t_c = sum(t.t_c.get(prior) for t in targets) / len(targets) if targets else prior
+        lines = [t.verify_line() for t in targets if t.verify.samples or t.step.value]
         expected = self.hub_acceptance.expected_tokens()
         best = None
         for depth, nodes in self.config.shapes():
             s = self.service_s(depth, nodes)
-            verify = [t.verify_s(nodes) for t in targets if t.verify.samples or t.step.value]
-            z = t_c + (float(np.mean(verify)) if verify else step)
+            verify = [max(base + slope * nodes, 0.0) for base, slope in lines]
+            z = t_c + (sum(verify) / len(verify) if verify else step)
             e = float(expected[depth])
             key = (_n_max(s, z, e, step) or 0, e / (s + z))
             if best is None or key > best[0]:
@@ -360,21 +361,24 @@ class Controller:
             if now - since > max(10.0, 5 * self.config.retry_after_s):
                 del self.rejected_recently[identity]
 
-    def snapshot(self, now: float) -> ControlReport:
+    def snapshot(self, now: float, targets: bool = True) -> ControlReport:
+        """The control plane's state; ``targets`` adds an entry per target (None without)."""
         load = self._load()
         self._forget_rejected(now)
         s, z, e, step, depth = self.typical()
-        per_target = []
-        for target in list(self.targets.values())[:MAX_ENTRIES]:
-            rates = [self.predicted_tok_s(self.sessions[t], load) for t in target.sessions]
-            per_target.append(TargetEntry(
-                name=target.name, sessions=len(target.sessions),
-                step_ms=1e3 * target.step_s(),
-                standalone_tok_s=1.0 / target.step_s() if target.step_s() else None,
-                predicted_tok_s=sum(rates) if rates else None,
-                t_c_ms=1e3 * target.t_c.get(self.config.t_c_prior_s),
-                verify_ms_fit=[1e3 * w for w in target.verify.weights],
-                verify_samples=target.verify.samples))
+        per_target = None
+        if targets:
+            per_target = []
+            for target in list(self.targets.values())[:MAX_ENTRIES]:
+                rates = [self.predicted_tok_s(self.sessions[t], load) for t in target.sessions]
+                own = target.step_s()
+                per_target.append(TargetEntry(
+                    name=target.name, sessions=len(target.sessions), step_ms=1e3 * own,
+                    standalone_tok_s=1.0 / own if own else None,
+                    predicted_tok_s=sum(rates) if rates else None,
+                    t_c_ms=1e3 * target.t_c.get(self.config.t_c_prior_s),
+                    verify_ms_fit=[1e3 * w for w in target.verify.weights],
+                    verify_samples=target.verify.samples))
         return ControlReport(
             depth=self.config.depth, max_targets=self.config.max_targets,
             admitted=len(self.targets), rejections=self.rejections,

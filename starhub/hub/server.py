@@ -315,9 +315,11 @@ class Hub(Server):
                          self.metrics.summary_line(len(self.table), len(self.table.peers)),
                          len(self.table.peers), self.control.n_max(), self.control.rejections)
 
-    def stats(self) -> HubReport:
+    def stats(self, detail: bool = True) -> HubReport:
+        """The report; without ``detail``, no per-target entries are even made (a hub with
+        a thousand targets answers an aggregate STATS several times a second)."""
         snap = self.metrics.snapshot(len(self.table), len(self.table.peers))
-        control = self.control.snapshot(time.monotonic())
+        control = self.control.snapshot(time.monotonic(), targets=detail)
         snap.update(drafter=self.drafter.name,
                     depth=AUTO if self.config.adaptive else self.config.shape.depth,
                     topk=self.config.shape.topk, max_nodes=self.config.shape.max_nodes,
@@ -337,9 +339,10 @@ class Hub(Server):
         if request.peer:
             totals = self.metrics.totals_of(identity)
             return PeerReport(peer=msgspec.structs.replace(totals) if totals else None)
-        body = self.stats()
+        detail = identity in self.table.peers or identity in self.observers
+        body = self.stats(detail)
         if request.counters:
-            body.counters = msgspec.convert(self.metrics.counters(peers=request.peers),
-                                            Counters)
-        return hub_view(body, identity in self.table.peers or identity in self.observers)
+            body.counters = msgspec.convert(
+                self.metrics.counters(peers=request.peers and detail), Counters)
+        return hub_view(body, detail)
 
