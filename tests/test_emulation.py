@@ -142,3 +142,19 @@ def test_auto_admission_turns_away_targets_a_tree_cannot_speed_up(tmp_path):
     assert fast["n_max"] == 0
     assert slow["admitted"] == 3 and slow["n_max"] >= 3
     assert slow["max_targets"] == "auto" and slow["choices"]
+
+
+def test_a_calibrated_sleep_counts_the_work_done_since_it_began(monkeypatch):
+    """The emulated drafter's time is ``depth · t_s`` all told: what it did before its
+    sleep is part of it, not added on top."""
+    import time
+
+    from starhub.drafters import emulated
+
+    asked: list[float] = []
+    monkeypatch.setattr(emulated.time, "sleep", asked.append)
+    sleep = emulated.CalibratedSleep()
+    took = sleep(0.05, since=time.perf_counter() - 0.03)
+    assert 0.0 <= asked[0] <= 0.02 and took >= 0.03
+    sleep(0.05)
+    assert 0.0 < asked[1] <= 0.05
