@@ -203,3 +203,24 @@ def test_a_hub_with_more_targets_than_one_header_holds_still_reports_them():
         assert report.control.targets[-1].name == f"target-{count - 1:04d}-" + "x" * 52
     finally:
         hub.close()
+
+
+def test_a_verifier_report_with_more_sessions_than_one_header_holds_lists_the_latest():
+    from starhub.server.isolation import verifier_view
+    from starhub.wire.codec import MAX_HEADER_BYTES, decode, encode
+    from starhub.wire.messages import StatsReport
+    from starhub.wire.reports import SchedulerReport, SessionEntry, VerifierReport
+
+    fields = {f.name: 0 for f in msgspec.structs.fields(VerifierReport) if f.required}
+    sessions = {str(10**15 + i): SessionEntry(alpha=0.5, goodput=1.25, nodes=10, rounds=1000,
+                                              late=3) for i in range(4000)}
+    fields.update(schedule="goodspeed", batch_hist={}, errors={}, sessions=len(sessions),
+                  scheduler=SchedulerReport(policy="goodspeed", budget=64, max_batch=0,
+                                            time_model_ms=[], time_model_mape=None,
+                                            sessions=sessions))
+    view = verifier_view(VerifierReport(**fields), detail=True)
+    frames = encode(StatsReport(body=view))
+    assert len(frames[0]) <= MAX_HEADER_BYTES
+    assert decode(frames).body.sessions == 4000
+    kept = view.scheduler.sessions
+    assert 0 < len(kept) < 4000 and list(kept)[-1] == str(10**15 + 3999)
