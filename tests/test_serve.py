@@ -227,6 +227,16 @@ def test_the_earliest_of_several_stop_strings_ends_the_text(tokenizer):
     assert stream.stopped and text == "one "
 
 
+def test_ids_committed_past_a_stop_string_are_not_counted(tokenizer):
+    from targets.serve.text import TextStream
+
+    ids = tokenizer("one two three four", add_special_tokens=False)["input_ids"]
+    stream = TextStream(tokenizer, stops=["two"])
+    text = stream.push(ids) + stream.flush()  # one round committed every id at once
+    assert text == "one " and stream.stopped
+    assert tokenizer.decode(stream.ids) == "one two"
+
+
 def test_an_engine_that_fails_fails_every_request_and_refuses_new_ones(tiny_model):
     import queue as queues
 

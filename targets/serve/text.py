@@ -29,10 +29,24 @@ class TextStream:
             return ""
         self.text = text
         if (at := self._first_stop(text)) is not None:
-            self.text, self.stopped = text[:at], True
+            self._stop(text, at)
             return self._take(len(self.text))
         hold = max((len(stop) - 1 for stop in self.stops), default=0)
         return self._take(max(self.shown, len(text) - hold))
+
+    def _stop(self, text: str, at: int) -> None:
+        """End the text where a stop string starts, and keep only the ids up to the one that
+        completed it: a round can commit several tokens, and those after the stop string
+        were never part of the answer (``usage`` and ``token_ids`` count what is kept)."""
+        self.text, self.stopped = text[:at], True
+        stop = min((s for s in self.stops if text.startswith(s, at)), key=len)
+        keep = len(self.ids)
+        while keep > 1 and self._decode(keep - 1).startswith(text[:at] + stop):
+            keep -= 1
+        del self.ids[keep:]
+
+    def _decode(self, count: int) -> str:
+        return self.tokenizer.decode(self.ids[:count], skip_special_tokens=True)
 
     def _first_stop(self, text: str) -> int | None:
         """Where the earliest stop string starts in the text not yet shown (or None)."""
@@ -46,7 +60,7 @@ class TextStream:
         if not self.stopped and self.ids:
             self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
             if (at := self._first_stop(self.text)) is not None:
-                self.text, self.stopped = self.text[:at], True
+                self._stop(self.text, at)
         return "" if self.shown >= len(self.text) else self._take(len(self.text))
 
     def _take(self, upto: int) -> str:
