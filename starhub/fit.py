@@ -72,6 +72,8 @@ def _eliminate(a: list[list[float]], b: list[float]) -> list[float]:
     for c in range(n):
         p = max(range(c, n), key=lambda r: abs(m[r][c]))
         m[c], m[p] = m[p], m[c]
+        if abs(m[c][c]) < 1e-12:  # features the data never told apart: the ridge is all
+            m[c][c] = 1e-12       # that holds them, and rounding can cancel it exactly
         for r in range(c + 1, n):
             f = m[r][c] / m[c][c]
             m[r] = [x - f * y for x, y in zip(m[r], m[c], strict=True)]

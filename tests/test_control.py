@@ -49,6 +49,15 @@ def test_linear_fit_recovers_a_cost_curve_and_keeps_the_prior_where_data_is_sile
     assert flat.predict([1.0, 10]) == pytest.approx(0.03, rel=0.02)
 
 
+def test_linear_fit_of_features_the_data_never_tells_apart_still_predicts():
+    """Plain passes feed one token a row, so two features are always equal; at long caches
+    the ridge is lost in rounding and elimination meets an exact zero pivot."""
+    fit = LinearFit([0.0, 0.0, 0.0, 0.02], forget=1 - 2 / 256, strength=1e-9)
+    for cached in range(3000, 3040):
+        fit.update([2.0, cached, cached, 1.0], 0.04 + 1e-5 * cached)
+    assert fit.predict([2.0, 3020, 3020, 1.0]) == pytest.approx(0.0702, rel=0.02)
+
+
 def test_acceptance_by_depth_learns_beta_and_starts_new_sessions_from_the_hub_curve():
     hub = Acceptance()
     session = Acceptance(parent=hub)

@@ -49,6 +49,11 @@ def add_parser(sub: argparse._SubParsersAction, add_weight_args) -> None:
     p.add_argument("--prefill-chunk", type=POSITIVE.arg, default=512,
                    help="prompt tokens per prefill pass: a long prompt alternates with the "
                         "other requests' passes chunk by chunk (default 512)")
+    p.add_argument("--speculate", choices=("auto", "always"), default="auto",
+                   help="auto (default): a request uses the hub's trees only while they "
+                        "serve the current batch faster than plain batched decoding, as "
+                        "measured on this server's own passes; always: every request uses "
+                        "the hub while one is connected")
     p.add_argument("--name", default="serve", help="this target's name at the hub")
     p.add_argument("--hub-timeout", type=SECONDS.arg, default=3.0,
                    help="seconds a hub reply may take at least: past max(this, 10x the "
@@ -85,7 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear,
                                   device=args.device, device_map=args.device_map)
     batcher = Batcher(model, tokenizer, args.hub, name=args.name, timeout_s=args.hub_timeout,
-                      prefill_chunk=args.prefill_chunk)
+                      prefill_chunk=args.prefill_chunk, speculate=args.speculate)
     name = args.served_model_name or served_name(args.model)
     context = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
     server = OpenAIServer(batcher, tokenizer, name, args.max_concurrency, context,

@@ -59,6 +59,7 @@ from targets.generate import (
     measure_step,
     target_card,
 )
+from targets.serve.gate import MARGIN, SpeculationGate
 from targets.verify import Verdict
 
 log = logging.getLogger("starhub.serve")
@@ -153,7 +154,7 @@ class Batcher:
 
     def __init__(self, model, tokenizer, hub: str | None = None, name: str = "serve",
                  timeout_s: float = 3.0, prefill_chunk: int = 512,
-                 client_options: dict | None = None):
+                 client_options: dict | None = None, speculate: str = "auto"):
         self.model = model
         self.tokenizer = tokenizer
         self.hub = hub
@@ -165,6 +166,7 @@ class Batcher:
         self.vocab_size = model.config.vocab_size
         self.engine = VerifyEngine(model)
         self.step_s = measure_step(model) if hub else 0.0
+        self.gate = SpeculationGate(self.step_s, margin=MARGIN if speculate == "auto" else 0)
         self.stats = BatcherStats()
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._cancelled: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -314,6 +316,8 @@ class Batcher:
             took = time.perf_counter() - slot.waiting_since
             slot.stats.hub_wait_s += took
             self.link.observe(took)
+            if not msg.plain:
+                self.gate.observe_round_trip(took)
         slot.tag, slot.seq, slot.waiting_since, slot.opening = msg.tag, msg.seq, None, None
         if msg.plain:
             slot.plain_left, slot.plain_started = msg.plain, time.perf_counter()
@@ -443,6 +447,9 @@ class Batcher:
         if slot.client is not self.link.client:  # dropped or replaced while prefilling
             slot.client = None
             return
+        if not self.gate.pays(self._decoding_cached()):
+            self._alone(slot, "plain batching serves this batch faster")
+            return
         slot.ref = next(self._refs)
         slot.waiting_since = time.perf_counter()
         slot.cohort = -1
@@ -472,10 +479,12 @@ class Batcher:
     def _pass(self, work: list[Slot]) -> None:
         """Verify every ready request in one forward pass, then emit and answer the hub."""
         trees = [s.tree if s.tree is not None else EMPTY_TREE for s in work]
+        batch = [(s.req.rid, t) for s, t in zip(work, trees, strict=True)]
+        cost = self.engine.cost(batch)
         start = time.perf_counter()
-        verdicts = self.engine.verify([(s.req.rid, t) for s, t in zip(work, trees,
-                                                                    strict=True)])
+        verdicts = self.engine.verify(batch)
         took = time.perf_counter() - start
+        self.gate.observe_pass(cost, took)
         self._pass_s = took if self.stats.passes == 0 else 0.8 * self._pass_s + 0.2 * took
         self._pass_no += 1
         self.stats.passes += 1
@@ -495,10 +504,11 @@ class Batcher:
         slot.tree = None
         accepted = len(verdict.path)
         count_round(slot.stats, accepted, len(tree))
+        self.gate.observe_round(len(tree), len(verdict.tokens))
         self.stats.rounds += 1
         self.stats.committed += len(verdict.tokens)
         commit = Commit(tag=slot.tag, seq=slot.seq, accepted=accepted, verify_ms=1e3 * took,
-                        step_ms=1e3 * self.step_s,
+                        step_ms=1e3 * self._plain_step_s(),
                         tokens=torch.tensor(verdict.tokens, dtype=torch.int32),
                         features=self._half(verdict.features))
         if self._emit(slot, verdict.tokens):
@@ -520,11 +530,19 @@ class Batcher:
         slot.stats.plain_s += took
         feats = torch.cat(slot.plain_feats) if slot.plain_feats else None
         commit = Commit(tag=slot.tag, seq=slot.seq, accepted=0, verify_ms=1e3 * took,
-                        step_ms=1e3 * self.step_s,
+                        step_ms=1e3 * self._plain_step_s(),
                         tokens=torch.tensor(slot.plain_tokens, dtype=torch.int32),
                         features=self._half(feats))
         slot.plain_tokens, slot.plain_feats = [], []
         self._commit(slot, commit)
+
+    def _decoding_cached(self) -> list[int]:
+        return [self.engine.cached(s.req.rid) for s in self._slots.values() if s.decoding]
+
+    def _plain_step_s(self) -> float:
+        """What a request waits per token if it decodes plain in today's batch: the step
+        the hub must beat, as it verifies our trees in passes as wide as this batch."""
+        return self.gate.plain_pass_s(self._decoding_cached()) or self.step_s
 
     def _commit(self, slot: Slot, commit: Commit) -> None:
         slot.waiting_since = time.perf_counter()

@@ -73,6 +73,9 @@ class BatcherCollector:
                      s.committed / s.rounds if s.rounds else 0.0)
         yield _counter("starhub_serve_plain_steps", "tokens decoded without a tree",
                        s.plain_steps)
+        yield _counter("starhub_serve_requests_alone", "requests decoded without the hub "
+                       "because plain batching served their batch faster",
+                       self.batcher.gate.closed)
         yield _counter("starhub_serve_generation_tokens", "output tokens", s.tokens)
         now = time.monotonic()
         then, tokens = self._last

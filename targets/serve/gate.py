@@ -1,0 +1,76 @@
+"""Whether the hub's trees raise a serving target's throughput at its current batch.
+
+A serving target decodes its B requests in batched passes. Plain, a pass feeds B tokens
+and yields B. With the hub, a pass feeds B trees and yields about B·τ, then the requests
+wait for their next trees (the round trip ``w``: the hub's drafting plus the link). A CPU
+pays for every token a pass feeds, so as B grows plain batching catches up with trees and
+then passes them; on a host where the hub drafts on the target's own cores it does so
+sooner, since both the round trip and our passes then carry the hub's compute.
+
+``SpeculationGate`` learns the three things that decide it from this target's own passes:
+the pass-time model the edge verifier schedules by (``targets.schedule.VerifyTimeModel``),
+τ and the tree size of the rounds verified here, and the round trip. A request that is
+about to open its hub session asks it ``pays``; where plain batching would serve the
+batch faster, the request decodes on its own, still batched, and the hub drafts nothing
+for it. Until rounds have been measured it assumes trees pay, so that they get measured.
+"""
+
+from __future__ import annotations
+
+from starhub.control.estimators import Ema
+from targets.engine import BatchStats
+from targets.schedule import VerifyTimeModel
+
+MARGIN = 1.02
+"""Trees must beat plain batching by this factor: the estimates are noisy, plain is not."""
+PRIOR_TAU = 2.0
+PRIOR_NODES = 10.0
+
+
+class SpeculationGate:
+    def __init__(self, step_s: float, margin: float = MARGIN):
+        self.passes = VerifyTimeModel(prior_ms=1e3 * step_s if step_s > 0 else 20.0)
+        self.tau = Ema(PRIOR_TAU, alpha=0.05)
+        self.nodes = Ema(PRIOR_NODES, alpha=0.05)
+        self.round_trip = Ema(0.0, alpha=0.1)
+        self.margin = margin
+        self.closed = 0
+        """Requests that decoded on their own because plain batching paid more."""
+
+    def observe_pass(self, cost: BatchStats, seconds: float) -> None:
+        self.passes.observe(cost.new_tokens, cost.cached_x_new, cost.cached_tokens, seconds)
+
+    def observe_round(self, nodes: int, committed: int) -> None:
+        """A hub tree of ``nodes`` verified here, ``committed`` tokens kept (bonus included)."""
+        self.tau.update(committed)
+        self.nodes.update(nodes)
+
+    def observe_round_trip(self, seconds: float) -> None:
+        """From a COMMIT (or OPEN) sent to the next tree received."""
+        self.round_trip.update(seconds)
+
+    def plain_pass_s(self, cached: list[int]) -> float:
+        """A plain pass over sessions of these cache lengths: one token fed each."""
+        total = sum(cached)
+        return self.passes.predict(len(cached), total, total)
+
+    def tree_pass_s(self, cached: list[int]) -> float:
+        fed = 1.0 + self.nodes.get(PRIOR_NODES)
+        total = sum(cached)
+        return self.passes.predict(round(len(cached) * fed), round(total * fed), total)
+
+    def rates(self, cached: list[int]) -> tuple[float, float]:
+        """(tokens/s with trees, tokens/s plain) for a batch of these cache lengths."""
+        b = len(cached)
+        plain = b / max(self.plain_pass_s(cached), 1e-6)
+        cycle = self.tree_pass_s(cached) + self.round_trip.get(0.0)
+        return b * self.tau.get(PRIOR_TAU) / max(cycle, 1e-6), plain
+
+    def pays(self, cached: list[int]) -> bool:
+        """Whether trees for every session of this batch beat plain batching by the margin;
+        when not, it counts a request sent on alone."""
+        tree, plain = self.rates(cached)
+        if tree >= self.margin * plain:
+            return True
+        self.closed += 1
+        return False

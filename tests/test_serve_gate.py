@@ -1,0 +1,55 @@
+"""``SpeculationGate``: a serving target sends a request to the hub only while trees would
+serve its batch faster than plain batching, judged from the passes it measured."""
+
+from __future__ import annotations
+
+from targets.engine import BatchStats
+from targets.serve.gate import SpeculationGate
+
+
+def feed(gate: SpeculationGate, per_token_s: float, base_s: float = 0.04,
+         tau: float = 2.5, nodes: int = 10, round_trip_s: float = 0.01) -> None:
+    """Passes of a machine whose pass costs ``base_s`` plus ``per_token_s`` a fed token,
+    plain and with trees, at batches of 1 to 6, cached lengths 100 to 400."""
+    for rows in range(1, 7):
+        for cached in (100, 250, 400):
+            for fed_each in (1, nodes + 1):
+                fed = rows * fed_each
+                cost = BatchStats(rows, fed, rows * cached, rows * cached * fed_each)
+                gate.observe_pass(cost, base_s + per_token_s * fed)
+    for i in range(200):  # 2.5 as 2, 3, 2, 3, ...
+        gate.observe_round(nodes, int(tau) + (i % 2 if tau % 1 else 0))
+        gate.observe_round_trip(round_trip_s)
+
+
+def test_before_any_round_is_measured_trees_are_tried():
+    gate = SpeculationGate(step_s=0.04)
+    assert gate.pays([200]) and gate.pays([200] * 8)
+
+
+def test_where_fed_tokens_cost_a_lot_trees_pay_alone_but_not_in_a_wide_batch():
+    gate = SpeculationGate(step_s=0.04)
+    feed(gate, per_token_s=0.003)
+    assert gate.pays([300])
+    assert not gate.pays([300] * 6)
+    assert gate.closed == 1
+    tree, plain = gate.rates([300] * 6)
+    assert plain > tree
+
+
+def test_where_fed_tokens_are_nearly_free_trees_pay_at_every_batch():
+    gate = SpeculationGate(step_s=0.04)
+    feed(gate, per_token_s=0.0001)
+    assert all(gate.pays([300] * b) for b in range(1, 9))
+
+
+def test_a_slow_hub_round_trip_makes_plain_batching_win():
+    gate = SpeculationGate(step_s=0.04)
+    feed(gate, per_token_s=0.0001, round_trip_s=0.2)
+    assert not gate.pays([300])
+
+
+def test_trees_that_keep_nothing_never_pay():
+    gate = SpeculationGate(step_s=0.04)
+    feed(gate, per_token_s=0.0001, tau=1)
+    assert not gate.pays([300])
