@@ -166,7 +166,9 @@ class Batcher:
         self.vocab_size = model.config.vocab_size
         self.engine = VerifyEngine(model)
         self.step_s = measure_step(model) if hub else 0.0
-        self.gate = SpeculationGate(self.step_s, margin=MARGIN if speculate == "auto" else 0)
+        self.gate = SpeculationGate(self.step_s, margin=MARGIN if speculate == "auto" else 0) \
+            if hub else None
+        """Whether a request should use the hub at today's batch (``--speculate``)."""
         self.stats = BatcherStats()
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._cancelled: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -484,7 +486,8 @@ class Batcher:
         start = time.perf_counter()
         verdicts = self.engine.verify(batch)
         took = time.perf_counter() - start
-        self.gate.observe_pass(cost, took)
+        if self.gate is not None:
+            self.gate.observe_pass(cost, took)
         self._pass_s = took if self.stats.passes == 0 else 0.8 * self._pass_s + 0.2 * took
         self._pass_no += 1
         self.stats.passes += 1

@@ -8,8 +8,9 @@ then passes them; on a host where the hub drafts on the target's own cores it do
 sooner, since both the round trip and our passes then carry the hub's compute.
 
 ``SpeculationGate`` learns the three things that decide it from this target's own passes:
-the pass-time model the edge verifier schedules by (``targets.schedule.VerifyTimeModel``),
-τ and the tree size of the rounds verified here, and the round trip. A request that is
+a pass's time as ``c0 + c1·fed + c2·sum(cached·fed)`` (fed tokens, and the attention they
+pay against the caches), τ and the tree size of the rounds verified here, and the round
+trip. A request that is
 about to open its hub session asks it ``pays``; where plain batching would serve the
 batch faster, the request decodes on its own, still batched, and the hub drafts nothing
 for it. Until rounds have been measured it assumes trees pay, so that they get measured.
@@ -18,8 +19,8 @@ for it. Until rounds have been measured it assumes trees pay, so that they get m
 from __future__ import annotations
 
 from starhub.control.estimators import Ema
+from starhub.fit import LinearFit
 from targets.engine import BatchStats
-from targets.schedule import VerifyTimeModel
 
 MARGIN = 1.02
 """Trees must beat plain batching by this factor: the estimates are noisy, plain is not."""
@@ -29,7 +30,7 @@ PRIOR_NODES = 10.0
 
 class SpeculationGate:
     def __init__(self, step_s: float, margin: float = MARGIN):
-        self.passes = VerifyTimeModel(prior_ms=1e3 * step_s if step_s > 0 else 20.0)
+        self.passes = LinearFit([step_s if step_s > 0 else 0.02, 0.0, 0.0], forget=0.99)
         self.tau = Ema(PRIOR_TAU, alpha=0.05)
         self.nodes = Ema(PRIOR_NODES, alpha=0.05)
         self.round_trip = Ema(0.0, alpha=0.1)
@@ -38,7 +39,7 @@ class SpeculationGate:
         """Requests that decoded on their own because plain batching paid more."""
 
     def observe_pass(self, cost: BatchStats, seconds: float) -> None:
-        self.passes.observe(cost.new_tokens, cost.cached_x_new, cost.cached_tokens, seconds)
+        self.passes.update([1.0, cost.new_tokens, cost.cached_x_new], seconds)
 
     def observe_round(self, nodes: int, committed: int) -> None:
         """A hub tree of ``nodes`` verified here, ``committed`` tokens kept (bonus included)."""
@@ -51,13 +52,11 @@ class SpeculationGate:
 
     def plain_pass_s(self, cached: list[int]) -> float:
         """A plain pass over sessions of these cache lengths: one token fed each."""
-        total = sum(cached)
-        return self.passes.predict(len(cached), total, total)
+        return max(self.passes.predict([1.0, len(cached), sum(cached)]), 0.0)
 
     def tree_pass_s(self, cached: list[int]) -> float:
         fed = 1.0 + self.nodes.get(PRIOR_NODES)
-        total = sum(cached)
-        return self.passes.predict(round(len(cached) * fed), round(total * fed), total)
+        return max(self.passes.predict([1.0, len(cached) * fed, sum(cached) * fed]), 0.0)
 
     def rates(self, cached: list[int]) -> tuple[float, float]:
         """(tokens/s with trees, tokens/s plain) for a batch of these cache lengths."""
