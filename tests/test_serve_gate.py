@@ -32,7 +32,6 @@ def test_where_fed_tokens_cost_a_lot_trees_pay_alone_but_not_in_a_wide_batch():
     feed(gate, per_token_s=0.003)
     assert gate.pays([300])
     assert not gate.pays([300] * 6)
-    assert gate.closed == 1
     tree, plain = gate.rates([300] * 6)
     assert plain > tree
 
@@ -53,3 +52,36 @@ def test_trees_that_keep_nothing_never_pay():
     gate = SpeculationGate(step_s=0.04)
     feed(gate, per_token_s=0.0001, tau=1)
     assert not gate.pays([300])
+
+
+def test_a_batch_where_plain_pays_decodes_without_the_hub_and_equal_to_generate(tiny_model):
+    import queue
+
+    import torch
+
+    from starhub.launch.spawn import spawn_hub
+    from targets.serve.batcher import Batcher, Request
+
+    model, tokenizer = tiny_model
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    with spawn_hub(["--drafter", "ngram", "--depth", "4"]) as hub:
+        batcher = Batcher(model, tokenizer, hub.address)
+        feed(batcher.gate, per_token_s=0.01, round_trip_s=0.5)  # the hub is far too slow
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        batcher.start()
+        try:
+            outs = {}
+            for ids in prompts:
+                rid = batcher.submit(Request(prompt=ids, max_tokens=12, sink=events.put))
+                outs[rid] = []
+                event = events.get(timeout=60)
+                while not event.done:
+                    outs[rid] += event.tokens
+                    event = events.get(timeout=60)
+                outs[rid] += event.tokens
+            assert batcher.stats.gated == len(prompts) and batcher.stats.rounds == 0
+        finally:
+            batcher.stop()
+    for ids, got in zip(prompts, outs.values(), strict=True):
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+        assert got == ref[0, len(ids):].tolist()

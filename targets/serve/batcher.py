@@ -140,6 +140,8 @@ class BatcherStats:
     committed: int = 0
     """Tokens those rounds produced, bonus included: ``committed / rounds`` is τ."""
     plain_steps: int = 0
+    gated: int = 0
+    """Requests sent on alone because plain batching served their batch faster."""
     tokens: int = 0
     running: int = 0
     waiting: int = 0
@@ -450,7 +452,12 @@ class Batcher:
             slot.client = None
             return
         if not self.gate.pays(self._decoding_cached()):
-            self._alone(slot, "plain batching serves this batch faster")
+            # the whole batch goes plain: a tree among plain rows would slow every row's
+            # pass and hold its own request back for the hub's round trip
+            for other in self._slots.values():
+                if other.client is not None or other is slot:
+                    self._alone(other, "plain batching serves this batch faster")
+                    self.stats.gated += 1
             return
         slot.ref = next(self._refs)
         slot.waiting_since = time.perf_counter()

@@ -12,8 +12,10 @@ a pass's time as ``c0 + c1·fed + c2·sum(cached·fed)`` (fed tokens, and the at
 pay against the caches), τ and the tree size of the rounds verified here, and the round
 trip. A request that is
 about to open its hub session asks it ``pays``; where plain batching would serve the
-batch faster, the request decodes on its own, still batched, and the hub drafts nothing
-for it. Until rounds have been measured it assumes trees pay, so that they get measured.
+batch faster, the request and every other in the batch decode on their own, still
+batched, and the hub drafts nothing for them (a batch of trees and plain rows would be
+the worst of both: each tree slows every row's pass). Until rounds have been measured
+it assumes trees pay, so that they get measured.
 """
 
 from __future__ import annotations
@@ -35,8 +37,6 @@ class SpeculationGate:
         self.nodes = Ema(PRIOR_NODES, alpha=0.05)
         self.round_trip = Ema(0.0, alpha=0.1)
         self.margin = margin
-        self.closed = 0
-        """Requests that decoded on their own because plain batching paid more."""
 
     def observe_pass(self, cost: BatchStats, seconds: float) -> None:
         self.passes.update([1.0, cost.new_tokens, cost.cached_x_new], seconds)
@@ -66,10 +66,6 @@ class SpeculationGate:
         return b * self.tau.get(PRIOR_TAU) / max(cycle, 1e-6), plain
 
     def pays(self, cached: list[int]) -> bool:
-        """Whether trees for every session of this batch beat plain batching by the margin;
-        when not, it counts a request sent on alone."""
+        """Whether trees for every session of this batch beat plain batching by the margin."""
         tree, plain = self.rates(cached)
-        if tree >= self.margin * plain:
-            return True
-        self.closed += 1
-        return False
+        return tree >= self.margin * plain

@@ -75,7 +75,7 @@ class BatcherCollector:
                        s.plain_steps)
         yield _counter("starhub_serve_requests_alone", "requests decoded without the hub "
                        "because plain batching served their batch faster",
-                       self.batcher.gate.closed if self.batcher.gate else 0)
+                       s.gated)
         yield _counter("starhub_serve_generation_tokens", "output tokens", s.tokens)
         now = time.monotonic()
         then, tokens = self._last
