@@ -15,7 +15,6 @@ import asyncio
 import itertools
 import json
 import logging
-import os
 import random
 import sys
 import threading
@@ -37,15 +36,16 @@ from starhub.wire.messages import (
 
 
 def dealer(ctx, hub: str, name: str):
-    """A DEALER socket to ``hub`` whose identity is ``name`` plus this process's id."""
+    """A DEALER socket to ``hub`` whose identity starts with ``name``."""
     import zmq
 
     # deferred: torch load only when this runs
     from starhub.wire.codec import Limits, configure_socket
+    from starhub.wire.security import prepare_client
 
     sock = ctx.socket(zmq.DEALER)
     configure_socket(sock, Limits())
-    sock.setsockopt(zmq.IDENTITY, f"{name}-{os.getpid()}".encode())
+    prepare_client(sock, name)  # random identity; this user's local keys
     sock.connect(hub)
     return sock
 

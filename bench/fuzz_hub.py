@@ -39,6 +39,7 @@ from starhub.wire.messages import (
     StatsReport,
     TargetCard,
 )
+from starhub.wire.security import prepare_client
 
 PROMPTS = ["Write a short poem about the sea.", "What is the capital of France? Explain.",
            "List three uses of a paperclip.", "def fibonacci(n):"]
@@ -116,7 +117,7 @@ class Blaster(threading.Thread):
     def run(self) -> None:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, os.urandom(12))
+        prepare_client(sock, "blaster")  # an authenticated hostile peer: the local keys
         sock.connect(self.address)
         try:
             if self.index:
@@ -171,6 +172,7 @@ def _reply(sock: zmq.Socket, timeout_s: float = 60.0):
 def _ask(address: str, msg, timeout_s: float = 10.0):
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    prepare_client(sock, "x")
     sock.connect(address)
     try:
         sock.send_multipart(encode(msg))

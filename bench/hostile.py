@@ -12,15 +12,20 @@ of one pass or prefill chunk. It checks that the real peer's output is ``generat
 that the server still answers afterwards.
 
 The hub runs with CURVE on loopback and two allowed keys, one for the real target and one
-the attacker uses on several connections, so that budgets per key are tried too.
+the attacker uses on several connections, so that budgets per key are tried too. The
+verifier, and a second hub, run with their default flags (CURVE with this user's local
+keys), which the attackers other than the raw-ZMTP peer use.
 
 Attacks on the hub: COMMITs that misreport how many nodes were accepted; many connections
 that send a card and then idle; one key that OPENs long prompts on several connections to
 fill the cache; a peer that sends requests and never reads a reply. On the verifier: a
 card from each of many connections; a long prompt OPENed while the drafter decodes (how
 long the drafter then waits for a COMMIT, against a pass); one peer that OPENs prompts to
-fill the cache; a peer that never reads. (A raw-ZMTP peer's endless multipart message is
-not among them.)
+fill the cache; a peer that never reads. On both, with default flags: a raw ZMTP peer (not
+libzmq) that sends 1 GB of frames that all carry MORE (``bench.raw_zmtp``), against a
+bound of 256 MB over the start: libzmq would hold the whole unfinished message, so it must
+not get past the handshake. (An authenticated peer could still send one: libzmq bounds
+frames, not messages.)
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import numpy as np
 import zmq
 
 from bench.fuzz_hub import PROMPTS, rss_mb
+from bench.raw_zmtp import RawPeer
 from starhub.drafters.base import DraftContext, TreeShape
 from starhub.drafters.ngram import NgramDrafter
 from starhub.launch import child_env, spawn_hub
@@ -64,10 +70,14 @@ from starhub.wire.messages import (
     StatsReport,
     TargetCard,
 )
-from starhub.wire.security import ClientCurve, generate_keys, prepare_client
+from starhub.wire.security import ClientCurve, ClientSecurity, generate_keys, prepare_client
 from starhub.wire.tree import DraftTree, accepted_path, chain_tree
 
 HUB_CACHE_MB = 256
+UNENDING_MB = 1024
+"""What the raw ZMTP peer sends as one unfinished multipart message."""
+UNENDING_BOUND_MB = 256
+"""What that may add to a server's memory."""
 VERIFIER_CACHE_MB = 768
 MAX_PEERS = 128
 MESSAGE_MB = 16
@@ -163,10 +173,12 @@ class Sampler:
 # -- sockets ------------------------------------------------------------------------------
 
 def dealer(address: str, curve: ClientCurve | None = None, hwm: int = 1000) -> zmq.Socket:
+    """An attacker's socket: with ``curve``, or else this user's local keys (it is an
+    authenticated hostile peer)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
-    prepare_client(sock, "x", curve)
+    prepare_client(sock, "x", ClientSecurity(curve))
     sock.connect(address)
     return sock
 
@@ -277,9 +289,42 @@ class Bench:
         self.attacks.append(attack)
         print(attack.line(), flush=True)
 
+    def star_rounds(self, session) -> tuple[bool, int]:
+        """The real target decodes two prompts: whether they are ``generate()``'s, and the
+        rounds it took."""
+        equal, rounds = True, 0
+        for _ in range(2):
+            ids, want = self.prompt()
+            result = session.generate(ids, self.max_new_tokens)
+            equal &= result.output_ids == want
+            rounds += result.stats.rounds + result.stats.plain_rounds
+        return equal, rounds
+
+    def unending(self, server: str, pid: int, address: str,
+                 real: Callable[[], tuple[bool, int]]) -> None:
+        self.run_attack(Attack(server, "unending message", f"a raw ZMTP peer (not libzmq) "
+                               f"sends {UNENDING_MB} MB of frames that all carry MORE to a "
+                               f"{server} started with its default flags"),
+                        pid, address, tree_rss_mb(pid) + UNENDING_BOUND_MB,
+                        _unending(address, UNENDING_MB), real)
+
     # -- the hub --------------------------------------------------------------------------
+    def default_hub(self) -> None:
+        """A hub started with its default flags (this user's local keys), against a raw ZMTP
+        peer, a real target beside it."""
+        from targets import attach
+
+        with ExitStack() as stack:
+            log = stack.enter_context(open(self.log_dir / "hub-default.log", "w"))
+            hub = stack.enter_context(spawn_hub(["--model", "default"], log_file=log))
+            session = stack.enter_context(attach(self.model, self.tokenizer, hub.address,
+                                                 name="real", timeout_s=30.0))
+            warm = session.generate(self.prompts[0], self.max_new_tokens)
+            assert warm.output_ids == self.expected[True][0], "the target differs unattacked"
+            self.unending("hub", hub.proc.pid, hub.address, lambda: self.star_rounds(session))
+
     def hub(self) -> None:
-        from starhub.wire.security import use_client_curve
+        from starhub.wire.security import use_client_security
         from targets import attach
 
         keys = Path(tempfile.mkdtemp(prefix="hostile-keys-"))
@@ -299,10 +344,10 @@ class Bench:
             log = stack.enter_context(open(self.log_dir / "hub.log", "w"))
             hub = stack.enter_context(spawn_hub(flags, log_file=log))
             pid, address = hub.proc.pid, hub.address
-            use_client_curve(curves["real"])
+            use_client_security(ClientSecurity(curves["real"]))
             session = stack.enter_context(attach(self.model, self.tokenizer, address,
                                                  name="real", timeout_s=30.0))
-            stack.callback(use_client_curve, None)
+            stack.callback(use_client_security, None)
             warm = session.generate(self.prompts[0], self.max_new_tokens)
             assert warm.output_ids == self.expected[True][0], "the target differs unattacked"
             probe = dealer(address, bad)
@@ -315,13 +360,7 @@ class Bench:
                      + MAX_PEERS * PEER_ENTRY_MB + PASSING_MB["hub"])
 
             def real() -> tuple[bool, int]:
-                equal, rounds = True, 0
-                for _ in range(2):
-                    ids, want = self.prompt()
-                    result = session.generate(ids, self.max_new_tokens)
-                    equal &= result.output_ids == want
-                    rounds += result.stats.rounds + result.stats.plain_rounds
-                return equal, rounds
+                return self.star_rounds(session)
 
             def opening(n: int, ref: int) -> Open:
                 ids = self.long_prompt[:n]
@@ -414,7 +453,7 @@ class Bench:
                             _never_reads(address, bad, 20_000), real, curves["real"])
 
     # -- the verifier ---------------------------------------------------------------------
-    def verifier(self) -> None:
+    def verifier(self, only_unending: bool = False) -> None:
         from starhub.edge.drafter import EdgeDrafter
 
         cmd = [sys.executable, "-m", "starhub", "verifier", "--bind", "tcp://127.0.0.1:0",
@@ -462,6 +501,9 @@ class Bench:
                     last[0] = 0.0
                 return equal, rounds
 
+            self.unending("verifier", pid, address, real)
+            if only_unending:
+                return
             card = DrafterCard(drafter="hostile", feature_layers=[-1], depth=4, topk=2,
                                max_nodes=8)
 
@@ -561,6 +603,25 @@ def _never_reads(address: str, curve: ClientCurve | None, count: int):
     return hostile
 
 
+def _unending(address: str, megabytes: int):
+    def hostile(attack: Attack, ready, done) -> None:
+        peer = RawPeer(address, timeout_s=30.0)
+        try:
+            sent = peer.greet()
+            if not sent.stopped:
+                sent = peer.send_unending(megabytes << 20)
+            how = ("the server closed the connection" if sent.closed
+                   else sent.stopped or "the server took it all")
+            attack.answers[how] += 1
+            attack.detail = (f"{sent.bytes / (1 << 20):.1f} MB of {megabytes} MB sent before "
+                             f"{how}; bound: the start + {UNENDING_BOUND_MB} MB")
+            ready.set()
+            done.wait()
+        finally:
+            peer.close()
+    return hostile
+
+
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()
@@ -576,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-tokens", type=int, default=4096,
                    help="the long prompts' length (the servers take up to 32,768)")
     p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--only", choices=("hub", "verifier"), default=None)
+    p.add_argument("--only", choices=("hub", "verifier", "unending"), default=None,
+                   help="unending: only the raw ZMTP peer's rows")
     p.add_argument("--log-dir", default=None, help="keep the servers' logs here")
     p.add_argument("--json", default=None, help="write the report as JSON here")
     args = p.parse_args(argv)
@@ -584,10 +646,12 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(log_dir, exist_ok=True)
     started = time.monotonic()
     bench = Bench(args.long_tokens, args.max_new_tokens, log_dir)
+    if args.only in (None, "hub", "unending"):
+        bench.default_hub()
     if args.only in (None, "hub"):
         bench.hub()
-    if args.only in (None, "verifier"):
-        bench.verifier()
+    if args.only in (None, "verifier", "unending"):
+        bench.verifier(only_unending=args.only == "unending")
     ok = all(a.ok for a in bench.attacks)
     print(f"\n{sum(a.ok for a in bench.attacks)} of {len(bench.attacks)} attacks held in "
           f"{time.monotonic() - started:.0f} s; server logs in {log_dir}")

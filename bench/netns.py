@@ -180,7 +180,8 @@ def _run_delay(link: Link, args: argparse.Namespace, delay: float, tmp: Path) ->
             address = f"tcp://{HUB_IP}:{relay.port}"
         cmd = link.enter() + target_command(
             address, args.prompts, str(out), pre_args=["--log-level", "warning"],
-            extra=["--model", args.model, "--max-new-tokens", str(args.max_new_tokens),
+            extra=["--insecure", "--model", args.model,
+                   "--max-new-tokens", str(args.max_new_tokens),
                    "--hub-timeout", "10", *(["--no-chat-template"] if args.no_chat_template
                                              else [])])
         done = subprocess.run(cmd, env=child_env(1), capture_output=True, text=True,

@@ -1,7 +1,14 @@
-"""Shared fixtures: a tiny random-weight Llama with the embedded model's tokenizer."""
+"""Shared fixtures: a tiny random-weight Llama with the embedded model's tokenizer.
+
+Servers and clients started without keys use the user's local keystore; the tests' is a
+folder of their own (``STARHUB_KEYS``, inherited by every process they start)."""
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 
@@ -12,6 +19,10 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from starhub.models.loading import resolve
 
 torch.set_num_threads(1)
+
+KEYSTORE = tempfile.mkdtemp(prefix="starhub-test-keys-")
+os.environ["STARHUB_KEYS"] = KEYSTORE
+atexit.register(shutil.rmtree, KEYSTORE, ignore_errors=True)
 
 
 def tiny_config(vocab_size: int = 49152, layers: int = 2) -> LlamaConfig:

@@ -28,6 +28,7 @@ from starhub.wire.messages import (
     StatsQuery,
     TargetCard,
 )
+from starhub.wire.security import ServerSecurity, bind_server, prepare_client
 from targets.verifier import Verifier, VerifierConfig
 
 PROMPTS = [[1, 5, 9, 14, 3], list(range(20, 43)), [7, 7, 8, 100, 4000], [11] * 9]
@@ -157,6 +158,7 @@ def test_drafter_fails_clearly_without_a_verifier(tiny_model):
 class Raw:
     def __init__(self, address: str):
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        prepare_client(self.sock, "raw")  # this user's local keys, as a drafter's
         self.sock.connect(address)
 
     def ask(self, msg):
@@ -252,8 +254,8 @@ class RogueVerifier:
 
     def __init__(self, opened, commit, card: TargetCard | None = None):
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
+        self.release = bind_server(self.sock, "tcp://127.0.0.1:0", ServerSecurity())
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.card = card or TargetCard(name="rogue", vocab_size=VOCAB, hidden_size=64,
                                        num_layers=2)
         self.answers = {DrafterCard: lambda m: self.card, Open: opened, Propose: commit}
@@ -275,6 +277,7 @@ class RogueVerifier:
         self._stop.set()
         self.thread.join(10)
         self.sock.close(0)
+        self.release()
 
 
 def _opened(first: int = 7, width: int | None = None, prefix=None):

@@ -25,6 +25,7 @@ from starhub.launch.status import query_stats
 from starhub.models.loading import load_model
 from starhub.wire.codec import decode, encode
 from starhub.wire.messages import DrafterCard, Open, Propose, StatsQuery, TargetCard
+from starhub.wire.security import ServerSecurity, bind_server
 from targets.generate import SpeculativeGenerator
 from targets.runner import iter_results
 
@@ -175,8 +176,8 @@ class RogueHub:
     def __init__(self, proposals, card: DrafterCard | None = None):
         self.card = card or DrafterCard(drafter="rogue", depth=3, topk=1, max_nodes=3)
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
+        self.release = bind_server(self.sock, "tcp://127.0.0.1:0", ServerSecurity())
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.proposals = proposals
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
@@ -197,6 +198,7 @@ class RogueHub:
     def close(self) -> None:
         self.thread.join(10)
         self.sock.close(0)
+        self.release()
 
 
 def _tree(tokens) -> dict:

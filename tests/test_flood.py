@@ -8,7 +8,6 @@ between two of the verifier's passes) lets the round through before the flood is
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -17,6 +16,7 @@ import zmq
 
 from starhub.wire.codec import decode, encode
 from starhub.wire.messages import Commit, DrafterCard, Open, Ping, Pong, Propose, TargetCard
+from starhub.wire.security import prepare_client
 from tests.test_edge import VerifierThread
 
 FLOOD = 5000
@@ -28,7 +28,7 @@ def dealer(address: str) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.IDENTITY, os.urandom(8))
+    prepare_client(sock, "flood")  # random identity; this user's local keys
     sock.connect(address)
     return sock
 

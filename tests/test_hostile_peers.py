@@ -30,6 +30,7 @@ from starhub.wire.messages import (
     Reject,
     TargetCard,
 )
+from starhub.wire.security import ClientSecurity
 from starhub.wire.tree import DraftTree
 from targets.acceptance import walk
 from tests.conftest import HubThread
@@ -224,8 +225,8 @@ def test_a_peer_that_reads_nothing_cannot_grow_the_outbox():
 def test_connections_with_one_curve_key_share_one_allowance(keys):  # noqa: F811
     hub = HubThread(NgramDrafter(), security=keys.server,
                     limits=SessionLimits(max_sessions_per_peer=1))
-    first = HubClient(hub.address, timeout_s=30, curve=keys.allowed)
-    second = HubClient(hub.address, timeout_s=30, curve=keys.allowed)
+    first = HubClient(hub.address, timeout_s=30, security=ClientSecurity(keys.allowed))
+    second = HubClient(hub.address, timeout_s=30, security=ClientSecurity(keys.allowed))
     try:
         for client in (first, second):
             client.greet(TargetCard(name="same-key", vocab_size=100))
@@ -236,6 +237,25 @@ def test_connections_with_one_curve_key_share_one_allowance(keys):  # noqa: F811
         principals = {p.principal for p in hub.hub.table.peers.values()}
         assert len(hub.hub.table.peers) == 2 and len(principals) == 1
         assert principals.pop().startswith(b"key:")
+    finally:
+        first.close()
+        second.close()
+        hub.stop()
+
+
+def test_connections_with_the_local_key_keep_an_allowance_each():
+    """The local client key is every process of this user: it names no principal, so each
+    connection keeps its own budgets, as without CURVE."""
+    hub = HubThread(NgramDrafter(), limits=SessionLimits(max_sessions_per_peer=1))
+    first, second = HubClient(hub.address, timeout_s=30), HubClient(hub.address, timeout_s=30)
+    try:
+        for client in (first, second):
+            client.greet(TargetCard(name="local", vocab_size=100))
+        opening = Open(ref=1, prompt_len=10, tokens=np.asarray(REPEATING, np.int32))
+        assert isinstance(first.request(opening, ref=1), Propose)
+        assert isinstance(second.request(opening, ref=1), Propose)
+        principals = {p.principal for p in hub.hub.table.peers.values()}
+        assert len(principals) == 2 and not any(p.startswith(b"key:") for p in principals)
     finally:
         first.close()
         second.close()

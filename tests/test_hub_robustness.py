@@ -26,13 +26,14 @@ from starhub.wire.messages import (
     StatsQuery,
     TargetCard,
 )
+from starhub.wire.security import prepare_client
 
 
 class Peer:
     def __init__(self, address: str):
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IDENTITY, os.urandom(8))
+        prepare_client(self.sock, "peer")  # random identity; this user's local keys
         self.sock.connect(address)
 
     def send(self, msg) -> None:

@@ -4,11 +4,14 @@ identities, and STATS that show per-peer detail only to peers that sent a card."
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,14 +26,16 @@ from starhub.drafters.base import TreeShape
 from starhub.drafters.model import ModelDrafter
 from starhub.drafters.ngram import NgramDrafter
 from starhub.edge.drafter import EdgeDrafter, VerifierUnavailable
+from starhub.launch import spawn_hub
 from starhub.launch.config import ConfigError, parse_config
 from starhub.launch.plan import build_plan
-from starhub.launch.status import query_stats
+from starhub.launch.status import query_stats, status_security
 from starhub.server.isolation import AGGREGATES_ONLY
 from starhub.wire.messages import DrafterCard, Open, Opened, StatsQuery, TargetCard
 from starhub.wire.reports import HubReport, PeerReport, VerifierReport
 from starhub.wire.security import (
     ClientCurve,
+    ClientSecurity,
     SecurityError,
     ServerCurve,
     ServerSecurity,
@@ -40,8 +45,9 @@ from starhub.wire.security import (
     generate_keys,
     is_loopback,
     load_certificate,
+    local_keys,
     server_curve,
-    use_client_curve,
+    use_client_security,
 )
 from targets import attach
 from tests.conftest import HubThread
@@ -198,7 +204,7 @@ def test_launch_config_applies_the_loopback_rule_and_passes_keys():
 def test_curve_hub_serves_an_allowed_target_losslessly(tiny_model, keys):
     model, tokenizer = tiny_model
     hub = HubThread(NgramDrafter(), security=keys.server)
-    use_client_curve(keys.allowed)
+    use_client_security(ClientSecurity(keys.allowed))
     try:
         with attach(model, tokenizer, hub.address, name="allowed", timeout_s=30) as session:
             assert session.connected
@@ -207,20 +213,25 @@ def test_curve_hub_serves_an_allowed_target_losslessly(tiny_model, keys):
         assert result.stats.rounds > 0 and not result.stats.standalone, \
             "the tokens came through the hub's drafts, not from decoding alone"
     finally:
-        use_client_curve(None)
+        use_client_security(None)
         hub.stop()
 
 
 def test_curve_hub_refuses_unknown_keys_and_plain_clients(keys):
     hub = HubThread(NgramDrafter(), security=keys.server)
-    allowed = HubClient(hub.address, timeout_s=30, curve=keys.allowed)
+    allowed = HubClient(hub.address, timeout_s=30, security=ClientSecurity(keys.allowed))
     try:
-        for curve in (keys.stranger, None):
-            refused = HubClient(hub.address, timeout_s=REFUSED_WITHIN_S, curve=curve)
+        for security, cause in [
+                (ClientSecurity(keys.stranger), "not in its --curve-allow folder"),
+                (ClientSecurity(insecure=True), "it uses CURVE and this client connects "
+                                                "without CURVE"),
+                (ClientSecurity(), "or holds other keys")]:  # this user's local keys
+            # the refusal is reported as it happens, with its likely cause, not at a timeout
+            refused = HubClient(hub.address, timeout_s=60, security=security)
             try:
-                with pytest.raises(HubUnavailable, match="no reply"):
+                with pytest.raises(HubUnavailable, match="refused this target: .*" + cause):
                     refused.greet(TargetCard(name="intruder", vocab_size=1000))
-                with pytest.raises(HubUnavailable, match="no reply|refused the connection"):
+                with pytest.raises(HubUnavailable, match=cause):
                     refused.ping()  # a second request fails too, and never blocks
             finally:
                 refused.close()
@@ -235,18 +246,18 @@ def test_curve_verifier_serves_allowed_drafters_and_refuses_others(tiny_model, k
     model, tokenizer = tiny_model
     verifier = VerifierThread(model, tokenizer, budget=16, security=keys.server)
 
-    def drafter(curve) -> EdgeDrafter:
+    def drafter(security) -> EdgeDrafter:
         return EdgeDrafter(ModelDrafter(model, label="self"), verifier.address,
                            TreeShape(4, 2, 6), eos=set(), timeout_s=REFUSED_WITHIN_S,
-                           retries=0, curve=curve)
+                           retries=0, security=security)
 
     try:
-        for curve in (keys.stranger, None):
-            refused = drafter(curve)
-            with pytest.raises(VerifierUnavailable, match="no reply"):
+        for security in (ClientSecurity(keys.stranger), ClientSecurity(insecure=True)):
+            refused = drafter(security)
+            with pytest.raises(VerifierUnavailable, match="no reply|refused this drafter"):
                 refused.generate(PROMPT, 8)
             refused.close()
-        allowed = drafter(keys.allowed)
+        allowed = drafter(ClientSecurity(keys.allowed))
         allowed.timeout_s = 30
         assert allowed.generate(PROMPT, 10)[0] == _reference(model, PROMPT, 10)
         allowed.close()
@@ -332,3 +343,113 @@ def test_verifier_stats_without_welcome_hide_sessions(tiny_model):
     finally:
         drafter.close()
         verifier.stop()
+
+
+# -- the local keystore: what servers and clients use when given no keys ---------------------
+
+KEYS_OF = ("import sys, time; from starhub.wire.security import local_keys; "
+           "time.sleep(max(0.0, float(sys.argv[1]) - time.time())); k = local_keys(); "
+           "print(k.server.public.decode(), k.client.public.decode(), k.client.server.decode())")
+
+
+def _local_keys_in(folder: Path, n: int) -> list[str]:
+    """The keys ``n`` processes find in a keystore at ``folder``, opening it at one moment."""
+    at = str(time.time() + 3.0)  # once every process has started
+    procs = [subprocess.Popen([sys.executable, "-c", KEYS_OF, at], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env={**os.environ, "STARHUB_KEYS": str(folder)})
+             for _ in range(n)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    return [out for out, _ in outs]
+
+
+def test_local_keystore_is_made_once_private_and_shared_by_concurrent_makers(tmp_path):
+    folder = tmp_path / "deep" / "keys"
+    found = _local_keys_in(folder, 4)  # four processes race to make it
+    assert len(set(found)) == 1, "every process got the winner's keys"
+    server, client, trusted = found[0].split()
+    assert trusted == server != client
+    assert os.stat(folder).st_mode & 0o777 == 0o700
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "allow", "client.key", "client.key_secret", "server.key", "server.key_secret"]
+    assert [p.name for p in (folder / "allow").iterdir()] == ["client.key"]
+    assert [p.name for p in folder.parent.iterdir()] == ["keys"], "no build folder left"
+    assert _local_keys_in(folder, 1) == found[:1], "made once, then reused"
+
+
+def test_local_keystore_others_may_enter_is_refused(tmp_path, monkeypatch):
+    folder = tmp_path / "open"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    monkeypatch.setenv("STARHUB_KEYS", str(folder))
+    with pytest.raises(SecurityError, match=r"others may enter it \(mode 755\)"):
+        local_keys()
+    with pytest.raises(SecurityError, match="others may enter"):
+        check_bind("tcp://127.0.0.1:0", ServerSecurity())  # a server fails before it loads
+    if os.getuid() == 0:  # only root can give a folder away
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 12345, 12345)
+        monkeypatch.setenv("STARHUB_KEYS", str(theirs))
+        with pytest.raises(SecurityError, match="belongs to uid 12345, not to this user"):
+            local_keys()
+
+
+def test_default_hub_and_target_use_the_local_keys_and_refuse_plain_clients(tiny_dir,
+                                                                              tmp_path):
+    prompts, out, log = tmp_path / "p.jsonl", tmp_path / "out.jsonl", tmp_path / "hub.log"
+    prompts.write_text('{"id": 0, "prompt": "Hello there"}\n')
+    with open(log, "w") as err, spawn_hub(["--drafter", "ngram"], log_file=err) as hub:
+        target = _starhub("target", "--hub", hub.address, "--model", str(tiny_dir),
+                          "--prompts", str(prompts), "--out", str(out), "--threads", "1",
+                          "--max-new-tokens", "8")
+        assert target.returncode == 0, target.stderr
+        assert "CURVE on with this user's local keys" in log.read_text()
+        (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+        assert row["stats"]["rounds"] > 0 and not row["stats"]["standalone"], target.stderr
+        plain = _starhub("status", hub.address, "--insecure", "--timeout", "60")
+        assert plain.returncode == 1
+        assert "refused this target: it uses CURVE" in plain.stderr, plain.stderr
+
+
+def test_insecure_on_both_sides_connects_without_curve(tiny_model, tmp_path):
+    model, tokenizer = tiny_model
+    log = tmp_path / "hub.log"
+    with open(log, "w") as err, spawn_hub(["--drafter", "ngram", "--insecure"],
+                                          log_file=err) as hub:
+        assert "without CURVE (--insecure)" in log.read_text()
+        status = _starhub("status", hub.address, "--insecure")
+        assert status.returncode == 0 and "ngram drafter" in status.stdout, status.stderr
+        curved = _starhub("status", hub.address, "--timeout", "60")  # the local keys
+        assert curved.returncode == 1
+        # which side notices first decides how much libzmq tells; either way it is named
+        assert re.search(r"it does not use CURVE \(it runs --insecure\?\)|the server runs "
+                         r"without CURVE \(--insecure: pass it too\)", curved.stderr), \
+            curved.stderr
+        use_client_security(ClientSecurity(insecure=True))
+        try:
+            with attach(model, tokenizer, hub.address, name="plain", timeout_s=30) as session:
+                result = session.generate(PROMPT, max_new_tokens=12)
+        finally:
+            use_client_security(None)
+        assert result.output_ids == _reference(model, PROMPT, 12) and result.stats.rounds > 0
+
+
+def test_launch_passes_insecure_to_clients_and_nothing_for_the_local_keys():
+    base = {"targets": {"model": "default", "count": 1}}
+    plan = build_plan(parse_config(base), "p.jsonl")
+    assert "--insecure" not in plan.server.args + plan.workers[0].args
+    assert not any(a.startswith("--curve") for a in plan.server.args + plan.workers[0].args)
+    dep = parse_config({**base, "hub": {"insecure": True}})
+    plan = build_plan(dep, "p.jsonl")
+    assert "--insecure" in plan.server.args and "--insecure" in plan.workers[0].args
+    assert status_security(dep.server, dep.workers) == ClientSecurity(insecure=True)
+    serving = parse_config({"hub": {"insecure": True},
+                            "targets": {"model": "default", "serve": True}})
+    assert "--insecure" in build_plan(serving).workers[0].args
+    edge = parse_config({"topology": "edge", "verifier": {"model": "default", "insecure": True},
+                         "drafters": {"model": "default", "count": 1}})
+    assert "--insecure" in build_plan(edge, "p.jsonl").workers[0].args
+    with pytest.raises(SecurityError, match="not both"):
+        ClientSecurity(ClientCurve(b"", b"", b""), insecure=True)

@@ -163,7 +163,8 @@ def cmd_drafter(args: argparse.Namespace) -> int:
     from starhub.edge.drafter import EdgeDrafter, VerifierUnavailable, result_json
     from starhub.models.loading import eos_ids, load_tokenizer, set_threads
 
-    curve = security.client_curve_from_args(args)
+    secure = security.ClientSecurity.from_args(args)
+    secure.keys()  # a keystore that cannot be used fails here, before the drafter loads
     threads = set_threads(resolve_threads(args.threads))
     index, _, count = args.shard.partition("/")
     items = read_prompts(args.prompts)[int(index)::int(count or 1)]
@@ -172,7 +173,7 @@ def cmd_drafter(args: argparse.Namespace) -> int:
     drafter = make_drafter(args.drafter, args.draft, args.model, args.draft_dtype, args.device)
     shape = TreeShape(args.depth, args.topk, args.max_nodes)
     edge = EdgeDrafter(drafter, args.verifier, shape, eos_ids(args.model), name=name,
-                       timeout_s=args.timeout, retries=args.retries, curve=curve)
+                       timeout_s=args.timeout, retries=args.retries, security=secure)
     log = logging.getLogger("starhub.drafter")
     log.info("%s: %d prompts, %s drafter, torch threads=%d", name, len(items), drafter.name,
              threads)

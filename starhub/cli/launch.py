@@ -16,7 +16,7 @@ from starhub.launch.runner import Launcher, LocalBackend
 from starhub.launch.status import query_stats, report, serve_report, server_health
 from starhub.models.prompts import read_prompts
 from starhub.options import SECONDS
-from starhub.wire.security import add_client_args, client_curve_from_args
+from starhub.wire.security import ClientSecurity, add_client_args
 
 LAUNCH_EPILOG = """\
 a deployment file (see configs/) looks like:
@@ -127,9 +127,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(body, indent=1, sort_keys=True) if args.json
               else serve_report(args.address, body))
         return 0
-    curve = client_curve_from_args(args)
+    secure = ClientSecurity.from_args(args)
     try:
-        body = query_stats(args.address, args.timeout, peers=True, curve=curve)
+        body = query_stats(args.address, args.timeout, peers=True, security=secure)
     except HubUnavailable as exc:
         print(f"starhub status: {exc}", file=sys.stderr)
         return 1

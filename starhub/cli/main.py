@@ -296,7 +296,10 @@ def cmd_target(args: argparse.Namespace) -> int:
     # deferred: torch and transformers load only when this runs
     from targets.runner import run
 
-    security.use_client_curve(security.client_curve_from_args(args))
+    secure = security.ClientSecurity.from_args(args)
+    if args.hub:
+        secure.keys()  # a keystore that cannot be used fails here, not while decoding
+    security.use_client_security(secure)
     index, _, count = args.shard.partition("/")
     return run(args.hub, args.model, args.prompts, args.out, args.max_new_tokens,
                args.temperature, args.top_p, args.seed, args.threads,

@@ -85,7 +85,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from targets.serve.app import OpenAIServer
     from targets.serve.batcher import Batcher
 
-    security.use_client_curve(security.client_curve_from_args(args))
+    secure = security.ClientSecurity.from_args(args)
+    if args.hub:
+        secure.keys()  # a keystore that cannot be used fails here, not while serving
+    security.use_client_security(secure)
     threads = set_threads(resolve_threads(args.threads))
     model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear,
                                   device=args.device, device_map=args.device_map)

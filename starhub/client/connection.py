@@ -23,9 +23,11 @@ from starhub.wire.messages import (
     Reject,
     TargetCard,
 )
-from starhub.wire.security import ClientCurve, prepare_client
+from starhub.wire.security import ClientSecurity, Handshakes, prepare_client
 
 log = logging.getLogger("starhub.target")
+_reported: set[tuple[str, str]] = set()
+"""Refusals logged already: (address, cause)."""
 
 
 class LinkDown(RuntimeError):
@@ -52,27 +54,49 @@ class HubError(RuntimeError):
 
 class Connection:
     """One DEALER socket connected to ``address``. ``server`` names the far side and
-    ``prefix`` starts our random identity ("t" a target, "d" a drafter)."""
+    ``prefix`` starts our random identity ("t" a target, "d" a drafter). ``security``: how
+    to connect (None: this process's default, ``use_client_security``)."""
 
     server = "server"
     down = LinkDown
     """What ``send`` and ``recv`` raise."""
 
     def __init__(self, address: str, timeout_s: float = 30.0, limits: Limits = Limits(),
-                 curve: ClientCurve | None = None, prefix: str = "t", role: str = "client"):
+                 security: ClientSecurity | None = None, prefix: str = "t",
+                 role: str = "client"):
         self.address = address
         self.timeout_s = timeout_s
         self.limits = limits
         self.role = role
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         configure_socket(self.sock, limits)
-        prepare_client(self.sock, prefix, curve)  # random identity; CURVE keys if any
+        try:
+            used = prepare_client(self.sock, prefix, security)  # random identity, CURVE keys
+        except Exception:
+            self.sock.close(0)
+            raise
+        self.handshakes = Handshakes(self.sock, used)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.handshakes.monitor, zmq.POLLIN)
         self.sock.connect(address)
+
+    def refused(self) -> None:
+        """Raise ``down`` naming the likely cause if the server refused our handshake."""
+        cause = self.handshakes.failure()
+        if cause is None:
+            return
+        message = f"the {self.server} at {self.address} refused this {self.role}: {cause}"
+        if (self.address, cause) not in _reported:  # once per process, not per reconnection
+            _reported.add((self.address, cause))
+            log.error("%s", message)
+        raise self.down(message)
 
     def send(self, msg: Message) -> None:
         try:  # never block: a connection the server refused (CURVE) leaves no pipe to queue on
             self.sock.send_multipart(encode(msg), copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:
+            self.refused()
             raise self.down(f"cannot send to the {self.server} at {self.address}: it refused "
                             f"the connection (are this {self.role}'s CURVE keys allowed?)"
                             ) from None
@@ -82,10 +106,17 @@ class Connection:
 
     def recv(self, timeout_s: float | None = None) -> Message:
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
         try:
-            if not self.sock.poll(int(timeout * 1000)):
-                raise self.down(f"no reply from the {self.server} at {self.address} within "
-                                f"{timeout:.3g}s")
+            self.refused()  # refused already: say so now, not after the timeout
+            while True:  # the monitor wakes us when a handshake ends; a refusal is raised
+                ready = dict(self.poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
+                if self.sock in ready:
+                    break
+                self.refused()
+                if time.monotonic() >= deadline:
+                    raise self.down(f"no reply from the {self.server} at {self.address} "
+                                    f"within {timeout:.3g}s")
             frames = self.sock.recv_multipart(copy=False)
         except zmq.ZMQError as exc:  # e.g. the connection was closed meanwhile
             raise self.down(f"cannot read from the {self.server} at {self.address}: {exc}") \
@@ -111,6 +142,7 @@ class Connection:
             log.debug("dropping an unrelated %s for tag %d", msg.TYPE, msg.tag)
 
     def close(self) -> None:
+        self.handshakes.close()
         self.sock.close(0)
 
 
@@ -119,8 +151,8 @@ class HubClient(Connection):
     down = HubUnavailable
 
     def __init__(self, address: str, timeout_s: float = 30.0, limits: Limits = Limits(),
-                 curve: ClientCurve | None = None):
-        super().__init__(address, timeout_s, limits, curve, prefix="t", role="target")
+                 security: ClientSecurity | None = None):
+        super().__init__(address, timeout_s, limits, security, prefix="t", role="target")
         self.drafter_card: DrafterCard | None = None
 
     def greet(self, card: TargetCard) -> DrafterCard:

@@ -36,7 +36,7 @@ from starhub.wire.messages import (
     Reject,
     TargetCard,
 )
-from starhub.wire.security import ClientCurve
+from starhub.wire.security import ClientSecurity
 
 log = logging.getLogger("starhub.drafter")
 
@@ -82,7 +82,7 @@ class EdgeDrafter:
                  name: str = "drafter", timeout_s: float = 30.0, retries: int = 3,
                  backoff_s: float = 0.5, limits: Limits = Limits(),
                  on_commit: Callable[[int], None] = lambda tokens: None,
-                 curve: ClientCurve | None = None):
+                 security: ClientSecurity | None = None):
         self.drafter = drafter
         self.address = address
         self.shape = shape
@@ -92,8 +92,9 @@ class EdgeDrafter:
         self.retries = retries
         self.limits = limits
         self.on_commit = on_commit
-        self.curve = curve
         """Called with each COMMIT's token count, as it arrives (for live progress)."""
+        self.security = security
+        """How to connect (None: this process's default, ``use_client_security``)."""
         self.draft_s = 0.0
         self.wait_s = 0.0
         """Totals over this drafter's life: drafting, and waiting for COMMITs."""
@@ -113,7 +114,7 @@ class EdgeDrafter:
         return reply
 
     def _greet(self) -> tuple[VerifierConnection, TargetCard]:
-        conn = VerifierConnection(self.address, self.timeout_s, self.limits, self.curve,
+        conn = VerifierConnection(self.address, self.timeout_s, self.limits, self.security,
                                   prefix="d", role="drafter")
         try:
             shape = self.shape

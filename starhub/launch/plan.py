@@ -118,6 +118,12 @@ def _client_keys(w) -> list[tuple[str, object]]:
     return [("--curve-secret", w.curve_secret), ("--curve-server", w.curve_server)]
 
 
+def _plain(dep: Deployment) -> list[str]:
+    """Workers of a server that runs without CURVE connect without it too; given no keys and
+    no ``insecure``, both sides use the local keystore (``starhub.wire.security``)."""
+    return ["--insecure"] if dep.server.insecure and not dep.server.curve_secret else []
+
+
 def _threads(dep: Deployment, section) -> int:
     """A process's torch threads. ``auto``: on the local backend, this machine's usable cores
     shared evenly by every process of the deployment (they all compute at once); on Ray,
@@ -180,7 +186,8 @@ def _target(dep: Deployment, pre: list[str], i: int) -> ProcessSpec:
     args = [*pre, "target", *_flags([("--hub", HUB), ("--model", t.model),
                                      ("--dtype", t.dtype), ("--linear", t.linear),
                                      ("--device-map", t.device_map),
-                                     *_sampling(t, i, name, threads), *_client_keys(t)])]
+                                     *_sampling(t, i, name, threads), *_client_keys(t)]),
+                               *_plain(dep)]
     if not t.chat_template:
         args.append("--no-chat-template")
     return ProcessSpec(name, "target", args, threads, False, "targets", _gpu(t, i),
@@ -197,7 +204,7 @@ def _server_target(dep: Deployment, pre: list[str], i: int, name: str,
         ("--device-map", t.device_map), ("--threads", threads), ("--name", name),
         ("--host", host), ("--port", t.http_port + i if t.http_port else 0),
         ("--max-concurrency", t.max_concurrency), ("--device", t.device),
-        *_client_keys(t)])]
+        *_client_keys(t)]), *_plain(dep)]
     if not t.chat_template:
         args.append("--no-chat-template")
     return ProcessSpec(name, "serve", args, threads, True, "targets", _gpu(t, i),
@@ -225,7 +232,7 @@ def _drafter(dep: Deployment, pre: list[str], i: int) -> ProcessSpec:
         ("--draft", d.draft), ("--draft-dtype", d.draft_dtype), ("--depth", d.depth),
         ("--topk", d.topk), ("--max-nodes", d.max_nodes), ("--target-tok-s", d.target_tok_s),
         ("--timeout", d.timeout), ("--retries", d.retries), *_sampling(d, i, name, threads),
-        *_client_keys(d)])]
+        *_client_keys(d)]), *_plain(dep)]
     if not d.chat_template:
         args.append("--no-chat-template")
     return ProcessSpec(name, "drafter", args, threads, False, "drafters", _gpu(d, i),

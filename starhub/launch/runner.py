@@ -22,7 +22,8 @@ from starhub.client.round_stats import pooled_accept_len
 from starhub.launch.host import ProcessHost
 from starhub.launch.plan import Plan, ProcessSpec
 from starhub.launch.spawn import thread_settings
-from starhub.launch.status import StatusPoller, status_keys
+from starhub.launch.status import StatusPoller, status_security
+from starhub.wire.security import KEYSTORE_ENV, keystore_dir
 
 log = logging.getLogger("starhub.launch")
 TAIL_LINES = 25
@@ -50,8 +51,12 @@ class Backend(Protocol):
 
 def process_env(spec: ProcessSpec) -> dict[str, str]:
     """What a launched process gets over its host's environment: its thread count, no
-    progress bars (the launcher shows progress), and its GPU pin if it has one."""
-    env = {**thread_settings(spec.threads), "TQDM_DISABLE": "1"}
+    progress bars (the launcher shows progress), its GPU pin if it has one, and the
+    launcher's local keystore, so that a server and clients given no keys find each other
+    (and the launcher's status line finds them) even where a Ray worker's environment
+    would point elsewhere."""
+    env = {**thread_settings(spec.threads), "TQDM_DISABLE": "1",
+           KEYSTORE_ENV: str(keystore_dir())}
     if spec.gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
     return env
@@ -232,7 +237,8 @@ class Launcher:
             if self.dep.status_interval_s:
                 poller = StatusPoller(address, self.dep.status_interval_s,
                                       len(self.plan.workers), self.kind == "verifier",
-                                      status_keys(self.dep.workers)).start()
+                                      status_security(self.dep.server,
+                                                      self.dep.workers)).start()
             if not self.plan.workers or self.serving:
                 self.say(f"serving at {address} until Ctrl-C")
             self._supervise(poller)

@@ -12,23 +12,23 @@ import msgspec
 
 from starhub.wire.messages import ObserverCard, StatsQuery
 from starhub.wire.reports import DrafterHealth, HubReport, VerifierReport
-from starhub.wire.security import ClientCurve, SecurityError, client_curve
+from starhub.wire.security import ClientSecurity, SecurityError, client_curve
 from starhub.wire.text import printable
 
 if TYPE_CHECKING:
     from starhub.client.connection import HubClient
-    from starhub.launch.config import WorkerSection
+    from starhub.launch.config import ServerSection, WorkerSection
 
 
-def observer_client(address: str, timeout_s: float = 5.0, curve: ClientCurve | None = None,
-                    name: str = "status") -> HubClient:
+def observer_client(address: str, timeout_s: float = 5.0,
+                    security: ClientSecurity | None = None, name: str = "status") -> HubClient:
     """A client that has sent an OBSERVER_CARD, so that the server's STATS include
     each target's (or edge session's) entries; a plain client gets aggregates only. It
-    takes no admission slot. ``curve``: a ``ClientCurve`` for a server that uses CURVE."""
+    takes no admission slot. ``security``: how to connect (None: this process's default)."""
     # deferred: torch load only when this runs
     from starhub.client.connection import HubClient
 
-    client = HubClient(address, timeout_s=timeout_s, curve=curve)
+    client = HubClient(address, timeout_s=timeout_s, security=security)
     try:
         client.request(ObserverCard(name=name))
     except BaseException:
@@ -37,25 +37,27 @@ def observer_client(address: str, timeout_s: float = 5.0, curve: ClientCurve | N
     return client
 
 
-def status_keys(workers: WorkerSection) -> ClientCurve | None:
-    """The launcher asks for STATS with its workers' keys; None where there are none or
-    this machine cannot read them (the status line then says why it has no numbers)."""
+def status_security(server: ServerSection, workers: WorkerSection) -> ClientSecurity | None:
+    """The launcher asks for STATS as its workers connect: with their keys, without CURVE
+    where the server runs insecure, else with the local keys; None where this machine cannot
+    read their keys (the status line then says why it has no numbers)."""
     try:
-        return client_curve(workers.curve_secret, workers.curve_server)
+        curve = client_curve(workers.curve_secret, workers.curve_server)
     except SecurityError:
         return None
+    return ClientSecurity(curve, insecure=curve is None and server.insecure)
 
 
 def query_stats(address: str, timeout_s: float = 5.0, peers: bool = False,
-                curve: ClientCurve | None = None, observe: bool = True
+                security: ClientSecurity | None = None, observe: bool = True
                 ) -> HubReport | VerifierReport:
     """One ``STATS`` request; ``peers`` adds each peer's totals (``counters.peers``).
     ``observe`` sends an OBSERVER_CARD first, for per-target entries."""
     # deferred: torch load only when this runs
     from starhub.client.connection import HubClient
 
-    client = (observer_client(address, timeout_s, curve) if observe
-              else HubClient(address, timeout_s=timeout_s, curve=curve))
+    client = (observer_client(address, timeout_s, security) if observe
+              else HubClient(address, timeout_s=timeout_s, security=security))
     try:
         return client.request(StatsQuery(counters=peers, peers=peers)).body
     finally:
@@ -67,8 +69,8 @@ class StatusPoller:
     peers up, rounds per second over the last interval, τ and tokens per second."""
 
     def __init__(self, address: str, interval_s: float, expected: int, edge: bool,
-                 curve: ClientCurve | None = None):
-        self.address, self.interval_s, self.curve = address, interval_s, curve
+                 security: ClientSecurity | None = None):
+        self.address, self.interval_s, self.security = address, interval_s, security
         self.expected, self.edge = expected, edge
         self.line: str | None = None
         self._stop = threading.Event()
@@ -87,7 +89,7 @@ class StatusPoller:
         while not self._stop.is_set():
             try:
                 body = query_stats(self.address, timeout_s=max(self.interval_s, 2.0),
-                                   curve=self.curve, observe=False)
+                                   security=self.security, observe=False)
                 self.line = self.summarize(body, time.monotonic())
             except Exception as exc:  # a status line must never stop the deployment
                 self.line = f"no STATS from {self.address}: {exc}"

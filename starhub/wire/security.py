@@ -1,11 +1,15 @@
-"""Who may talk to a server, and how: ZeroMQ CURVE keys, the loopback rule, random identities.
+"""Who may talk to a server, and how: ZeroMQ CURVE keys, the local keystore, the loopback
+rule, random identities.
 
 A server (hub, verifier) with CURVE encrypts every connection and accepts only clients whose
-public certificate lies in its allow folder; pyzmq's ZAP authenticator checks each one. A
-server without CURVE binds only loopback addresses unless told ``--insecure``: anywhere else,
-whoever reaches the port could read prompts and send messages. Certificates are pyzmq's own
-files (``zmq.auth.create_certificates``): ``NAME.key`` holds the public key and is handed
-out, ``NAME.key_secret`` holds both keys and stays with its owner.
+public certificate lies in its allow folder; pyzmq's ZAP authenticator checks each one.
+Given no keys, servers and clients use this user's local keystore (``local_keys``): CURVE
+still, so a peer that is not this user gets no further than the handshake. Only
+``--insecure`` turns CURVE off. A server without keys of its own (local or none) binds only
+loopback addresses unless told ``--insecure``: anywhere else, whoever reaches the port could
+read prompts and send messages. Certificates are pyzmq's own files
+(``zmq.auth.create_certificates``): ``NAME.key`` holds the public key and is handed out,
+``NAME.key_secret`` holds both keys and stays with its owner.
 
 Nothing here imports torch, so the command line can register these options cheaply.
 """
@@ -17,6 +21,9 @@ import ipaddress
 import logging
 import os
 import secrets
+import shutil
+import stat
+import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -27,6 +34,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger("starhub.security")
 
@@ -139,7 +147,8 @@ class ClientCurve:
 
 @dataclass(frozen=True)
 class ServerSecurity:
-    """How a server listens: CURVE, or plain, which needs ``insecure`` off loopback."""
+    """How a server listens: with keys of its own (``curve``), plain (``insecure``), or,
+    given neither, with this user's local keys (``local_keys``), on loopback only."""
 
     curve: ServerCurve | None = None
     insecure: bool = False
@@ -147,6 +156,49 @@ class ServerSecurity:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerSecurity:
         return cls(server_curve(args.curve_secret, args.curve_allow), args.insecure)
+
+    @property
+    def local(self) -> bool:
+        """No keys given and CURVE wanted: the local keystore's keys."""
+        return self.curve is None and not self.insecure
+
+    def keys(self) -> ServerCurve | None:
+        """The keys to bind with: the given ones, the local keystore's, or none (insecure)."""
+        return local_keys().server if self.local else self.curve
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """How a client connects: with keys of its own (``curve``), plain (``insecure``: the
+    server runs ``--insecure``), or, given neither, with this user's local keys."""
+
+    curve: ClientCurve | None = None
+    insecure: bool = False
+
+    def __post_init__(self) -> None:
+        if self.curve is not None and self.insecure:
+            raise SecurityError("--insecure connects without CURVE: give it, or "
+                                "--curve-secret and --curve-server, not both")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ClientSecurity:
+        return cls(client_curve(args.curve_secret, args.curve_server), args.insecure)
+
+    @property
+    def local(self) -> bool:
+        """No keys given and CURVE wanted: the local keystore's keys."""
+        return self.curve is None and not self.insecure
+
+    def keys(self) -> ClientCurve | None:
+        """The keys to connect with: the given ones, the local keystore's, or none."""
+        return local_keys().client if self.local else self.curve
+
+    def describe(self) -> str:
+        if self.insecure:
+            return "without CURVE (--insecure)"
+        if self.curve is not None:
+            return "with the keys given (--curve-secret, --curve-server)"
+        return f"with this user's local keys ({keystore_dir()})"
 
 
 def server_curve(secret_file: str | None, allow_dir: str | None) -> ServerCurve | None:
@@ -168,6 +220,107 @@ def client_curve(secret_file: str | None, server_file: str | None) -> ClientCurv
     return ClientCurve.load(secret_file, server_file)
 
 
+# -- the local keystore ---------------------------------------------------------------------
+
+KEYSTORE_ENV = "STARHUB_KEYS"
+
+
+def keystore_dir() -> Path:
+    """Where this user's local keys live: ``$STARHUB_KEYS``, else ``$XDG_RUNTIME_DIR/starhub``
+    where that runtime folder exists, else ``~/.cache/starhub/keys``."""
+    chosen = os.environ.get(KEYSTORE_ENV)
+    if chosen:
+        return Path(chosen).expanduser().absolute()
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return Path(runtime) / "starhub"
+    return Path.home() / ".cache" / "starhub" / "keys"
+
+
+@dataclass(frozen=True)
+class LocalKeys:
+    """A keystore (a folder only its owner may enter): a server pair whose allow folder holds
+    the public key of one client pair. Every process of its user on this host shares it, so
+    a server and a client started with no keys find each other, and nobody else."""
+
+    folder: Path
+    server: ServerCurve
+    client: ClientCurve
+
+
+_local: dict[Path, LocalKeys] = {}
+_local_lock = threading.Lock()
+
+
+def local_keys() -> LocalKeys:
+    """This user's keystore (``keystore_dir``), made on first use and read once per process."""
+    folder = keystore_dir()
+    with _local_lock:
+        if folder not in _local:
+            _local[folder] = _open_keystore(folder)
+        return _local[folder]
+
+
+def _open_keystore(folder: Path) -> LocalKeys:
+    if not os.path.lexists(folder):
+        _make_keystore(folder)
+    _check_private(folder)
+    if not any(folder.iterdir()):  # an empty folder made for it ($STARHUB_KEYS)
+        _make_keystore(folder)
+    try:
+        server = ServerCurve.load(folder / "server.key_secret", folder / "allow")
+        client = ClientCurve.load(folder / "client.key_secret", folder / "server.key")
+    except SecurityError as exc:
+        raise SecurityError(f"the local keystore {folder}: {exc}. Remove the folder and a "
+                            f"new one is made (or set ${KEYSTORE_ENV} to another)") from None
+    return LocalKeys(folder, server, client)
+
+
+def _make_keystore(folder: Path) -> None:
+    """Build the keystore in a private folder beside it, then rename that into place: a
+    process starting at the same moment sees all of it or nothing, and the one whose
+    rename loses uses the winner's keys."""
+    try:
+        folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        build = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    except OSError as exc:
+        raise SecurityError(f"cannot make the local keystore {folder}: {exc}; set "
+                            f"${KEYSTORE_ENV} to a folder of your own") from None
+    try:
+        generate_keys(build, "server")
+        public, _ = generate_keys(build, "client")
+        (build / "allow").mkdir(mode=0o700)
+        shutil.copy(public, build / "allow" / public.name)
+        try:
+            os.rename(build, folder)
+            log.info("made this user's local keys in %s", folder)
+        except OSError as exc:
+            if not (folder / "server.key_secret").exists():  # not a race lost: a failure
+                raise SecurityError(f"cannot make the local keystore {folder}: {exc}; set "
+                                    f"${KEYSTORE_ENV} to a folder of your own") from None
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
+
+
+def _check_private(folder: Path) -> None:
+    """Only its owner, this user, may enter a keystore: anyone who reads it could connect."""
+    try:
+        st = folder.stat()
+    except OSError as exc:
+        raise SecurityError(f"the local keystore {folder}: {exc}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise SecurityError(f"the local keystore {folder} is not a folder; remove it or set "
+                            f"${KEYSTORE_ENV} to another")
+    if st.st_uid != os.getuid():
+        raise SecurityError(f"refusing the local keystore {folder}: it belongs to uid "
+                            f"{st.st_uid}, not to this user (uid {os.getuid()}); set "
+                            f"${KEYSTORE_ENV} to a folder of your own")
+    if st.st_mode & 0o077:
+        raise SecurityError(f"refusing the local keystore {folder}: others may enter it (mode "
+                            f"{stat.S_IMODE(st.st_mode):o}); `chmod 700 {folder}` if nobody "
+                            f"else has read it, else remove it and a new one is made")
+
+
 # -- the loopback rule ----------------------------------------------------------------------
 
 def is_loopback(address: str) -> bool:
@@ -187,13 +340,16 @@ def is_loopback(address: str) -> bool:
 
 
 def check_bind(address: str, security: ServerSecurity) -> None:
-    """Refuse a plain server reachable from other machines unless told ``--insecure``."""
+    """Refuse a server reachable from other machines without keys of its own, unless told
+    ``--insecure`` (the local keys serve this host only); open the local keystore a server
+    without keys uses, so that a problem with it shows before anything loads."""
     if security.curve is None and not security.insecure and not is_loopback(address):
         raise SecurityError(
-            f"refusing to bind {address} without CURVE: anyone who reaches it could read "
-            f"prompts and send messages. Give --curve-secret and --curve-allow "
-            f"({KEYGEN_HINT}), bind a loopback address, or pass --insecure on a network "
-            f"you trust")
+            f"refusing to bind {address} without CURVE keys of its own (this user's local "
+            f"keys serve loopback only): anyone who reaches it could read prompts and send "
+            f"messages. Give --curve-secret and --curve-allow ({KEYGEN_HINT}), bind a "
+            f"loopback address, or pass --insecure on a network you trust")
+    security.keys()
 
 
 # -- sockets --------------------------------------------------------------------------------
@@ -218,22 +374,39 @@ class _AllowList:
         return False
 
 
+class _Authenticator(ThreadAuthenticator):
+    """pyzmq's, except that a key many connections share by design (the local client key:
+    every process of this user) names no principal, so that each of those connections keeps
+    budgets of its own, as without CURVE (``starhub.server.loop.principal_of``)."""
+
+    def __init__(self, ctx: zmq.Context):
+        super().__init__(ctx, log=logging.getLogger("starhub.zap"))
+        self.shared: set[bytes] = set()
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        if client_public_key in self.shared:
+            return ""
+        return super().curve_user_id(client_public_key)
+
+
 class _Zap:
     """ZAP has one endpoint per ZeroMQ context, so servers sharing a context share one
     authenticator; each server socket gets its own domain and allow folder."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.running: dict[int, tuple[ThreadAuthenticator, set[str]]] = {}
+        self.running: dict[int, tuple[_Authenticator, set[str]]] = {}
 
-    def attach(self, ctx: zmq.Context, allow: Path) -> tuple[int, str]:
+    def attach(self, ctx: zmq.Context, allow: Path, shared: bytes | None) -> tuple[int, str]:
         with self.lock:
             key = ctx.underlying
             if key not in self.running:
-                auth = ThreadAuthenticator(ctx, log=logging.getLogger("starhub.zap"))
+                auth = _Authenticator(ctx)
                 auth.start()
                 self.running[key] = (auth, set())
             auth, domains = self.running[key]
+            if shared is not None:
+                auth.shared.add(z85.decode(shared))
             domain = f"starhub-{secrets.token_hex(8)}"
             auth.configure_curve_callback(domain, _AllowList(allow))
             domains.add(domain)
@@ -252,21 +425,25 @@ _ZAP = _Zap()
 
 
 def bind_server(sock: zmq.Socket, address: str, security: ServerSecurity) -> Callable[[], None]:
-    """Apply the loopback rule, turn CURVE on, bind. Returns what releases the
-    authenticator once the socket is closed."""
+    """Apply the loopback rule, turn CURVE on (with the given or the local keys), bind.
+    Returns what releases the authenticator once the socket is closed."""
     try:
         check_bind(address, security)
     except SecurityError:
         sock.close(0)
         raise
-    curve = security.curve
+    curve = security.keys()
     if curve is None:
-        if not is_loopback(address):
+        if is_loopback(address):
+            log.info("serving %s without CURVE (--insecure): any process on this host may "
+                     "connect", address)
+        else:
             log.warning("serving %s without CURVE (--insecure): traffic is neither "
                         "encrypted nor authenticated", address)
         sock.bind(address)
         return lambda: None
-    key, domain = _ZAP.attach(sock.context, curve.allow)
+    shared = local_keys().client.public if security.local else None
+    key, domain = _ZAP.attach(sock.context, curve.allow, shared)
     try:
         sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
         sock.curve_secretkey = curve.secret
@@ -276,57 +453,124 @@ def bind_server(sock: zmq.Socket, address: str, security: ServerSecurity) -> Cal
     except Exception:
         _ZAP.detach(key, domain)
         raise
-    log.info("CURVE on: clients must hold a key from %s", curve.allow)
+    if security.local:
+        log.info("CURVE on with this user's local keys (%s): only this user's processes on "
+                 "this host may connect", local_keys().folder)
+    else:
+        log.info("CURVE on: clients must hold a key from %s", curve.allow)
     return lambda: _ZAP.detach(key, domain)
 
 
-_default_client: ClientCurve | None = None
+_default_client = ClientSecurity()
 
 
-def use_client_curve(curve: ClientCurve | None) -> None:
-    """The keys every client socket of this process uses unless given others. A target
-    opens and reopens its hub connection deep inside decoding, so the command line sets
-    its keys once here."""
+def use_client_security(security: ClientSecurity | None) -> None:
+    """How every client socket of this process connects unless told otherwise (None: the
+    default, this user's local keys). A target opens and reopens its hub connection deep
+    inside decoding, so the command line sets this once here."""
     global _default_client
-    _default_client = curve
+    _default_client = security or ClientSecurity()
 
 
-def prepare_client(sock: zmq.Socket, prefix: str, curve: ClientCurve | None = None) -> None:
+def prepare_client(sock: zmq.Socket, prefix: str,
+                   security: ClientSecurity | None = None) -> ClientSecurity:
     """Before ``connect``: an unguessable identity (no pid or address that could repeat
-    across machines or containers) and, with keys, CURVE."""
+    across machines or containers) and CURVE keys, unless insecure. ``security``: None for
+    this process's default (``use_client_security``). Returns the security it applied."""
     sock.setsockopt(zmq.IDENTITY, f"{prefix}-{secrets.token_hex(16)}".encode())
-    curve = curve or _default_client
+    security = _default_client if security is None else security
+    curve = security.keys()
     if curve is not None:
         sock.curve_secretkey = curve.secret
         sock.curve_publickey = curve.public
         sock.curve_serverkey = curve.server
+    return security
+
+
+# -- handshakes -----------------------------------------------------------------------------
+
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+class Handshakes:
+    """A client socket's handshakes, watched with a pyzmq socket monitor, so that a server
+    that refuses this client is reported with the likely cause rather than merely going
+    quiet. Create it before ``connect``; ``failure()`` polls without blocking."""
+
+    def __init__(self, sock: zmq.Socket, security: ClientSecurity):
+        self.sock, self.security = sock, security
+        self.monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED
+                                               | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.latest: str | None = None
+
+    def failure(self) -> str | None:
+        """Why the latest handshake failed; None once one succeeded, or before any ended."""
+        while True:
+            try:
+                frames = self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return self.latest
+            except zmq.ZMQError:  # closed meanwhile
+                return self.latest
+            event = parse_monitor_message(frames)
+            self.latest = (None if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                           else self.cause(event["event"], event["value"]))
+
+    def cause(self, event: int, value: int) -> str:
+        how = f"this client connects {self.security.describe()}"
+        if self.security.insecure:  # without CURVE only a mechanism mismatch fails
+            return (f"it uses CURVE and {how}: drop --insecure to use this user's local "
+                    f"keys, or give --curve-secret and --curve-server")
+        if (event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH):
+            return f"it does not use CURVE (it runs --insecure?) and {how}: pass --insecure"
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return (f"it refused this client's key, which is not in its --curve-allow folder "
+                    f"({how})")
+        if self.security.local:
+            return (f"the CURVE handshake failed and {how}: the server runs without CURVE "
+                    f"(--insecure: pass it too) or holds other keys (another user's server, "
+                    f"or one started with --curve-secret: give --curve-secret and "
+                    f"--curve-server)")
+        return (f"the CURVE handshake failed and {how}: the server runs without CURVE "
+                f"(--insecure), or --curve-server is not its public key")
+
+    def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:  # the socket is closed already
+            pass
+        self.monitor.close(0)
 
 
 # -- command-line options -------------------------------------------------------------------
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("security", "CURVE encrypts every connection and admits only "
-                             "clients whose public certificate is in --curve-allow. "
-                             f"Without it, only loopback addresses are served ({KEYGEN_HINT})")
+                             "clients whose public certificate is in --curve-allow. Without "
+                             "keys, this user's local keys are used (made on first use in "
+                             f"${KEYSTORE_ENV}, else $XDG_RUNTIME_DIR/starhub, else "
+                             "~/.cache/starhub/keys) and only loopback addresses are served "
+                             f"({KEYGEN_HINT})")
     g.add_argument("--curve-secret", metavar="FILE", default=None,
                    help="this server's secret certificate (NAME.key_secret)")
     g.add_argument("--curve-allow", metavar="DIR", default=None,
                    help="folder of the allowed clients' public certificates (NAME.key), "
                         "read at start")
     g.add_argument("--insecure", action="store_true",
-                   help="serve a non-loopback address without CURVE (logs a warning): "
-                        "anyone who reaches it can read prompts and send messages")
+                   help="serve without CURVE (its clients pass --insecure too), on any "
+                        "address (logs a warning off loopback): anyone who reaches it can "
+                        "read prompts and send messages")
 
 
 def add_client_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("security", "for a server that uses CURVE: both files, or "
-                             "neither")
+    g = p.add_argument_group("security", "both files, or neither: then this user's local "
+                             "keys, which a server started without keys on this host uses")
     g.add_argument("--curve-secret", metavar="FILE", default=None,
                    help="this client's secret certificate (NAME.key_secret); its NAME.key "
                         "must be in the server's --curve-allow folder")
     g.add_argument("--curve-server", metavar="FILE", default=None,
                    help="the server's public certificate (its NAME.key)")
-
-
-def client_curve_from_args(args: argparse.Namespace) -> ClientCurve | None:
-    return client_curve(args.curve_secret, args.curve_server)
+    g.add_argument("--insecure", action="store_true",
+                   help="the server runs --insecure: connect without CURVE")
