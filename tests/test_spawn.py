@@ -1,5 +1,5 @@
-"""What ``spawn_hub`` and ``starhub demo`` start dies with them: a parent killed outright
-(SIGKILL, no chance to clean up) leaves no hub or target running."""
+"""What ``spawn_hub``, ``spawn_serve`` and ``starhub demo`` start dies with them: a parent
+killed outright (SIGKILL, no chance to clean up) leaves no hub, server or target running."""
 
 from __future__ import annotations
 
@@ -45,6 +45,30 @@ def test_a_spawned_hub_dies_with_a_parent_killed_outright():
         parent.kill()
         parent.wait()
         assert_gone(hub)
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+SERVE_PARENT = """
+import sys
+from starhub.launch.spawn import spawn_serve
+server = spawn_serve(["--model", sys.argv[1]])
+print(server.proc.pid, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's parent-death signal")
+def test_a_spawned_server_dies_with_a_parent_killed_outright(tiny_dir):
+    parent = subprocess.Popen([sys.executable, "-c", SERVE_PARENT, str(tiny_dir)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              cwd=ROOT)
+    try:
+        server = family(int(parent.stdout.readline()))
+        parent.kill()
+        parent.wait()
+        assert_gone(server)
     finally:
         parent.kill()
         parent.wait()

@@ -105,7 +105,7 @@ def spawn_serve(args: list[str], threads: int = 1, timeout_s: float = 180.0,
     cmd = [sys.executable, "-m", "starhub", "serve", "--host", "127.0.0.1", "--port", "0",
            "--threads", str(threads), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
-                            env=child_env(threads))
+                            env=child_env(threads), preexec_fn=die_with_parent())
     return ServeProcess(proc, wait_ready(proc, "serve", timeout_s))
 
 
