@@ -188,6 +188,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        help="seed of the arrival times and the prompts drawn (default 0)")
     serve.add_argument("--max-concurrency", type=POSITIVE.arg, default=None,
                        help="each server's --max-concurrency (default: the server's)")
+    serve.add_argument("--speculate", choices=("auto", "always"), default="auto",
+                       help="the star servers' --speculate: auto (default) uses the hub only "
+                            "while trees serve a batch faster than plain batching; always "
+                            "uses it for every request")
     p.add_argument("--log-dir", default=None, help="hub and target logs (default: a temp dir)")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -333,8 +337,8 @@ def serve_doc(args: argparse.Namespace) -> dict:
                       prompts=args.prompts or str(DEFAULT_PROMPTS),
                       max_new_tokens=args.max_new_tokens or 64, threads=args.threads,
                       hub_threads=args.hub_threads, hub_args=hub_args, seed=args.seed,
-                      max_concurrency=args.max_concurrency, dtype=args.dtype,
-                      linear=args.linear, log_dir=args.log_dir)
+                      max_concurrency=args.max_concurrency, speculate=args.speculate,
+                      dtype=args.dtype, linear=args.linear, log_dir=args.log_dir)
     return run_serve(cfg, progress=not args.no_progress)
 
 

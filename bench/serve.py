@@ -16,7 +16,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import msgspec
@@ -35,7 +34,7 @@ from bench.serve_load import (
     summarize,
 )
 from starhub.hub.metrics import derive
-from starhub.launch.spawn import HubProcess, ServeProcess, spawn_hub, spawn_serve
+from starhub.launch.spawn import HubProcess, spawn_hub, spawn_servers
 from starhub.launch.status import observer_client
 from starhub.models.prompts import read_prompts
 from starhub.options import AUTO, resolve_threads, usable_cores
@@ -97,6 +96,8 @@ class ServeConfig:
     seed: int = 0
     max_concurrency: int | None = None
     """The servers' ``--max-concurrency`` (None: theirs)."""
+    speculate: str = "auto"
+    """The star servers' ``--speculate``."""
     dtype: str = "auto"
     linear: str = "auto"
     log_dir: str | None = None
@@ -142,26 +143,21 @@ class Fleet:
                           log_file=hub_log))
         log = self._stack.enter_context(open(f"{self.log_dir}/servers-{self.mode}.log", "w"))
 
-        def start(i: int) -> ServeProcess:
+        many = []
+        for i in range(cfg.targets):
             args = ["--model", cfg.model, "--dtype", cfg.dtype, "--linear", cfg.linear,
                     "--name", f"{self.mode}{i}"]
             if self.hub is not None:
-                args += ["--hub", self.hub.address]
+                args += ["--hub", self.hub.address, "--speculate", cfg.speculate]
             if cfg.max_concurrency:
                 args += ["--max-concurrency", str(cfg.max_concurrency)]
-            return spawn_serve(args, threads=self.threads, timeout_s=300, log_file=log)
-
-        with ThreadPoolExecutor(cfg.targets) as pool:  # the servers load their models at once
-            futures = [pool.submit(start, i) for i in range(cfg.targets)]
-        failed = None
-        for future in futures:
-            try:
-                self.urls.append(self._stack.enter_context(future.result()).url)
-            except Exception as exc:  # noqa: BLE001 - stop the others, then raise the first
-                failed = failed or exc
-        if failed is not None:
-            raise RuntimeError(f"a {self.mode} server did not start ({failed}); see "
-                               f"{log.name}") from failed
+            many.append(args)
+        try:
+            servers = spawn_servers(many, threads=self.threads, timeout_s=300, log_file=log)
+        except Exception as exc:
+            raise RuntimeError(f"a {self.mode} server did not start ({exc}); see "
+                               f"{log.name}") from exc
+        self.urls = [self._stack.enter_context(server).url for server in servers]
 
     def model_name(self) -> str:
         with urllib.request.urlopen(self.urls[0] + "/v1/models", timeout=30) as resp:

@@ -102,11 +102,25 @@ class ServeProcess(HubProcess):
 def spawn_serve(args: list[str], threads: int = 1, timeout_s: float = 180.0,
                 log_file=None) -> ServeProcess:
     """Run ``starhub serve ARGS`` on an ephemeral loopback port and wait until it answers."""
-    cmd = [sys.executable, "-m", "starhub", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--threads", str(threads), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
-                            env=child_env(threads), preexec_fn=die_with_parent())
-    return ServeProcess(proc, wait_ready(proc, "serve", timeout_s))
+    return spawn_servers([args], threads, timeout_s, log_file)[0]
+
+
+def spawn_servers(many: list[list[str]], threads: int = 1, timeout_s: float = 180.0,
+                  log_file=None) -> list[ServeProcess]:
+    """``spawn_serve`` for each argument list, all started at once (they load their models
+    side by side) from this thread, which they die with; if one fails, all are stopped."""
+    procs = [subprocess.Popen([sys.executable, "-m", "starhub", "serve", "--host", "127.0.0.1",
+                               "--port", "0", "--threads", str(threads), *args],
+                              stdout=subprocess.PIPE, stderr=log_file, text=True,
+                              env=child_env(threads), preexec_fn=die_with_parent())
+             for args in many]
+    try:
+        return [ServeProcess(proc, wait_ready(proc, "serve", timeout_s)) for proc in procs]
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        raise
 
 
 def wait_ready(proc: subprocess.Popen, what: str, timeout_s: float,
