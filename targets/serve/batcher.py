@@ -108,6 +108,8 @@ class Slot:
     seq: int = -1
     waiting_since: float | None = None
     """When it sent what the hub must answer (OPEN or COMMIT), until the answer comes."""
+    busy_mark: float = 0.0
+    """The engine's busy seconds (``Batcher._busy_s``) when it sent that."""
     cohort: int = 0
     """The pass whose COMMIT it waits on: the hub drafts a pass's trees together."""
     opening: Open | None = None
@@ -181,6 +183,8 @@ class Batcher:
         self._rids = itertools.count(1)
         self._pass_s = 0.05
         self._pass_no = 0
+        self._busy_s = 0.0
+        """Seconds the engine thread has spent in passes and prefill chunks."""
         self.failed = ""
         """Why the engine thread stopped, if it failed: the server then refuses requests."""
         self.link = Link(hub, self._greet, name, floor_s=timeout_s) if hub else None
@@ -320,8 +324,9 @@ class Batcher:
             took = time.perf_counter() - slot.waiting_since
             slot.stats.hub_wait_s += took
             self.link.observe(took)
-            if not msg.plain:
-                self.gate.observe_round_trip(took)
+            if not msg.plain:  # what the round trip kept the engine from doing: the
+                # passes it ran for other requests meanwhile were not lost
+                self.gate.observe_round_trip(max(took - (self._busy_s - slot.busy_mark), 0.0))
         slot.tag, slot.seq, slot.waiting_since, slot.opening = msg.tag, msg.seq, None, None
         if msg.plain:
             slot.plain_left, slot.plain_started = msg.plain, time.perf_counter()
@@ -440,10 +445,12 @@ class Batcher:
         try:
             next(slot.prefill)
             slot.stats.prefill_s += time.perf_counter() - start
+            self._busy_s += time.perf_counter() - start
             return
         except StopIteration as done:
             first, feats = done.value
         slot.stats.prefill_s += time.perf_counter() - start
+        self._busy_s += time.perf_counter() - start
         self._new.popleft()
         slot.prefill, slot.decoding = None, True
         if self._emit(slot, [first]) or slot.client is None:
@@ -460,7 +467,7 @@ class Batcher:
                     self.stats.gated += 1
             return
         slot.ref = next(self._refs)
-        slot.waiting_since = time.perf_counter()
+        slot.waiting_since, slot.busy_mark = time.perf_counter(), self._busy_s
         slot.cohort = -1
         slot.opening = Open(prompt_len=len(req.prompt), temperature=req.sampling.temperature,
                             top_p=req.sampling.top_p, seed=req.seed, step_ms=1e3 * self.step_s,
@@ -493,6 +500,7 @@ class Batcher:
         start = time.perf_counter()
         verdicts = self.engine.verify(batch)
         took = time.perf_counter() - start
+        self._busy_s += took
         if self.gate is not None:
             self.gate.observe_pass(cost, took)
         self._pass_s = took if self.stats.passes == 0 else 0.8 * self._pass_s + 0.2 * took
@@ -555,7 +563,7 @@ class Batcher:
         return self.gate.plain_pass_s(self._decoding_cached()) or self.step_s
 
     def _commit(self, slot: Slot, commit: Commit) -> None:
-        slot.waiting_since = time.perf_counter()
+        slot.waiting_since, slot.busy_mark = time.perf_counter(), self._busy_s
         slot.cohort = self._pass_no
         self._send(slot, commit)
 

@@ -47,7 +47,8 @@ class SpeculationGate:
         self.nodes.update(nodes)
 
     def observe_round_trip(self, seconds: float) -> None:
-        """From a COMMIT (or OPEN) sent to the next tree received."""
+        """From a COMMIT (or OPEN) sent to the next tree received, less the passes the
+        engine ran for other requests meanwhile: the time the round trip cost."""
         self.round_trip.update(seconds)
 
     def plain_pass_s(self, cached: list[int]) -> float:
