@@ -32,7 +32,9 @@ METRIC_NOTES = {
     "admitted": "targets that got drafts from the hub (real mode: for at least one prompt; "
                 "emulated: holding a slot at the end of the window); rejected: the others",
     "n_max": "the hub's load model's N_max at the end of the row: the most typical targets "
-             "that all keep their standalone speed",
+             "that all keep their standalone speed, acceptance counted two standard errors "
+             "below the hub's estimate as admission counts it (alike targets are admitted "
+             "to n_max +- 1)",
     "per_target": "each target's tokens/s, whether it was admitted, and its standalone speed "
                   "(1 / its measured plain step)",
     "choices": "rounds by the hub's shape choice: d{depth}n{nodes} or plain",

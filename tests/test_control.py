@@ -101,6 +101,74 @@ def test_auto_admission_stops_at_n_max_and_a_freed_slot_is_reused():
     assert ctl.join(b"late", "late", STEP, 0.0) is None
 
 
+def greet_and_serve(ctl: Controller, betas: list[float], seconds: int, seed: int,
+                    rounds_a_second: int = 12) -> list[bytes]:
+    """Targets greeting a hub at once, as the emulated bench's do: admitted ones open a
+    session and take rounds in turn (``rounds_a_second`` each, about what a saturated hub
+    gives them), turned-away ones greet again each second. Returns those admitted."""
+    names = [f"t{i}".encode() for i in range(len(betas))]
+    rngs: dict[int, tuple[random.Random, float]] = {}
+    for second in range(seconds):
+        for i, who in enumerate(names):
+            if who not in ctl.targets and ctl.join(who, who.decode(), STEP, second) is None:
+                ctl.open(i + 1, who, STEP)
+                ctl.choose(i + 1)
+                rngs[i + 1] = (random.Random(seed * 1000 + i), betas[i])
+        for _ in range(rounds_a_second):
+            for tag, (rng, beta) in rngs.items():
+                choice = ctl.sessions[tag].choice
+                accepted = 0
+                while accepted < choice.depth and rng.random() < beta:
+                    accepted += 1
+                ctl.observe_commit(tag, accepted, choice.depth, choice.nodes, T_V, T_V + T_C,
+                                   STEP)
+                ctl.choose(tag)
+    return [who for who in names if who in ctl.targets]
+
+
+def test_alike_targets_are_admitted_to_n_max_while_their_estimates_are_young():
+    """Sixteen targets with one acceptance, for five seconds: each target's own estimate
+    rests on a few dozen rounds, and judging each by it stopped admission at the
+    unluckiest, two or three below the N_max the hub reported."""
+    for seed in range(8):
+        ctl = controller()
+        admitted = greet_and_serve(ctl, [0.8] * 16, seconds=5, seed=seed)
+        assert abs(len(admitted) - ctl.n_max()) <= 1, (seed, len(admitted), ctl.n_max())
+
+
+def test_admission_counts_on_acceptance_two_standard_errors_below_its_estimate():
+    """An admitted target keeps its slot: the hub admits, and N_max counts, only as many
+    targets as keep standalone speed when acceptance is two standard errors worse than
+    measured, here one fewer than the estimate alone would."""
+    ctl = controller()
+    assert ctl.join(b"first", "first", STEP, 0.0) is None
+    ctl.open(1, b"first", STEP)
+    run_rounds(ctl, 1, 0.8, 3000)
+    s, _, tau, _, depth = ctl.typical()
+    admitted = 1
+    while ctl.join(f"t{admitted}".encode(), "t", STEP, 0.0) is None:
+        admitted += 1
+        ctl.open(admitted, f"t{admitted - 1}".encode(), STEP)
+        ctl.choose(admitted)
+    assert admitted == ctl.n_max()
+    assert admitted < math.floor(tau * STEP / s)
+    assert ctl.snapshot(0.0).n_max == admitted
+
+
+def test_targets_that_truly_differ_are_judged_by_their_own_acceptance():
+    """Alike or not is the data's call: poor drafts for half the targets are no noise,
+    and admission stops where those would fall below standalone speed (at depth 6,
+    beta 0.5 gives 2 tokens a round: five targets' drafts fit in 50 ms), well short of
+    the typical target's N_max."""
+    ctl = controller()
+    betas = [0.85, 0.5] * 8
+    admitted = greet_and_serve(ctl, betas, seconds=8, seed=0)
+    poor = 1 + expected_accepted(0.5, 6)
+    assert len(admitted) * 6 * T_S <= poor * STEP
+    assert len(admitted) < ctl.n_max()
+    assert any(betas[int(who[1:])] == 0.5 for who in admitted)
+
+
 def test_a_fixed_limit_counts_admitted_targets_only():
     ctl = controller(max_targets=2)
     assert ctl.join(b"a", "a", STEP, 0.0) is None

@@ -65,6 +65,18 @@ class Acceptance:
         """``E(d)`` for d = 0..MAX_AUTO_DEPTH: committed tokens a round, the bonus included."""
         return [1.0, *(1.0 + e for e in accumulate(self.by_depth(None)))]
 
+    def rounds(self) -> float:
+        """Rounds this curve has counted (decayed): every tree round tries depth 1."""
+        return self.trials[1]
+
+    def tokens_variance(self, depth: int) -> float:
+        """Variance of the tokens one round of ``depth`` commits, by this curve: with
+        ``A`` the accepted count, ``P(A >= k)`` is depth ``k``'s reach, so
+        ``E[A^2] = sum (2k - 1) reach_k``."""
+        reach = self.by_depth(None)[:min(depth, MAX_AUTO_DEPTH)]
+        mean = sum(reach)
+        return max(sum((2 * k + 1) * r for k, r in enumerate(reach)) - mean * mean, 0.0)
+
     def by_depth(self, digits: int | None = 4) -> list[float]:
         """Unconditional acceptance of the node at depth k, as the metrics report it."""
         reach = list(accumulate(self.betas()[1:], operator.mul))

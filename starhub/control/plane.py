@@ -31,6 +31,9 @@ PROBE_DEPTH = 2
 a shallow tree costs least when they do not."""
 MARGIN = 1.02
 """A tree must beat plain decoding by this factor: the estimates are noisy, plain is not."""
+CONFIDENCE = 2.0
+"""Admission counts acceptance this many standard errors below its estimate: an admitted
+target keeps its slot until it leaves, so a lucky streak must not admit one too many."""
 
 
 @dataclass(frozen=True)
@@ -208,31 +211,78 @@ class Controller:
                 self.close(tag)
 
     def _fits(self, new: TargetProfile) -> bool:
-        """Whether, with ``new`` speculating at its best shape, every speculating session
-        (and ``new``) still decodes at least as fast as its target alone."""
+        """Whether, with ``new`` speculating at some shape, every speculating session (and
+        ``new``) still decodes at least as fast as its target alone, each target's
+        acceptance counted CONFIDENCE standard errors below its estimate (``new``'s is the
+        hub's curve): N_max's rule, with each target's own estimates, and the doubt a
+        decision that cannot be undone calls for."""
         if new.step_s() <= 0:
             return True
-        probe = SessionModel(new, Acceptance(parent=new.acceptance))
         load = self._load()
         for target in self.targets.values():
             if not target.sessions:
                 load += self._typical_s(target)
-        best = None
-        for _, _, s, z, e in self._rounds(probe, self.config.shapes()):
-            if e / max(s + z, load + s) >= 1.0 / new.step_s():
-                if self._others_keep_up(load + s) and (best is None or s < best):
-                    best = s
-        return best is not None
+        newcomer, tokens = self._admission_tokens()
+        probe = SessionModel(new, Acceptance(parent=new.acceptance))
+        for depth, _, s, z, _ in self._rounds(probe, self.config.shapes()):
+            e = newcomer[min(depth, MAX_AUTO_DEPTH)]
+            if e / max(s + z, load + s) >= 1.0 / new.step_s() \
+                    and self._others_keep_up(load + s, newcomer, tokens):
+                return True
+        return False
 
     def _typical_s(self, target: TargetProfile) -> float:
         """Hub time of an admitted target between sessions, at its best shape."""
         sm = SessionModel(target, Acceptance(parent=target.acceptance))
         return min((s for _, _, s, _, _ in self._rounds(sm, self.config.shapes())), default=0.0)
 
-    def _others_keep_up(self, load: float) -> bool:
+    def _admission_tokens(self) -> tuple[list[float], dict[TargetProfile, list[float]]]:
+        """``E(d)`` as admission counts it: for a newcomer, the hub's curve; for each
+        admitted target, its own estimate shrunk toward the hub's by the share of their
+        difference that its sampling noise explains (empirical Bayes). Each is lowered by
+        CONFIDENCE standard errors, taken at the typical depth.
+
+        A target's estimate rests on a few hundred rounds at most, and the slowest of a
+        dozen identical targets reads about 1.5 standard errors low: judged raw, that one
+        would stop admission well below N_max. So targets count as alike (the hub's curve
+        for all) unless their estimates differ by more than their noise explains (a
+        chi-square test, CONFIDENCE standard deviations over its mean); targets that do
+        differ keep their own curves, shrunk by how much of the spread is noise."""
+        hub = self.hub_acceptance
+        pooled = hub.expected_tokens()
+        depth = min(self.typical()[4], MAX_AUTO_DEPTH)
+        hub_noise = _sampling_variance(hub, depth)
+        rows = []
+        for target in self.targets.values():
+            own = target.acceptance
+            if own.rounds() <= 0:
+                continue
+            curve = own.expected_tokens()
+            noise = _sampling_variance(own, depth)
+            rows.append((target, curve, (curve[depth] - pooled[depth]) ** 2, noise))
+        spread, n = 0.0, len(rows)
+        chi2 = sum(dev / noise for _, _, dev, noise in rows if noise > 0)
+        if n and chi2 > n + CONFIDENCE * math.sqrt(2 * n):
+            spread = max(sum(dev - noise for _, _, dev, noise in rows) / n, 0.0)
+        tokens = {}
+        for target, curve, _, noise in rows:
+            w = spread / (spread + noise) if spread + noise > 0 else 0.0
+            doubt = CONFIDENCE * math.sqrt(w * w * noise + (1 - w) ** 2 * hub_noise)
+            tokens[target] = [max(h + w * (x - h) - doubt, 1.0)
+                           for h, x in zip(pooled, curve, strict=True)]
+        return [self._confident(h, depth) for h in pooled], tokens
+
+    def _others_keep_up(self, load: float, newcomer: list[float],
+                        tokens: dict[TargetProfile, list[float]]) -> bool:
+        """Whether every speculating session keeps its standalone speed at ``load``, its
+        target's acceptance as admission counts it (a target with no rounds yet: as a
+        newcomer's)."""
         for sm in self.sessions.values():
             step = sm.target.step_s()
-            if sm.s and step > 0 and self.predicted_tok_s(sm, load) < 1.0 / step:
+            if not sm.s or step <= 0:
+                continue
+            e = tokens.get(sm.target, newcomer)[min(sm.choice.depth, MAX_AUTO_DEPTH)]
+            if e / max(sm.s + sm.z, load) < 1.0 / step:
                 return False
         return True
 
@@ -339,17 +389,25 @@ class Controller:
             verify = [max(base + slope * nodes, 0.0) for base, slope in lines]
             z = t_c + (sum(verify) / len(verify) if verify else step)
             e = float(expected[depth])
-            key = (_n_max(s, z, e, step) or 0, e / (s + z))
+            key = (_n_max(s, z, self._confident(e, depth), step) or 0, e / (s + z))
             if best is None or key > best[0]:
                 best = (key, s, z, e, depth)
         _, s, z, e, depth = best
         return s, z, e, step, depth
 
+    def _confident(self, e: float, depth: int) -> float:
+        """The hub's ``E(depth)`` less CONFIDENCE standard errors: what admission counts on
+        for a target it has not seen."""
+        noise = _sampling_variance(self.hub_acceptance, min(depth, MAX_AUTO_DEPTH))
+        return max(e - CONFIDENCE * math.sqrt(noise), 1.0)
+
     def n_max(self) -> int | None:
-        """The largest N of typical targets that all stay at or above standalone speed;
-        None while no target has reported its step time."""
-        s, z, e, step, _ = self.typical()
-        return _n_max(s, z, e, step)
+        """The largest N of typical targets that all stay at or above standalone speed,
+        by the acceptance admission counts on (CONFIDENCE standard errors below the
+        hub's estimate): where admission stops when the targets are alike. None while no
+        target has reported its step time."""
+        s, z, e, step, depth = self.typical()
+        return _n_max(s, z, self._confident(e, depth), step)
 
     def n_full(self) -> int:
         s, z, *_ = self.typical()
@@ -383,7 +441,7 @@ class Controller:
             depth=self.config.depth, max_targets=self.config.max_targets,
             admitted=len(self.targets), rejections=self.rejections,
             rejected_waiting=len(self.rejected_recently),
-            n_max=_n_max(s, z, e, step), n_full=_n_full(s, z),
+            n_max=_n_max(s, z, self._confident(e, depth), step), n_full=_n_full(s, z),
             typical=Typical(S_ms=1e3 * s, Z_ms=1e3 * z, tau=e, step_ms=1e3 * step,
                             depth=depth),
             draft_ms_fit=[1e3 * w for w in self.draft.weights],
@@ -400,6 +458,15 @@ def _n_max(s: float, z: float, e: float, step: float) -> int | None:
     if not step:
         return None
     return math.floor(e * step / s) if s + z <= e * step else 0
+
+
+def _sampling_variance(curve: Acceptance, depth: int) -> float:
+    """Variance of ``curve``'s ``E(depth)`` from the rounds it counted: the mean of ``n``
+    rounds' tokens ``X``, drawn toward its prior (worth ``pseudo`` rounds), varies as
+    ``n·Var(X) / (n + pseudo)²``. No rounds, no sampling noise: the prior alone (the hub's
+    is a deliberately low curve) admits the first targets."""
+    n = curve.rounds()
+    return curve.tokens_variance(depth) * n / (n + curve.pseudo) ** 2
 
 
 def _n_full(s: float, z: float) -> int:

@@ -398,7 +398,8 @@ _HELP = {
     "load": "fraction of wall time the drafter is busy",
     "mean_accept_len": "committed tokens per round, bonus included",
     "admitted": "targets holding an admission slot",
-    "n_max": "the load model's N_max: most typical targets that all keep standalone speed",
+    "n_max": "the load model's N_max: most typical targets that all keep standalone speed, "
+             "acceptance counted two standard errors low (admission's rule)",
     "n_full": "the load model's N_full = ceil(Z/S) + 1",
     "lookup_token_share": "share of committed tokens that only a --lookup branch proposed",
 }
