@@ -160,6 +160,19 @@ def run_edge_real(cfg: EdgeConfig, progress: bool = True) -> dict:
     return {"machine": machine_info(), "config": config, "rows": rows}
 
 
+def drafter_command(address: str, prompts: str, out: str, max_new_tokens: int, name: str,
+                    model: str = "default", drafter: str = "eagle", draft: str | None = None,
+                    depth: int = 5, topk: int = 4, nodes: int = 10, threads: int = 1,
+                    shard: str = "0/1", timeout_s: float = 30.0) -> list[str]:
+    """The ``starhub drafter`` command line of one benchmark drafter."""
+    return [sys.executable, "-m", "starhub", "drafter", "--verifier", address,
+            "--model", model, "--drafter", drafter, *(["--draft", draft] if draft else []),
+            "--depth", str(depth), "--topk", str(topk), "--max-nodes", str(nodes),
+            "--prompts", prompts, "--out", out, "--max-new-tokens", str(max_new_tokens),
+            "--threads", str(threads), "--shard", shard, "--name", name,
+            "--timeout", repr(timeout_s)]
+
+
 def _run_variant(cfg: EdgeConfig, n: int, schedule: str, max_batch: int | str, log_dir: str,
                  reference: dict | None, tick) -> dict:
 
@@ -172,14 +185,11 @@ def _run_variant(cfg: EdgeConfig, n: int, schedule: str, max_batch: int | str, l
     outs = [f"{log_dir}/{name}-drafter{i}.jsonl" for i in range(n)]
     try:
         with open(f"{log_dir}/drafters-{name}.log", "w") as log:
-            draft = ["--draft", cfg.draft] if cfg.draft else []
             procs = [subprocess.Popen(
-                [sys.executable, "-m", "starhub", "drafter", "--verifier", address,
-                 "--model", cfg.model, "--drafter", cfg.drafter, *draft,
-                 "--depth", str(cfg.depth), "--topk", str(cfg.topk),
-                 "--max-nodes", str(cfg.nodes), "--prompts", cfg.prompts, "--out", out,
-                 "--max-new-tokens", str(cfg.max_new_tokens), "--threads", str(cfg.threads),
-                 "--shard", f"{i}/{n}", "--name", f"drafter{i}"],
+                drafter_command(address, cfg.prompts, out, cfg.max_new_tokens, f"drafter{i}",
+                                model=cfg.model, drafter=cfg.drafter, draft=cfg.draft,
+                                depth=cfg.depth, topk=cfg.topk, nodes=cfg.nodes,
+                                threads=cfg.threads, shard=f"{i}/{n}"),
                 env=child_env(cfg.threads), stderr=log, stdout=subprocess.DEVNULL,
                 preexec_fn=(lambda: os.nice(cfg.drafter_nice)) if cfg.drafter_nice else None)
                 for i, out in enumerate(outs)]

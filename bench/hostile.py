@@ -149,16 +149,24 @@ def tree_rss_mb(pid: int) -> float:
 
 
 class Sampler:
-    """The peak of ``tree_rss_mb(pid)`` while it runs, sampled every 50 ms."""
+    """The peak of ``tree_rss_mb(pid)`` while it runs, sampled every 50 ms; each sample
+    (wall-clock time, MB) is also appended to ``samples`` where one is given."""
 
-    def __init__(self, pid: int):
-        self.pid, self.peak = pid, tree_rss_mb(pid)
+    def __init__(self, pid: int, samples: list[tuple[float, float]] | None = None):
+        self.pid, self.samples = pid, samples
+        self.peak = self._sample()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
+    def _sample(self) -> float:
+        mb = tree_rss_mb(self.pid)
+        if self.samples is not None:
+            self.samples.append((time.time(), mb))
+        return mb
+
     def _run(self) -> None:
         while not self.stop.wait(0.05):
-            self.peak = max(self.peak, tree_rss_mb(self.pid))
+            self.peak = max(self.peak, self._sample())
 
     def __enter__(self) -> Sampler:
         self.thread.start()
@@ -167,7 +175,7 @@ class Sampler:
     def __exit__(self, *exc) -> None:
         self.stop.set()
         self.thread.join()
-        self.peak = max(self.peak, tree_rss_mb(self.pid))
+        self.peak = max(self.peak, self._sample())
 
 
 # -- sockets ------------------------------------------------------------------------------

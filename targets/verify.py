@@ -83,7 +83,7 @@ class TargetModel:
     @torch.inference_mode()
     def prefill(self, prompt: list[int]) -> tuple[int, torch.Tensor | None]:
         """Process the prompt; return the first generated token and the prompt's features."""
-        out = self._forward(prompt)
+        out = self._forward(prompt, logits_to_keep=1)
         self.last = self.next_token(out.logits[0, -1], len(prompt))
         return self.last, self.features_of(out)
 
@@ -98,7 +98,7 @@ class TargetModel:
         start = 0
         while start < len(prompt):
             with torch.inference_mode():
-                out = self._forward(prompt[start:start + chunk])
+                out = self._forward(prompt[start:start + chunk], logits_to_keep=1)
                 if self.feature_layers:
                     feats.append(self.features_of(out))
             start += chunk

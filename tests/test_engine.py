@@ -126,6 +126,33 @@ def test_a_session_too_long_for_the_copy_budget_is_verified_alone_in_place(tiny_
     assert 0 < engine.copied_bytes <= engine.copy_budget
 
 
+def test_a_prefill_computes_the_logits_of_its_last_token_only(tiny_model):
+    """Chunks of a long prompt need no logits and its end needs one row: the LM head never
+    multiplies a whole chunk (at 1,024 tokens, 200 MB of float32 logits for a
+    49,152-token vocabulary), and the first token is still ``generate()``'s."""
+    model, _ = tiny_model
+    rows = []
+    hook = model.lm_head.register_forward_pre_hook(lambda _, args: rows.append(
+        args[0].shape[-2]))
+    prompt = [(11 * i) % 900 + 3 for i in range(300)]
+    engine = VerifyEngine(model)
+    try:
+        chunks = engine.open_chunks(0, prompt, 64)
+        with pytest.raises(StopIteration) as done:
+            while True:
+                next(chunks)
+        first, _ = done.value.value
+        alone, _ = engine.open(1, prompt[:50])
+    finally:
+        hook.remove()
+    assert rows == [1] * 6, "five chunks and a short prompt, one row of logits each"
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
+                              do_sample=False, pad_token_id=2)
+    assert first == int(want[0, -1])
+
+
 def test_an_empty_tree_in_a_batch_is_one_plain_step(tiny_model):
     from targets.serve.batcher import EMPTY_TREE
 

@@ -161,6 +161,36 @@ def test_a_long_prompt_is_prefilled_between_the_passes_of_other_sessions(tiny_mo
         server.stop()
 
 
+def test_drafters_that_keep_opening_short_prompts_cannot_hold_a_long_one_up(tiny_model):
+    """Short prompts go first, but not always: while one is always waiting for its prefill,
+    the long prompt still gets every other chunk and its OPENED comes."""
+    long_drafter, short_drafter = b"long", b"short"
+    harness = VerifierHarness(*tiny_model, prefill_chunk=32)
+    v = harness.verifier
+    for who in (long_drafter, short_drafter):
+        assert isinstance(card(harness, who), TargetCard)
+    long_prompt = np.arange(3, 323, dtype=np.int32)
+    v.on_frames(long_drafter, wire(Open(ref=1, prompt_len=320, tokens=long_prompt)))
+    (long_tag,) = v.prefills
+    opened = 0
+    for ref in range(2, 40):
+        if long_tag not in v.prefills:
+            break
+        if len(v.prefills) < 2:  # a short prompt always waits beside the long one
+            v.on_frames(short_drafter, wire(Open(ref=ref, prompt_len=20, tokens=np.arange(
+                5, 25, dtype=np.int32))))
+            opened += 1
+        v.prefill_step()
+    assert long_tag not in v.prefills, "the long prompt never got its chunks"
+    assert opened >= 320 // 32, "the short prompts were served meanwhile"
+    replies = []
+    while v.outbox:
+        to, reply = v.next_reply()
+        if to == long_drafter:
+            replies.append(decode(wire(reply)))
+    assert [type(r) for r in replies] == [Opened]
+
+
 class FeatureNgram(NgramDrafter):
     """An n-gram drafter that asks for features, as an EAGLE head does, and keeps them."""
 

@@ -164,3 +164,35 @@ def test_a_missing_prompt_file_is_a_clear_error(tmp_path):
     assert proc.returncode == 2
     assert "none.jsonl" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    ranges = []
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            if line.rstrip().endswith(str(path)):
+                start, end = line.split()[0].split("-")
+                ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def test_a_prepacked_model_keeps_no_weight_in_its_files_memory_map(tiny_dir):
+    """Packed linears hold copies of their own; what is left (embeddings, norms) is copied
+    out too, so that the file's map, whose pages read while packing count as resident,
+    goes away."""
+    import torch
+
+    from starhub.models.loading import load_model
+
+    if not torch.backends.mkldnn.is_available() or not Path("/proc/self/maps").exists():
+        pytest.skip("needs oneDNN and /proc")
+    weights = tiny_dir / "model.safetensors"
+    plain, _ = load_model(str(tiny_dir), linear="torch")
+    mapped = _mapped_ranges(weights)
+    assert any(lo <= p.data_ptr() < hi for p in plain.parameters() for lo, hi in mapped), \
+        "a plain load reads its weights through the map: nothing to check against"
+    packed, _ = load_model(str(tiny_dir), linear="onednn")
+    mapped = _mapped_ranges(weights)
+    inside = [name for name, p in packed.named_parameters()
+              if any(lo <= p.data_ptr() < hi for lo, hi in mapped)]
+    assert not inside, f"still in the weights file's map: {inside}"

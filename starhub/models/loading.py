@@ -197,7 +197,19 @@ def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device:
         truncate_layers(model, layers)
     if linear_kernel(linear, dtype, device) == "onednn":
         prepack_linears(model)
+        release_weights_file(model)
     return model, AutoTokenizer.from_pretrained(path)
+
+
+def release_weights_file(model: torch.nn.Module) -> None:
+    """Copy the parameters that prepacking left (embeddings, norms) out of the weights file.
+
+    A CPU model loaded from safetensors keeps its tensors in the file's memory map; once the
+    linears are packed into copies of their own, the map stays alive only for what is left,
+    yet every page read while packing still counts as resident: about 400 MB of the embedded
+    model's 540 MB file. With these few copies nothing refers to the map and it is dropped."""
+    for param in model.parameters():
+        param.data = param.data.clone()
 
 
 class OneDNNLinear(torch.nn.Module):
