@@ -269,3 +269,15 @@ def test_serve_bench_end_to_end(tiny_dir, tmp_path):
     assert star["tau"] is not None and star["hub_rounds"] > 0 and star["threads"]["hub"] == 1
     assert plain["tau"] is None and plain["hub_load"] is None
     assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_long_session_bench_builds_its_prompt_to_length_and_splits_its_phases(tokenizer):
+    from bench.long_session import long_prompt, phase_peaks
+    from starhub.models.prompts import encode_prompt
+
+    text = long_prompt(tokenizer, 700)
+    assert long_prompt(tokenizer, 700) == text, "the same prompt each time"
+    assert 690 <= len(encode_prompt(tokenizer, text)) <= 700
+    samples = [(0.0, 100.0), (1.0, 500.0), (2.0, 300.0), (3.0, 350.0)]
+    peaks = phase_peaks(samples, {"long_sent": 0.5, "long_opened": 1.5, "long_done": 3.0})
+    assert list(peaks.values()) == [100.0, 500.0, 350.0]
