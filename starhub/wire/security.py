@@ -25,6 +25,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -389,6 +390,27 @@ class _Authenticator(ThreadAuthenticator):
         return super().curve_user_id(client_public_key)
 
 
+ZAP_REBIND_S = 2.0
+"""How long a new authenticator waits for the ZAP endpoint of a stopped one to be freed."""
+
+
+def _start_authenticator(ctx: zmq.Context) -> _Authenticator:
+    """Start an authenticator on ``ctx``. libzmq frees a closed socket's inproc endpoint on
+    its reaper thread, so right after the last server of a context stopped its
+    authenticator, the ZAP endpoint can still be taken for a moment: try again briefly."""
+    deadline = time.monotonic() + ZAP_REBIND_S
+    while True:
+        auth = _Authenticator(ctx)
+        try:
+            auth.start()
+            return auth
+        except zmq.ZMQError as exc:
+            auth.stop()
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 class _Zap:
     """ZAP has one endpoint per ZeroMQ context, so servers sharing a context share one
     authenticator; each server socket gets its own domain and allow folder."""
@@ -401,9 +423,7 @@ class _Zap:
         with self.lock:
             key = ctx.underlying
             if key not in self.running:
-                auth = _Authenticator(ctx)
-                auth.start()
-                self.running[key] = (auth, set())
+                self.running[key] = (_start_authenticator(ctx), set())
             auth, domains = self.running[key]
             if shared is not None:
                 auth.shared.add(z85.decode(shared))
