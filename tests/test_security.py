@@ -400,7 +400,9 @@ def test_default_hub_and_target_use_the_local_keys_and_refuse_plain_clients(tiny
                                                                               tmp_path):
     prompts, out, log = tmp_path / "p.jsonl", tmp_path / "out.jsonl", tmp_path / "hub.log"
     prompts.write_text('{"id": 0, "prompt": "Hello there"}\n')
-    with open(log, "w") as err, spawn_hub(["--drafter", "ngram"], log_file=err) as hub:
+    # a fixed depth: on a random model an adaptive hub may choose plain rounds only
+    with open(log, "w") as err, spawn_hub(["--drafter", "ngram", "--depth", "4"],
+                                          log_file=err) as hub:
         target = _starhub("target", "--hub", hub.address, "--model", str(tiny_dir),
                           "--prompts", str(prompts), "--out", str(out), "--threads", "1",
                           "--max-new-tokens", "8")
