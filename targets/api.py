@@ -11,10 +11,11 @@ class Attached:
     """A loaded HF model and tokenizer, served drafts by a hub."""
 
     def __init__(self, model, tokenizer, hub: str, name: str = "api", timeout_s: float = 3.0,
-                 chat_template: bool = True):
+                 chat_template: bool = True, shared_cores: str = "auto"):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        self._gen = SpeculativeGenerator(model, tokenizer, hub, name=name, timeout_s=timeout_s)
+        self._gen = SpeculativeGenerator(model, tokenizer, hub, name=name, timeout_s=timeout_s,
+                                         shared_cores=shared_cores)
 
     @property
     def connected(self) -> bool:

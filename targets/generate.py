@@ -18,8 +18,10 @@ import torch
 from starhub.client.connection import HubClient, HubError, HubUnavailable
 from starhub.client.link import Link
 from starhub.client.round_stats import clip_output, count_round, mean_accept_len
+from starhub.cores import CoreClock, shares_cores
 from starhub.models.loading import tokenizer_fingerprint
 from starhub.models.prompts import encode_prompt  # noqa: F401  (re-exported)
+from starhub.options import AUTO
 from starhub.wire.messages import (
     Close,
     Commit,
@@ -81,19 +83,21 @@ class GenerationResult:
                 "text": self.text, "stats": asdict(self.stats)}
 
 
-def measure_step(model, steps: int = 8) -> float:
+def measure_step(model, steps: int = 8, clock: CoreClock | None = None) -> float:
     """Seconds of one plain decoding step, timed on a short throwaway sequence: the speed
     a target reaches on its own, which the hub's admission and tree choice must beat.
     The first steps warm the kernels up and run slow, so the median of the rest counts;
-    plain steps taken later refine it."""
+    plain steps taken later refine it. ``clock`` may time the steps alone (see
+    ``starhub.cores``)."""
+    clock = clock or CoreClock()
     probe = TargetModel(model)
     vocab = model.config.vocab_size
     probe.prefill([i % vocab for i in range(1, 33)])
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        clock.start()
         probe.step()
-        times.append(time.perf_counter() - start)
+        times.append(clock.lap()[1])
     settled = sorted(times[steps // 2:])
     return settled[len(settled) // 2]
 
@@ -119,14 +123,21 @@ class SpeculativeGenerator:
     _refs = itertools.count(1)
 
     def __init__(self, model, tokenizer, hub: str | None = None, name: str = "target",
-                 timeout_s: float = 3.0, client_options: dict | None = None):
+                 timeout_s: float = 3.0, client_options: dict | None = None,
+                 shared_cores: str = AUTO):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
         self.hub = hub
         eos = model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.step_s = measure_step(model) if hub else 0.0
+        self.shared_cores = shared_cores
+        """auto, yes or no: whether this target computes on its hub's cores."""
+        self.on_cpu = next(model.parameters()).device.type == "cpu"
+        self.clock = CoreClock(shared=bool(hub) and self.on_cpu and shared_cores != "no")
+        """Times plain steps; alone (by CPU time) while the hub shares our cores. Until the
+        hub has said where it runs, a CPU target assumes it might."""
+        self.step_s = measure_step(model, clock=self.clock) if hub else 0.0
         self.client_options = client_options or {}
         self.link = Link(hub, self._greet, name, floor_s=timeout_s) if hub else None
         """The hub connection; ``timeout_s`` is the floor of its reply deadline."""
@@ -158,9 +169,12 @@ class SpeculativeGenerator:
         if not self.link.connect():
             return False
         card = self.link.card
-        log.info("%s: hub %s drafts with '%s' (depth %s, topk %d, %d nodes)", self.name,
-                 self.hub, card.drafter, card.depth or "auto", card.topk,
-                 card.max_nodes)
+        shared = self.on_cpu and shares_cores(card.host, card.cpus, self.shared_cores)
+        log.info("%s: hub %s drafts with '%s' (depth %s, topk %d, %d nodes)%s", self.name,
+                 self.hub, card.drafter, card.depth or "auto", card.topk, card.max_nodes,
+                 "; it shares our CPU cores, so plain steps are timed by CPU time"
+                 if shared else "")
+        self.clock.shared = shared
         return True
 
     def card(self) -> TargetCard:
@@ -249,6 +263,7 @@ class SpeculativeGenerator:
             try:
                 opening = Open(prompt_len=len(prompt_ids), temperature=temperature,
                                top_p=top_p, seed=seed, step_ms=1e3 * self.step_s,
+                               shares_cores=self.clock.shared,
                                tokens=torch.tensor([*prompt_ids, first], dtype=torch.int32),
                                features=self._half(feats))
                 client, reply = self._open(client, opening, stats)
@@ -296,10 +311,11 @@ class SpeculativeGenerator:
             yield [self._step(target)]
 
     def _step(self, target: TargetModel) -> int:
-        """One plain step, timed: the step time tells the hub our standalone speed."""
-        start = time.perf_counter()
+        """One plain step, timed: the step time tells the hub our standalone speed (alone,
+        while the hub shares our cores)."""
+        self.clock.start()
         token = target.step()
-        took = time.perf_counter() - start
+        took = self.clock.lap()[1]
         self.step_s = took if not self.step_s else 0.9 * self.step_s + 0.1 * took
         return token
 

@@ -23,12 +23,13 @@ def run(hub: str | None, model_spec: str, prompts: str, out: str, max_new_tokens
         temperature: float, top_p: float, seed: int, threads: int | str | None,
         chat_template: bool, name: str, shard: tuple[int, int] = (0, 1),
         dtype: str = "auto", linear: str = "auto", hub_timeout_s: float = 3.0,
-        device: str = "cpu", device_map: str | None = None) -> int:
+        device: str = "cpu", device_map: str | None = None, shared_cores: str = "auto") -> int:
     threads = set_threads(resolve_threads(threads))
     items = read_prompts(prompts)[shard[0]::shard[1]]
     model, tokenizer = load_model(model_spec, dtype=dtype, linear=linear, device=device,
                                   device_map=device_map)
-    gen = SpeculativeGenerator(model, tokenizer, hub, name=name, timeout_s=hub_timeout_s)
+    gen = SpeculativeGenerator(model, tokenizer, hub, name=name, timeout_s=hub_timeout_s,
+                               shared_cores=shared_cores)
     where = model_device(model)
     log.info("%s: %d prompts, %s weights on %s, %s linear, torch threads=%d, hub=%s", name,
              len(items), model.dtype, where, linear_kernel(linear, model.dtype, where.type),

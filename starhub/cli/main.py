@@ -16,6 +16,7 @@ from starhub.cli import edge as edge_cli
 from starhub.cli import launch as launch_cli
 from starhub.cli import serve as serve_cli
 from starhub.cli.demo import run_demo
+from starhub.cores import add_shared_cores_arg
 from starhub.hub.shutdown import drain
 from starhub.launch import READY, spawn_hub
 from starhub.options import (  # noqa: F401  (re-exported: earlier homes of these names)
@@ -173,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds a hub reply may take at least: past max(this, 10x the "
                           "typical round trip) the hub counts as gone; the target finishes "
                           "on its own and reconnects in the background")
+    add_shared_cores_arg(tgt)
     security.add_client_args(tgt)
 
     gen = sub.add_parser("generate", help="one prompt through a local hub and target",
@@ -305,7 +307,8 @@ def cmd_target(args: argparse.Namespace) -> int:
                args.temperature, args.top_p, args.seed, args.threads,
                not args.no_chat_template, args.name or f"target{index}",
                (int(index), int(count or 1)), args.dtype, args.linear,
-               hub_timeout_s=args.hub_timeout, device=args.device, device_map=args.device_map)
+               hub_timeout_s=args.hub_timeout, device=args.device, device_map=args.device_map,
+               shared_cores=args.shared_cores)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

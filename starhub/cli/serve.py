@@ -8,6 +8,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from starhub.cores import add_shared_cores_arg
 from starhub.launch import READY
 from starhub.options import DEFAULT_THREADS, PORT, POSITIVE, SECONDS, threads_arg
 from starhub.wire import security
@@ -62,6 +63,7 @@ def add_parser(sub: argparse._SubParsersAction, add_weight_args) -> None:
     p.add_argument("--no-chat-template", action="store_true",
                    help="join chat messages as plain text instead of the model's template")
     add_weight_args(p)
+    add_shared_cores_arg(p)
     security.add_client_args(p)
 
 
@@ -93,7 +95,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear,
                                   device=args.device, device_map=args.device_map)
     batcher = Batcher(model, tokenizer, args.hub, name=args.name, timeout_s=args.hub_timeout,
-                      prefill_chunk=args.prefill_chunk, speculate=args.speculate)
+                      prefill_chunk=args.prefill_chunk, speculate=args.speculate,
+                      shared_cores=args.shared_cores)
     name = args.served_model_name or served_name(args.model)
     context = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
     server = OpenAIServer(batcher, tokenizer, name, args.max_concurrency, context,

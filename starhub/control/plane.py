@@ -89,6 +89,9 @@ class TargetProfile:
         self.verify = LinearFit([base, config.verify_slope_prior * base])
         self.acceptance = Acceptance(parent=hub)
         self.sessions: set[int] = set()
+        self.shared_cores = False
+        """The target said it computes on the hub's cores: its step is then timed with the
+        cores to itself (``starhub.cores``), so the hub's drafting counts against trees."""
         self.plain_streak = 0
         self.probe_gap = 2
         """Plain rounds until the next probe; it doubles after each probe, up to
@@ -288,13 +291,15 @@ class Controller:
 
     # --- sessions and shapes -----------------------------------------------------------
 
-    def open(self, tag: int, identity: bytes, step_s: float = 0.0) -> None:
+    def open(self, tag: int, identity: bytes, step_s: float = 0.0,
+             shared_cores: bool = False) -> None:
         target = self.targets.get(identity)
         if target is None:
             target = self.targets[identity] = TargetProfile(
                 identity.hex()[:8], step_s, self.hub_acceptance, self.config)
         else:
             target.report_step(step_s)
+        target.shared_cores = shared_cores
         target.sessions.add(tag)
         self.sessions[tag] = SessionModel(target, Acceptance(parent=target.acceptance))
 
@@ -436,7 +441,7 @@ class Controller:
                     predicted_tok_s=sum(rates) if rates else None,
                     t_c_ms=1e3 * target.t_c.get(self.config.t_c_prior_s),
                     verify_ms_fit=[1e3 * w for w in target.verify.weights],
-                    verify_samples=target.verify.samples))
+                    verify_samples=target.verify.samples, shared_cores=target.shared_cores))
         return ControlReport(
             depth=self.config.depth, max_targets=self.config.max_targets,
             admitted=len(self.targets), rejections=self.rejections,

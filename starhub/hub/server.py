@@ -21,6 +21,7 @@ import msgspec
 import torch
 
 from starhub.control.plane import AUTO, Controller
+from starhub.cores import cpu_ids, host_id
 from starhub.drafters.base import DraftContext, Drafter, TreeShape
 from starhub.hub.config import HubConfig
 from starhub.hub.metrics import HubMetrics, PrometheusCollector, serve_prometheus
@@ -177,7 +178,8 @@ class Hub(Server):
                            feature_layers=list(self.drafter.feature_layers),
                            depth=0 if self.config.adaptive else shape.depth, topk=shape.topk,
                            max_nodes=shape.max_nodes, ttl_s=self.config.ttl_s,
-                           max_message_bytes=self.limits.max_message_bytes)
+                           max_message_bytes=self.limits.max_message_bytes,
+                           host=host_id(), cpus=cpu_ids())
 
     def close(self, tag: int) -> None:
         self.table.close(tag)
@@ -222,7 +224,7 @@ class Hub(Server):
         session = self.table.add(DraftSession(tag=self.table.new_tag(), owner=identity, ctx=ctx,
                                               prompt_len=msg.prompt_len), len(msg.tokens),
                                  self.held_bytes(msg))
-        self.control.open(session.tag, identity, msg.step_ms / 1e3)
+        self.control.open(session.tag, identity, msg.step_ms / 1e3, msg.shares_cores)
         self.metrics.sessions_opened += 1
         self.enqueue(identity, session, msg.ref)
 

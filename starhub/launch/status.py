@@ -163,14 +163,15 @@ def hub_report(address: str, body: HubReport) -> str:
             f"{drafting_line(body.drafting)}")
     control = {t.name: t for t in body.control.targets or []}
     rows = [["target", "state", "rounds", "tokens", "tok/s", "step ms", "alone tok/s",
-             "predicted tok/s", "t_c ms"]]
+             "predicted tok/s", "t_c ms", "shares cores"]]
     peers = body.counters.peers if body.counters else None
     for name, rounds, _queue, _draft, _commits, tokens, first, last in peers or []:
         c = control.get(name)
         rows.append([printable(name), "admitted" if c else "-", str(rounds), str(tokens),
                      _fmt(tokens / (last - first) if last > first else None),
                      *(_fmt(getattr(c, key, None)) for key in
-                       ("step_ms", "standalone_tok_s", "predicted_tok_s", "t_c_ms"))])
+                       ("step_ms", "standalone_tok_s", "predicted_tok_s", "t_c_ms")),
+                     ("yes" if c.shared_cores else "no") if c else "-"])
     if len(rows) == 1:
         return head + "\nno targets yet"
     return head + "\n\n" + table(rows)

@@ -28,11 +28,13 @@ from msgspec import Meta
 from starhub.wire.reports import StatsBody
 from starhub.wire.text import printable
 
-VERSION = 6
+VERSION = 7
 MAX_TREE_NODES = 1024
 MAX_TOKENS = 1 << 20
 MAX_TEXT = 4096
 MAX_LIST = 1024
+MAX_CPUS = 8192
+"""CPU ids a DRAFTER_CARD may list (a host's CPUs)."""
 MAX_DIST_WIDTH = 256
 """Entries of one node's draft distribution (``Propose.dist_ids``' second dimension): the
 drafters send their tree shape's ``support`` (16) of them."""
@@ -172,6 +174,10 @@ class DrafterCard(Message, tag="DRAFTER_CARD"):
     max_nodes: int = 0
     ttl_s: float = 0.0
     max_message_bytes: int = 0
+    host: Text = ""
+    """The drafter's host (``starhub.cores.host_id``; empty: not said)."""
+    cpus: Annotated[list[int], Meta(max_length=MAX_CPUS)] = msgspec.field(default_factory=list)
+    """The CPUs the drafter may compute on: with ``host``, whether a target shares them."""
 
     def __post_init__(self) -> None:  # shown in logs and `starhub status`
         self.drafter = printable(self.drafter)
@@ -222,6 +228,9 @@ class Open(Message, tag="OPEN"):
     step_ms: Ms = 0.0
     target_tok_s: Annotated[float, TOK_S] = 0.0
     """Edge: the speed this session asks the verifier for (0: none); deadlines follow."""
+    shares_cores: bool = False
+    """Star: the target computes on the hub's cores, and ``step_ms`` is its step with the
+    cores to itself (``starhub.cores``)."""
     tokens: Tokens = msgspec.field(default_factory=_no_tokens)
     features: Features | None = None
 

@@ -135,6 +135,8 @@ class TargetEntry(Entry):
     t_c_ms: float
     verify_ms_fit: Floats
     verify_samples: int
+    shared_cores: bool = False
+    """The target computes on the hub's cores and times its step alone."""
 
 
 class ControlReport(Entry):

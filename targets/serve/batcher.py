@@ -39,6 +39,8 @@ import torch
 from starhub.client.connection import HubClient, HubUnavailable
 from starhub.client.link import Link
 from starhub.client.round_stats import clip_output, count_round, mean_accept_len
+from starhub.cores import CoreClock, shares_cores
+from starhub.options import AUTO
 from starhub.wire.messages import (
     Close,
     Commit,
@@ -158,7 +160,8 @@ class Batcher:
 
     def __init__(self, model, tokenizer, hub: str | None = None, name: str = "serve",
                  timeout_s: float = 3.0, prefill_chunk: int = 512,
-                 client_options: dict | None = None, speculate: str = "auto"):
+                 client_options: dict | None = None, speculate: str = "auto",
+                 shared_cores: str = AUTO):
         self.model = model
         self.tokenizer = tokenizer
         self.hub = hub
@@ -169,7 +172,13 @@ class Batcher:
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.vocab_size = model.config.vocab_size
         self.engine = VerifyEngine(model)
-        self.step_s = measure_step(model) if hub else 0.0
+        self.shared_cores = shared_cores
+        self.on_cpu = next(model.parameters()).device.type == "cpu"
+        self.clock = CoreClock(shared=bool(hub) and self.on_cpu and shared_cores != "no")
+        """Times passes, and alone (by CPU time) while the hub shares our cores: the gate
+        weighs trees as they run against plain passes as they would run without the hub."""
+        self._card_seen: object = None
+        self.step_s = measure_step(model, clock=self.clock) if hub else 0.0
         self.gate = SpeculationGate(self.step_s, margin=MARGIN if speculate == "auto" else 0) \
             if hub else None
         """Whether a request should use the hub at today's batch (``--speculate``)."""
@@ -324,8 +333,9 @@ class Batcher:
             took = time.perf_counter() - slot.waiting_since
             slot.stats.hub_wait_s += took
             self.link.observe(took)
-            if not msg.plain:  # what the round trip kept the engine from doing: the
-                # passes it ran for other requests meanwhile were not lost
+            if not msg.plain and slot.opening is None:  # a round, not the hub's prefill;
+                # what it kept the engine from doing: the passes it ran for other requests
+                # meanwhile were not lost
                 self.gate.observe_round_trip(max(took - (self._busy_s - slot.busy_mark), 0.0))
         slot.tag, slot.seq, slot.waiting_since, slot.opening = msg.tag, msg.seq, None, None
         if msg.plain:
@@ -469,9 +479,10 @@ class Batcher:
         slot.ref = next(self._refs)
         slot.waiting_since, slot.busy_mark = time.perf_counter(), self._busy_s
         slot.cohort = -1
+        self._check_sharing()
         slot.opening = Open(prompt_len=len(req.prompt), temperature=req.sampling.temperature,
                             top_p=req.sampling.top_p, seed=req.seed, step_ms=1e3 * self.step_s,
-                            ref=slot.ref,
+                            ref=slot.ref, shares_cores=self.clock.shared,
                             tokens=torch.tensor([*req.prompt, first], dtype=torch.int32),
                             features=self._half(feats))
         self._send(slot, slot.opening)
@@ -497,12 +508,13 @@ class Batcher:
         trees = [s.tree if s.tree is not None else EMPTY_TREE for s in work]
         batch = [(s.req.rid, t) for s, t in zip(work, trees, strict=True)]
         cost = self.engine.cost(batch)
-        start = time.perf_counter()
+        self._check_sharing()
+        self.clock.start()
         verdicts = self.engine.verify(batch)
-        took = time.perf_counter() - start
+        took, alone = self.clock.lap()
         self._busy_s += took
         if self.gate is not None:
-            self.gate.observe_pass(cost, took)
+            self.gate.observe_pass(cost, alone, took, trees=any(s.tree is not None for s in work))
         self._pass_s = took if self.stats.passes == 0 else 0.8 * self._pass_s + 0.2 * took
         self._pass_no += 1
         self.stats.passes += 1
@@ -553,6 +565,20 @@ class Batcher:
                         features=self._half(feats))
         slot.plain_tokens, slot.plain_feats = [], []
         self._commit(slot, commit)
+
+    def _check_sharing(self) -> None:
+        """Whether the hub we are connected to computes on our cores, read from its card
+        each time the link holds a new one."""
+        card = self.link.card if self.link is not None else None
+        if card is self._card_seen or card is None:
+            return
+        self._card_seen = card
+        shared = self.on_cpu and shares_cores(card.host, card.cpus, self.shared_cores)
+        if shared != self.clock.shared:
+            log.info("%s: the hub %s our CPU cores; passes are timed %s", self.name,
+                     "shares" if shared else "does not share",
+                     "by CPU time as well" if shared else "by the wall clock")
+        self.clock.shared = shared
 
     def _decoding_cached(self) -> list[int]:
         return [self.engine.cached(s.req.rid) for s in self._slots.values() if s.decoding]

@@ -10,7 +10,9 @@ sooner, since both the round trip and our passes then carry the hub's compute.
 ``SpeculationGate`` learns the three things that decide it from this target's own passes:
 a pass's time as ``c0 + c1·fed + c2·sum(cached·fed)`` (fed tokens, and the attention they
 pay against the caches), τ and the tree size of the rounds verified here, and the round
-trip. A request that is
+trip. Where the hub shares our cores, the fit is of each pass's time alone (its CPU time,
+``starhub.cores``) and tree passes carry the slowdown measured on them (wall over alone):
+the hub's compute is charged to the trees, not to plain batching. A request that is
 about to open its hub session asks it ``pays``; where plain batching would serve the
 batch faster, the request and every other in the batch decode on their own, still
 batched, and the hub drafts nothing for them (a batch of trees and plain rows would be
@@ -36,10 +38,17 @@ class SpeculationGate:
         self.tau = Ema(PRIOR_TAU, alpha=0.05)
         self.nodes = Ema(PRIOR_NODES, alpha=0.05)
         self.round_trip = Ema(0.0, alpha=0.1)
+        self.slowdown = Ema(1.0, alpha=0.1)
+        """Wall over alone time of the passes that verified trees: what the hub's compute
+        next to ours adds to them (1 where it runs elsewhere)."""
         self.margin = margin
 
-    def observe_pass(self, cost: BatchStats, seconds: float) -> None:
-        self.passes.update([1.0, cost.new_tokens, cost.cached_x_new], seconds)
+    def observe_pass(self, cost: BatchStats, alone_s: float, wall_s: float | None = None,
+                     trees: bool = False) -> None:
+        """A pass's time with the cores to itself, and as it ran (default: the same)."""
+        self.passes.update([1.0, cost.new_tokens, cost.cached_x_new], alone_s)
+        if trees and wall_s is not None and alone_s > 0:
+            self.slowdown.update(max(wall_s / alone_s, 1.0))
 
     def observe_round(self, nodes: int, committed: int) -> None:
         """A hub tree of ``nodes`` verified here, ``committed`` tokens kept (bonus included)."""
@@ -63,7 +72,7 @@ class SpeculationGate:
         """(tokens/s with trees, tokens/s plain) for a batch of these cache lengths."""
         b = len(cached)
         plain = b / max(self.plain_pass_s(cached), 1e-6)
-        cycle = self.tree_pass_s(cached) + self.round_trip.get(0.0)
+        cycle = self.tree_pass_s(cached) * self.slowdown.get(1.0) + self.round_trip.get(0.0)
         return b * self.tau.get(PRIOR_TAU) / max(cycle, 1e-6), plain
 
     def pays(self, cached: list[int]) -> bool:

@@ -1,0 +1,89 @@
+"""Whether a target shares CPU cores with its hub, and a clock that sees through it.
+
+On one host the hub's drafting runs on the cores its targets decode on. A target that times
+its plain steps by the wall clock while the hub drafts next to it measures a standalone
+speed slowed by the hub, and would then keep trees that are slower than decoding alone
+really is. So a target that shares cores with its hub times its plain steps by its own CPU
+time (what the step costs when nothing else runs), and its tree rounds by the wall clock
+(what they cost under the sharing): every decision compares speculation as it runs, with
+the hub's compute charged to it, against plain decoding as it would run without the hub.
+
+Sharing is read from the cards: the hub's DRAFTER_CARD names its host (boot id and host
+name) and the CPUs it may run on; a target on the same host whose CPUs overlap shares them.
+``--shared-cores yes|no`` overrides that (containers can hide a shared host).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+from starhub.options import AUTO
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+SHARED_CORES_CHOICES = (AUTO, "yes", "no")
+
+
+@cache
+def host_id() -> str:
+    """This host, as a short digest of its boot id and host name: two processes with the
+    same one run on the same kernel."""
+    try:
+        boot = BOOT_ID.read_text().strip()
+    except OSError:  # not Linux: the host name alone
+        boot = ""
+    return hashlib.sha256(f"{boot}/{socket.gethostname()}".encode()).hexdigest()[:16]
+
+
+def cpu_ids() -> list[int]:
+    """The CPUs this process may run on (every CPU where affinity is not supported)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def shares_cores(host: str, cpus: list[int], setting: str = AUTO) -> bool:
+    """Whether a peer on ``host`` running on ``cpus`` computes on this process's cores:
+    ``setting`` yes or no says so; auto reads it from the host and the CPU sets."""
+    if setting != AUTO:
+        return setting == "yes"
+    return bool(host) and host == host_id() and bool(set(cpus) & set(cpu_ids()))
+
+
+@dataclass
+class CoreClock:
+    """Times the compute of this thread. ``shared`` (cores shared with a hub, on a CPU
+    device): ``lap`` also returns the stretch's CPU time, the time it takes with the cores
+    to itself; otherwise both figures are the wall time. With several torch threads the
+    calling thread's CPU time stands for the pass's: it runs its share of every parallel
+    region and waits for the rest."""
+
+    shared: bool = False
+    _wall: float = field(default=0.0, repr=False)
+    _cpu: float = field(default=0.0, repr=False)
+
+    def start(self) -> None:
+        self._wall, self._cpu = time.perf_counter(), time.thread_time()
+
+    def lap(self) -> tuple[float, float]:
+        """(wall seconds, alone seconds) since ``start``; alone <= wall."""
+        wall = time.perf_counter() - self._wall
+        if not self.shared:
+            return wall, wall
+        return wall, min(wall, time.thread_time() - self._cpu)
+
+
+def add_shared_cores_arg(parser) -> None:
+    """``--shared-cores`` of a target process (``starhub target``, ``starhub serve``)."""
+    parser.add_argument(
+        "--shared-cores", choices=SHARED_CORES_CHOICES, default=AUTO,
+        help="whether this target computes on its hub's CPU cores. auto (default): when the "
+             "hub runs on this host and may use some of this process's CPUs (from its "
+             "card). Shared, plain steps are timed by CPU time, so that the hub's drafting "
+             "counts against trees and never makes plain decoding look slower than it is")
