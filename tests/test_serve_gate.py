@@ -85,3 +85,12 @@ def test_a_batch_where_plain_pays_decodes_without_the_hub_and_equal_to_generate(
     for ids, got in zip(prompts, outs.values(), strict=True):
         ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
         assert got == ref[0, len(ids):].tolist()
+
+
+def test_a_request_arriving_in_a_lull_is_judged_by_the_batch_recent_load_builds():
+    gate = SpeculationGate(step_s=0.04)
+    feed(gate, per_token_s=0.003)
+    assert gate.pays([300]), "alone, trees pay on this machine"
+    for _ in range(200):
+        gate.observe_batch(6)
+    assert not gate.pays([300]), "but requests have been decoding six at a time"

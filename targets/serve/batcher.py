@@ -515,6 +515,7 @@ class Batcher:
         self._busy_s += took
         if self.gate is not None:
             self.gate.observe_pass(cost, alone, took, trees=any(s.tree is not None for s in work))
+            self.gate.observe_batch(sum(s.decoding for s in self._slots.values()))
         self._pass_s = took if self.stats.passes == 0 else 0.8 * self._pass_s + 0.2 * took
         self._pass_no += 1
         self.stats.passes += 1

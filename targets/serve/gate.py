@@ -28,6 +28,8 @@ from targets.engine import BatchStats
 
 MARGIN = 1.02
 """Trees must beat plain batching by this factor: the estimates are noisy, plain is not."""
+BATCH_ALPHA = 0.02
+"""Weight of each pass in the recent batch size: about the last 50 passes."""
 PRIOR_TAU = 2.0
 PRIOR_NODES = 10.0
 
@@ -38,6 +40,8 @@ class SpeculationGate:
         self.tau = Ema(PRIOR_TAU, alpha=0.05)
         self.nodes = Ema(PRIOR_NODES, alpha=0.05)
         self.round_trip = Ema(0.0, alpha=0.1)
+        self.batch = Ema(1.0, alpha=BATCH_ALPHA)
+        """Requests decoding, averaged over recent passes."""
         self.slowdown = Ema(1.0, alpha=0.1)
         """Wall over alone time of the passes that verified trees: what the hub's compute
         next to ours adds to them (1 where it runs elsewhere)."""
@@ -49,6 +53,10 @@ class SpeculationGate:
         self.passes.update([1.0, cost.new_tokens, cost.cached_x_new], alone_s)
         if trees and wall_s is not None and alone_s > 0:
             self.slowdown.update(max(wall_s / alone_s, 1.0))
+
+    def observe_batch(self, rows: int) -> None:
+        """Requests decoding at a pass."""
+        self.batch.update(rows)
 
     def observe_round(self, nodes: int, committed: int) -> None:
         """A hub tree of ``nodes`` verified here, ``committed`` tokens kept (bonus included)."""
@@ -76,6 +84,11 @@ class SpeculationGate:
         return b * self.tau.get(PRIOR_TAU) / max(cycle, 1e-6), plain
 
     def pays(self, cached: list[int]) -> bool:
-        """Whether trees for every session of this batch beat plain batching by the margin."""
-        tree, plain = self.rates(cached)
+        """Whether trees for every session of this batch beat plain batching by the margin,
+        in the batch a new request will decode in: this one, or the recent average where
+        that is larger (arrivals go on at the rate that built it, and a request that
+        opened its hub session in a lull would then hold trees in a full batch)."""
+        rows = max(len(cached), round(self.batch.get(1.0)))
+        mean = sum(cached) / len(cached) if cached else 0.0
+        tree, plain = self.rates(cached + [round(mean)] * (rows - len(cached)))
         return tree >= self.margin * plain
