@@ -94,3 +94,14 @@ def test_a_request_arriving_in_a_lull_is_judged_by_the_batch_recent_load_builds(
     for _ in range(200):
         gate.observe_batch(6)
     assert not gate.pays([300]), "but requests have been decoding six at a time"
+
+
+def test_tree_rounds_that_take_longer_than_modelled_count_at_their_measured_length():
+    gate = SpeculationGate(step_s=0.04)
+    feed(gate, per_token_s=0.001)
+    assert gate.pays([300, 300])
+    modelled = gate.tree_cycle_s([300, 300])
+    for _ in range(200):
+        gate.observe_cycle(2.5 * modelled, [300, 300])
+    assert gate.tree_cycle_s([300, 300]) > 2 * modelled
+    assert not gate.pays([300, 300])

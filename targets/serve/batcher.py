@@ -122,6 +122,8 @@ class Slot:
     plain_tokens: list[int] = field(default_factory=list)
     plain_feats: list[torch.Tensor] = field(default_factory=list)
     plain_started: float = 0.0
+    tree_done_at: float = 0.0
+    """When its last tree was verified (0: none since it last decoded otherwise)."""
 
     @property
     def ready(self) -> bool:
@@ -178,6 +180,8 @@ class Batcher:
         """Times passes, and alone (by CPU time) while the hub shares our cores: the gate
         weighs trees as they run against plain passes as they would run without the hub."""
         self._card_seen: object = None
+        self._gate_open: bool | None = None
+        """The gate's last verdict, logged when it changes."""
         self.step_s = measure_step(model, clock=self.clock) if hub else 0.0
         self.gate = SpeculationGate(self.step_s, margin=MARGIN if speculate == "auto" else 0) \
             if hub else None
@@ -285,6 +289,7 @@ class Batcher:
         if slot.plain_left:  # the hub's plain round: finish it as plain steps
             slot.plain_left = 0
         slot.client, slot.tag, slot.tree, slot.waiting_since = None, 0, None, None
+        slot.tree_done_at = 0.0
         slot.opening = None
         slot.plain_tokens, slot.plain_feats = [], []
 
@@ -468,7 +473,14 @@ class Batcher:
         if slot.client is not self.link.client:  # dropped or replaced while prefilling
             slot.client = None
             return
-        if not self.gate.pays(self._decoding_cached()):
+        pays, rows, tree, plain = self.gate.verdict(self._decoding_cached())
+        if pays != self._gate_open:
+            self._gate_open = pays
+            log.info("%s: at %d requests decoding, %s (trees %.1f tok/s, plain %.1f tok/s, "
+                     "tree passes %.2fx slower beside the hub)", self.name, rows,
+                     "requests use the hub" if pays else "requests decode plain, batched",
+                     tree, plain, self.gate.slowdown.get(1.0))
+        if not pays:
             # the whole batch goes plain: a tree among plain rows would slow every row's
             # pass and hold its own request back for the hub's round trip
             for other in self._slots.values():
@@ -533,6 +545,10 @@ class Batcher:
 
     def _after_tree(self, slot: Slot, tree: DraftTree, verdict: Verdict, took: float) -> None:
         slot.tree = None
+        now = time.perf_counter()
+        if slot.tree_done_at:
+            self.gate.observe_cycle(now - slot.tree_done_at, self._decoding_cached())
+        slot.tree_done_at = now
         accepted = len(verdict.path)
         count_round(slot.stats, accepted, len(tree))
         self.gate.observe_round(len(tree), len(verdict.tokens))
@@ -548,6 +564,7 @@ class Batcher:
 
     def _after_plain_step(self, slot: Slot, verdict: Verdict) -> None:
         """One of the plain steps the hub asked for; the last one COMMITs them all."""
+        slot.tree_done_at = 0.0
         self.stats.plain_steps += 1
         slot.plain_left -= 1
         slot.plain_tokens.extend(verdict.tokens)
