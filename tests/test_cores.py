@@ -39,7 +39,8 @@ def test_the_slowdown_the_hub_adds_to_tree_passes_counts_against_trees():
             for fed_each, trees in ((1, False), (11, True)):
                 cost = BatchStats(rows, rows * fed_each, rows * 200, rows * 200 * fed_each)
                 alone = 0.04 + 0.002 * rows * fed_each
-                gate.observe_pass(cost, alone, alone * (slowdown if trees else 1.0), trees)
+                gate.observe_pass(cost, alone, alone * (slowdown if trees else 1.0),
+                                  rows if trees else 0)
         for _ in range(50):
             gate.observe_round(10, 3)
             gate.observe_round_trip(0.02)

@@ -96,12 +96,30 @@ def test_a_request_arriving_in_a_lull_is_judged_by_the_batch_recent_load_builds(
     assert not gate.pays([300]), "but requests have been decoding six at a time"
 
 
-def test_tree_rounds_that_take_longer_than_modelled_count_at_their_measured_length():
+
+def test_what_a_tree_row_costs_beyond_its_tokens_counts_against_trees():
+    """Tree passes that cost more than their fed tokens explain (masks, scattered
+    attention) are not read off the plain passes' per-token cost."""
+    def gate_with(tree_row_s: float) -> SpeculationGate:
+        gate = SpeculationGate(step_s=0.04)
+        for _ in range(3):
+            for rows in range(1, 6):
+                for cached in (100, 300):
+                    plain = BatchStats(rows, rows, rows * cached, rows * cached)
+                    gate.observe_pass(plain, 0.04 + 0.002 * rows)
+                    tree = BatchStats(rows, 11 * rows, rows * cached, 11 * rows * cached)
+                    gate.observe_pass(tree, 0.04 + 0.022 * rows + tree_row_s * rows, trees=rows)
+        for _ in range(50):
+            gate.observe_round(10, 3)
+            gate.observe_round_trip(0.01)
+        return gate
+
+    assert gate_with(0.0).pays([200, 200])
+    assert not gate_with(0.05).pays([200, 200])
+
+
+def test_requests_still_prefilling_count_in_the_batch_a_new_request_joins():
     gate = SpeculationGate(step_s=0.04)
-    feed(gate, per_token_s=0.001)
-    assert gate.pays([300, 300])
-    modelled = gate.tree_cycle_s([300, 300])
-    for _ in range(200):
-        gate.observe_cycle(2.5 * modelled, [300, 300])
-    assert gate.tree_cycle_s([300, 300]) > 2 * modelled
-    assert not gate.pays([300, 300])
+    feed(gate, per_token_s=0.003)
+    assert gate.pays([300])
+    assert not gate.pays([300], queued=5)

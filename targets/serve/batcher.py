@@ -122,8 +122,6 @@ class Slot:
     plain_tokens: list[int] = field(default_factory=list)
     plain_feats: list[torch.Tensor] = field(default_factory=list)
     plain_started: float = 0.0
-    tree_done_at: float = 0.0
-    """When its last tree was verified (0: none since it last decoded otherwise)."""
 
     @property
     def ready(self) -> bool:
@@ -289,7 +287,6 @@ class Batcher:
         if slot.plain_left:  # the hub's plain round: finish it as plain steps
             slot.plain_left = 0
         slot.client, slot.tag, slot.tree, slot.waiting_since = None, 0, None, None
-        slot.tree_done_at = 0.0
         slot.opening = None
         slot.plain_tokens, slot.plain_feats = [], []
 
@@ -473,7 +470,7 @@ class Batcher:
         if slot.client is not self.link.client:  # dropped or replaced while prefilling
             slot.client = None
             return
-        pays, rows, tree, plain = self.gate.verdict(self._decoding_cached())
+        pays, rows, tree, plain = self.gate.verdict(self._decoding_cached(), len(self._new))
         if pays != self._gate_open:
             self._gate_open = pays
             log.info("%s: at %d requests decoding, %s (trees %.1f tok/s, plain %.1f tok/s, "
@@ -526,7 +523,7 @@ class Batcher:
         took, alone = self.clock.lap()
         self._busy_s += took
         if self.gate is not None:
-            self.gate.observe_pass(cost, alone, took, trees=any(s.tree is not None for s in work))
+            self.gate.observe_pass(cost, alone, took, sum(s.tree is not None for s in work))
             self.gate.observe_batch(sum(s.decoding for s in self._slots.values()))
         self._pass_s = took if self.stats.passes == 0 else 0.8 * self._pass_s + 0.2 * took
         self._pass_no += 1
@@ -545,10 +542,6 @@ class Batcher:
 
     def _after_tree(self, slot: Slot, tree: DraftTree, verdict: Verdict, took: float) -> None:
         slot.tree = None
-        now = time.perf_counter()
-        if slot.tree_done_at:
-            self.gate.observe_cycle(now - slot.tree_done_at, self._decoding_cached())
-        slot.tree_done_at = now
         accepted = len(verdict.path)
         count_round(slot.stats, accepted, len(tree))
         self.gate.observe_round(len(tree), len(verdict.tokens))
@@ -564,7 +557,6 @@ class Batcher:
 
     def _after_plain_step(self, slot: Slot, verdict: Verdict) -> None:
         """One of the plain steps the hub asked for; the last one COMMITs them all."""
-        slot.tree_done_at = 0.0
         self.stats.plain_steps += 1
         slot.plain_left -= 1
         slot.plain_tokens.extend(verdict.tokens)

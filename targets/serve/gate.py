@@ -8,14 +8,12 @@ then passes them; on a host where the hub drafts on the target's own cores it do
 sooner, since both the round trip and our passes then carry the hub's compute.
 
 ``SpeculationGate`` learns the three things that decide it from this target's own passes:
-a pass's time as ``c0 + c1·fed + c2·sum(cached·fed)`` (fed tokens, and the attention they
-pay against the caches), τ and the tree size of the rounds verified here, and the round
+a pass's time as ``c0 + c1·fed + c2·sum(cached·fed) + c3·trees`` (fed tokens, the
+attention they pay against the caches, and what a tree row costs beyond its tokens: its
+mask and the scattered attention), τ and the tree size of the rounds verified here, and the round
 trip. Where the hub shares our cores, the fit is of each pass's time alone (its CPU time,
 ``starhub.cores``) and tree passes carry the slowdown measured on them (wall over alone):
-the hub's compute is charged to the trees, not to plain batching. What the model still
-leaves out (trees of one batch that come back over several passes, prefill chunks between
-rounds) the gate measures: each request's time from one verified tree to the next,
-against the model's, scales the tree cycle. A request that is
+the hub's compute is charged to the trees, not to plain batching. A request that is
 about to open its hub session asks it ``pays``; where plain batching would serve the
 batch faster, the request and every other in the batch decode on their own, still
 batched, and the hub drafts nothing for them (a batch of trees and plain rows would be
@@ -29,13 +27,11 @@ from starhub.control.estimators import Ema
 from starhub.fit import LinearFit
 from targets.engine import BatchStats
 
-MARGIN = 1.15
+MARGIN = 1.10
 """Trees must beat plain batching by this factor. On a shared CPU the gate's estimates of
 one batch's rates move by about ±10% from one request to the next, and a wrong "trees"
 costs more than a wrong "plain": the hub's prefill, tree passes for the whole batch, and
 the hub's compute on our cores; a wrong "plain" forgoes a gain smaller than the noise."""
-MAX_CALIBRATION = 3.0
-"""The measured tree cycle may differ from the model's by at most this factor either way."""
 BATCH_ALPHA = 0.02
 """Weight of each pass in the recent batch size: about the last 50 passes."""
 PRIOR_TAU = 2.0
@@ -44,7 +40,7 @@ PRIOR_NODES = 10.0
 
 class SpeculationGate:
     def __init__(self, step_s: float, margin: float = MARGIN):
-        self.passes = LinearFit([step_s if step_s > 0 else 0.02, 0.0, 0.0], forget=0.99)
+        self.passes = LinearFit([step_s if step_s > 0 else 0.02, 0.0, 0.0, 0.0], forget=0.99)
         self.tau = Ema(PRIOR_TAU, alpha=0.05)
         self.nodes = Ema(PRIOR_NODES, alpha=0.05)
         self.round_trip = Ema(0.0, alpha=0.1)
@@ -53,16 +49,13 @@ class SpeculationGate:
         self.slowdown = Ema(1.0, alpha=0.1)
         """Wall over alone time of the passes that verified trees: what the hub's compute
         next to ours adds to them (1 where it runs elsewhere)."""
-        self.calibration = Ema(1.0, alpha=0.05)
-        """A request's measured time from one verified tree to the next, over the model's
-        (``tree_pass_s · slowdown + round_trip``): what the model leaves out, such as a
-        batch whose trees come back over several passes."""
         self.margin = margin
 
     def observe_pass(self, cost: BatchStats, alone_s: float, wall_s: float | None = None,
-                     trees: bool = False) -> None:
-        """A pass's time with the cores to itself, and as it ran (default: the same)."""
-        self.passes.update([1.0, cost.new_tokens, cost.cached_x_new], alone_s)
+                     trees: int = 0) -> None:
+        """A pass's time with the cores to itself, and as it ran (default: the same);
+        ``trees``: the rows that verified a tree."""
+        self.passes.update([1.0, cost.new_tokens, cost.cached_x_new, trees], alone_s)
         if trees and wall_s is not None and alone_s > 0:
             self.slowdown.update(max(wall_s / alone_s, 1.0))
 
@@ -80,27 +73,19 @@ class SpeculationGate:
         engine ran for other requests meanwhile: the time the round trip cost."""
         self.round_trip.update(seconds)
 
-    def observe_cycle(self, seconds: float, cached: list[int]) -> None:
-        """A request's time from one verified tree to its next, in a batch of these cache
-        lengths."""
-        modeled = self.tree_cycle_s(cached, calibrated=False)
-        if modeled > 0:
-            self.calibration.update(min(max(seconds / modeled, 1 / MAX_CALIBRATION),
-                                        MAX_CALIBRATION))
-
-    def tree_cycle_s(self, cached: list[int], calibrated: bool = True) -> float:
+    def tree_cycle_s(self, cached: list[int]) -> float:
         """A request's time per round with trees: its batch's tree pass, slowed by the hub
         beside us, plus the round trip."""
-        cycle = self.tree_pass_s(cached) * self.slowdown.get(1.0) + self.round_trip.get(0.0)
-        return cycle * (self.calibration.get(1.0) if calibrated else 1.0)
+        return self.tree_pass_s(cached) * self.slowdown.get(1.0) + self.round_trip.get(0.0)
 
     def plain_pass_s(self, cached: list[int]) -> float:
         """A plain pass over sessions of these cache lengths: one token fed each."""
-        return max(self.passes.predict([1.0, len(cached), sum(cached)]), 0.0)
+        return max(self.passes.predict([1.0, len(cached), sum(cached), 0.0]), 0.0)
 
     def tree_pass_s(self, cached: list[int]) -> float:
         fed = 1.0 + self.nodes.get(PRIOR_NODES)
-        return max(self.passes.predict([1.0, len(cached) * fed, sum(cached) * fed]), 0.0)
+        return max(self.passes.predict([1.0, len(cached) * fed, sum(cached) * fed,
+                                        len(cached)]), 0.0)
 
     def rates(self, cached: list[int]) -> tuple[float, float]:
         """(tokens/s with trees, tokens/s plain) for a batch of these cache lengths."""
@@ -108,16 +93,17 @@ class SpeculationGate:
         plain = b / max(self.plain_pass_s(cached), 1e-6)
         return b * self.tau.get(PRIOR_TAU) / max(self.tree_cycle_s(cached), 1e-6), plain
 
-    def pays(self, cached: list[int]) -> bool:
+    def pays(self, cached: list[int], queued: int = 0) -> bool:
         """Whether trees for every session of this batch beat plain batching by the margin,
-        in the batch a new request will decode in: this one, or the recent average where
-        that is larger (arrivals go on at the rate that built it, and a request that
-        opened its hub session in a lull would then hold trees in a full batch)."""
-        return self.verdict(cached)[0]
+        in the batch a new request will decode in: this one with the ``queued`` requests
+        still prefilling, or the recent average where that is larger (arrivals go on at
+        the rate that built it, and a request that opened its hub session in a lull would
+        then hold trees in a full batch)."""
+        return self.verdict(cached, queued)[0]
 
-    def verdict(self, cached: list[int]) -> tuple[bool, int, float, float]:
+    def verdict(self, cached: list[int], queued: int = 0) -> tuple[bool, int, float, float]:
         """``pays``, with the rows, tree and plain tokens/s it was judged at."""
-        rows = max(len(cached), round(self.batch.get(1.0)))
+        rows = max(len(cached) + queued, round(self.batch.get(1.0)))
         mean = sum(cached) / len(cached) if cached else 0.0
         tree, plain = self.rates(cached + [round(mean)] * (rows - len(cached)))
         return tree >= self.margin * plain, rows, tree, plain
