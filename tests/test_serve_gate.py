@@ -22,6 +22,13 @@ def feed(gate: SpeculationGate, per_token_s: float, base_s: float = 0.04,
         gate.observe_round_trip(round_trip_s)
 
 
+def rounds(gate: SpeculationGate, round_trip_s: float, count: int = 50) -> None:
+    """Rounds of 10-node trees that keep 3 tokens each."""
+    for _ in range(count):
+        gate.observe_round(10, 3)
+        gate.observe_round_trip(round_trip_s)
+
+
 def test_before_any_round_is_measured_trees_are_tried():
     gate = SpeculationGate(step_s=0.04)
     assert gate.pays([200]) and gate.pays([200] * 8)
@@ -109,9 +116,7 @@ def test_what_a_tree_row_costs_beyond_its_tokens_counts_against_trees():
                     gate.observe_pass(plain, 0.04 + 0.002 * rows)
                     tree = BatchStats(rows, 11 * rows, rows * cached, 11 * rows * cached)
                     gate.observe_pass(tree, 0.04 + 0.022 * rows + tree_row_s * rows, trees=rows)
-        for _ in range(50):
-            gate.observe_round(10, 3)
-            gate.observe_round_trip(0.01)
+        rounds(gate, round_trip_s=0.01)
         return gate
 
     assert gate_with(0.0).pays([200, 200])
@@ -123,3 +128,21 @@ def test_requests_still_prefilling_count_in_the_batch_a_new_request_joins():
     feed(gate, per_token_s=0.003)
     assert gate.pays([300])
     assert not gate.pays([300], queued=5)
+
+
+def test_the_slowdown_the_hub_adds_to_tree_passes_counts_against_trees():
+    def gate_after(slowdown: float) -> SpeculationGate:
+        gate = SpeculationGate(step_s=0.04)
+        for rows in range(1, 5):
+            for fed_each, trees in ((1, False), (11, True)):
+                cost = BatchStats(rows, rows * fed_each, rows * 200, rows * 200 * fed_each)
+                alone = 0.04 + 0.002 * rows * fed_each
+                gate.observe_pass(cost, alone, alone * (slowdown if trees else 1.0),
+                                  rows if trees else 0)
+        rounds(gate, round_trip_s=0.02)
+        return gate
+
+    assert gate_after(1.0).pays([200, 200])
+    assert not gate_after(2.0).pays([200, 200])
+    assert gate_after(2.0).rates([200])[1] == gate_after(1.0).rates([200])[1], \
+        "plain batching is judged by the passes' time alone either way"
