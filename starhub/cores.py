@@ -65,8 +65,25 @@ class CoreClock:
     region and waits for the rest."""
 
     shared: bool = False
+    setting: str = AUTO
+    """``--shared-cores``: auto, yes or no."""
+    on_cpu: bool = True
+    """The model computes on the CPU (a GPU's passes share no cores with a hub's)."""
     _wall: float = field(default=0.0, repr=False)
     _cpu: float = field(default=0.0, repr=False)
+
+    @classmethod
+    def for_target(cls, on_cpu: bool, hub: bool, setting: str = AUTO) -> CoreClock:
+        """A target's clock. Until its hub's card says where the hub runs, a CPU target
+        with a hub assumes it may share its cores."""
+        return cls(shared=hub and on_cpu and setting != "no", setting=setting, on_cpu=on_cpu)
+
+    def follow(self, host: str, cpus: list[int]) -> bool:
+        """Share or not as a hub on ``host`` computing on ``cpus`` makes us; True when that
+        changed."""
+        shared = self.on_cpu and shares_cores(host, cpus, self.setting)
+        changed, self.shared = shared != self.shared, shared
+        return changed
 
     def start(self) -> None:
         self._wall, self._cpu = time.perf_counter(), time.thread_time()

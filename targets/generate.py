@@ -18,7 +18,8 @@ import torch
 from starhub.client.connection import HubClient, HubError, HubUnavailable
 from starhub.client.link import Link
 from starhub.client.round_stats import clip_output, count_round, mean_accept_len
-from starhub.cores import CoreClock, shares_cores
+from starhub.cores import CoreClock
+from starhub.models.devices import model_device
 from starhub.models.loading import tokenizer_fingerprint
 from starhub.models.prompts import encode_prompt  # noqa: F401  (re-exported)
 from starhub.options import AUTO
@@ -131,12 +132,9 @@ class SpeculativeGenerator:
         self.hub = hub
         eos = model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.shared_cores = shared_cores
-        """auto, yes or no: whether this target computes on its hub's cores."""
-        self.on_cpu = next(model.parameters()).device.type == "cpu"
-        self.clock = CoreClock(shared=bool(hub) and self.on_cpu and shared_cores != "no")
-        """Times plain steps; alone (by CPU time) while the hub shares our cores. Until the
-        hub has said where it runs, a CPU target assumes it might."""
+        self.clock = CoreClock.for_target(model_device(model).type == "cpu", bool(hub),
+                                          shared_cores)
+        """Times plain steps; alone (by CPU time) while the hub shares our cores."""
         self.step_s = measure_step(model, clock=self.clock) if hub else 0.0
         self.client_options = client_options or {}
         self.link = Link(hub, self._greet, name, floor_s=timeout_s) if hub else None
@@ -169,12 +167,11 @@ class SpeculativeGenerator:
         if not self.link.connect():
             return False
         card = self.link.card
-        shared = self.on_cpu and shares_cores(card.host, card.cpus, self.shared_cores)
+        self.clock.follow(card.host, card.cpus)
         log.info("%s: hub %s drafts with '%s' (depth %s, topk %d, %d nodes)%s", self.name,
                  self.hub, card.drafter, card.depth or "auto", card.topk, card.max_nodes,
                  "; it shares our CPU cores, so plain steps are timed by CPU time"
-                 if shared else "")
-        self.clock.shared = shared
+                 if self.clock.shared else "")
         return True
 
     def card(self) -> TargetCard:

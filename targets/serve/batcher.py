@@ -39,7 +39,8 @@ import torch
 from starhub.client.connection import HubClient, HubUnavailable
 from starhub.client.link import Link
 from starhub.client.round_stats import clip_output, count_round, mean_accept_len
-from starhub.cores import CoreClock, shares_cores
+from starhub.cores import CoreClock
+from starhub.models.devices import model_device
 from starhub.options import AUTO
 from starhub.wire.messages import (
     Close,
@@ -172,9 +173,8 @@ class Batcher:
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.vocab_size = model.config.vocab_size
         self.engine = VerifyEngine(model)
-        self.shared_cores = shared_cores
-        self.on_cpu = next(model.parameters()).device.type == "cpu"
-        self.clock = CoreClock(shared=bool(hub) and self.on_cpu and shared_cores != "no")
+        self.clock = CoreClock.for_target(model_device(model).type == "cpu", bool(hub),
+                                          shared_cores)
         """Times passes, and alone (by CPU time) while the hub shares our cores: the gate
         weighs trees as they run against plain passes as they would run without the hub."""
         self._card_seen: object = None
@@ -583,12 +583,11 @@ class Batcher:
         if card is self._card_seen or card is None:
             return
         self._card_seen = card
-        shared = self.on_cpu and shares_cores(card.host, card.cpus, self.shared_cores)
-        if shared != self.clock.shared:
+        if self.clock.follow(card.host, card.cpus):
+            shared = self.clock.shared
             log.info("%s: the hub %s our CPU cores; passes are timed %s", self.name,
                      "shares" if shared else "does not share",
                      "by CPU time as well" if shared else "by the wall clock")
-        self.clock.shared = shared
 
     def _decoding_cached(self) -> list[int]:
         return [self.engine.cached(s.req.rid) for s in self._slots.values() if s.decoding]
