@@ -97,10 +97,22 @@ def test_a_batch_where_plain_pays_decodes_without_the_hub_and_equal_to_generate(
 def test_a_request_arriving_in_a_lull_is_judged_by_the_batch_recent_load_builds():
     gate = SpeculationGate(step_s=0.04)
     feed(gate, per_token_s=0.003)
-    assert gate.pays([300]), "alone, trees pay on this machine"
-    for _ in range(200):
-        gate.observe_batch(6)
-    assert not gate.pays([300]), "but requests have been decoding six at a time"
+    assert gate.pays([300], now=0.0), "alone, trees pay on this machine"
+    for i in range(100):  # six requests decoding for 10 s, then one for half a second
+        gate.observe_batch(6, now=0.1 * i)
+    gate.observe_batch(1, now=10.0)
+    assert not gate.pays([300], now=10.5), "but requests have been decoding six at a time"
+
+
+def test_a_lone_request_after_a_quiet_spell_uses_the_hub_again():
+    """The recent batch is averaged over time, not passes: a spell with nothing decoding
+    (and so no passes) brings it down."""
+    gate = SpeculationGate(step_s=0.04)
+    feed(gate, per_token_s=0.003)
+    for i in range(100):
+        gate.observe_batch(6, now=0.1 * i)
+    gate.observe_batch(0, now=10.0)
+    assert gate.pays([300], now=25.0)
 
 
 

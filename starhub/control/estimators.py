@@ -1,8 +1,10 @@
-"""Running estimates the control plane is built from: an exponential moving average and
+"""Running estimates the control plane is built from: exponential moving averages (per
+observation, and over time for a quantity that holds between observations) and
 acceptance by tree depth with hierarchical priors (its cost curves are ``starhub.fit``)."""
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from itertools import accumulate
@@ -21,6 +23,28 @@ class Ema:
 
     def get(self, default: float) -> float:
         return default if self.value is None else self.value
+
+
+@dataclass
+class TimeAverage:
+    """A level that holds between observations (a batch's row count, say), averaged over
+    about the last ``window_s`` seconds. Weighted by time, not by observation: a lull with
+    no observations in it still counts for its length."""
+    window_s: float
+    value: float | None = None
+    held: float = 0.0
+    since: float = 0.0
+
+    def update(self, x: float, now: float) -> None:
+        """The level is ``x`` from ``now`` on."""
+        self.value = self.get(x, now)
+        self.held, self.since = x, now
+
+    def get(self, default: float, now: float) -> float:
+        if self.value is None:
+            return default
+        weight = 1.0 - math.exp(-max(now - self.since, 0.0) / self.window_s)
+        return self.value + weight * (self.held - self.value)
 
 
 class Acceptance:

@@ -418,6 +418,8 @@ class Batcher:
             self._wake.clear()
         self.stats.running = sum(s.decoding for s in self._slots.values())
         self.stats.waiting = len(self._new)
+        if self.gate is not None:
+            self.gate.observe_batch(self.stats.running)
 
     def _intake(self) -> None:
         while True:
@@ -524,23 +526,24 @@ class Batcher:
         self._busy_s += took
         if self.gate is not None:
             self.gate.observe_pass(cost, alone, took, sum(s.tree is not None for s in work))
-            self.gate.observe_batch(sum(s.decoding for s in self._slots.values()))
         self._pass_s = took if self.stats.passes == 0 else 0.8 * self._pass_s + 0.2 * took
         self._pass_no += 1
         self.stats.passes += 1
         self.stats.rows += len(work)
         self.stats.last_batch = len(work)
+        step_s = self._plain_step_s() if self.gate is not None else 0.0
         for slot, tree, verdict in zip(work, trees, verdicts, strict=True):
             slot.stats.verify_s += took
             if slot.tree is not None:
-                self._after_tree(slot, tree, verdict, took)
+                self._after_tree(slot, tree, verdict, took, step_s)
             elif slot.plain_left:
-                self._after_plain_step(slot, verdict)
+                self._after_plain_step(slot, verdict, step_s)
             else:
                 self.stats.plain_steps += 1
                 self._emit(slot, verdict.tokens)
 
-    def _after_tree(self, slot: Slot, tree: DraftTree, verdict: Verdict, took: float) -> None:
+    def _after_tree(self, slot: Slot, tree: DraftTree, verdict: Verdict, took: float,
+                    step_s: float) -> None:
         slot.tree = None
         accepted = len(verdict.path)
         count_round(slot.stats, accepted, len(tree))
@@ -548,15 +551,16 @@ class Batcher:
         self.stats.rounds += 1
         self.stats.committed += len(verdict.tokens)
         commit = Commit(tag=slot.tag, seq=slot.seq, accepted=accepted, verify_ms=1e3 * took,
-                        step_ms=1e3 * self._plain_step_s(),
+                        step_ms=1e3 * step_s,
                         tokens=torch.tensor(verdict.tokens, dtype=torch.int32),
                         features=self._half(verdict.features))
         if self._emit(slot, verdict.tokens):
             return
         self._commit(slot, commit)
 
-    def _after_plain_step(self, slot: Slot, verdict: Verdict) -> None:
-        """One of the plain steps the hub asked for; the last one COMMITs them all."""
+    def _after_plain_step(self, slot: Slot, verdict: Verdict, step_s: float) -> None:
+        """One of the plain steps the hub asked for; the last one COMMITs them all.
+        ``step_s``: this pass's ``_plain_step_s``, the step the hub must beat."""
         self.stats.plain_steps += 1
         slot.plain_left -= 1
         slot.plain_tokens.extend(verdict.tokens)
@@ -570,7 +574,7 @@ class Batcher:
         slot.stats.plain_s += took
         feats = torch.cat(slot.plain_feats) if slot.plain_feats else None
         commit = Commit(tag=slot.tag, seq=slot.seq, accepted=0, verify_ms=1e3 * took,
-                        step_ms=1e3 * self._plain_step_s(),
+                        step_ms=1e3 * step_s,
                         tokens=torch.tensor(slot.plain_tokens, dtype=torch.int32),
                         features=self._half(feats))
         slot.plain_tokens, slot.plain_feats = [], []

@@ -23,7 +23,9 @@ it assumes trees pay, so that they get measured.
 
 from __future__ import annotations
 
-from starhub.control.estimators import Ema
+import time
+
+from starhub.control.estimators import Ema, TimeAverage
 from starhub.fit import LinearFit
 from targets.engine import BatchStats
 
@@ -32,8 +34,10 @@ MARGIN = 1.10
 one batch's rates move by about ±10% from one request to the next, and a wrong "trees"
 costs more than a wrong "plain": the hub's prefill, tree passes for the whole batch, and
 the hub's compute on our cores; a wrong "plain" forgoes a gain smaller than the noise."""
-BATCH_ALPHA = 0.02
-"""Weight of each pass in the recent batch size: about the last 50 passes."""
+BATCH_WINDOW_S = 5.0
+"""The recent batch size averages the rows decoding over about this long: long enough
+to see the load that arrivals build, short enough that a lull after a burst lets a lone
+request use the hub again."""
 PRIOR_TAU = 2.0
 PRIOR_NODES = 10.0
 
@@ -44,8 +48,8 @@ class SpeculationGate:
         self.tau = Ema(PRIOR_TAU, alpha=0.05)
         self.nodes = Ema(PRIOR_NODES, alpha=0.05)
         self.round_trip = Ema(0.0, alpha=0.1)
-        self.batch = Ema(1.0, alpha=BATCH_ALPHA)
-        """Requests decoding, averaged over recent passes."""
+        self.batch = TimeAverage(BATCH_WINDOW_S)
+        """Requests decoding, averaged over the last few seconds."""
         self.slowdown = Ema(1.0, alpha=0.1)
         """Wall over alone time of the passes that verified trees: what the hub's compute
         next to ours adds to them (1 where it runs elsewhere)."""
@@ -59,9 +63,9 @@ class SpeculationGate:
         if trees and wall_s is not None and alone_s > 0:
             self.slowdown.update(max(wall_s / alone_s, 1.0))
 
-    def observe_batch(self, rows: int) -> None:
-        """Requests decoding at a pass."""
-        self.batch.update(rows)
+    def observe_batch(self, rows: int, now: float | None = None) -> None:
+        """Requests decoding from ``now`` (``time.monotonic()``) on."""
+        self.batch.update(rows, time.monotonic() if now is None else now)
 
     def observe_round(self, nodes: int, committed: int) -> None:
         """A hub tree of ``nodes`` verified here, ``committed`` tokens kept (bonus included)."""
@@ -93,17 +97,19 @@ class SpeculationGate:
         plain = b / max(self.plain_pass_s(cached), 1e-6)
         return b * self.tau.get(PRIOR_TAU) / max(self.tree_cycle_s(cached), 1e-6), plain
 
-    def pays(self, cached: list[int], queued: int = 0) -> bool:
+    def pays(self, cached: list[int], queued: int = 0, now: float | None = None) -> bool:
         """Whether trees for every session of this batch beat plain batching by the margin,
         in the batch a new request will decode in: this one with the ``queued`` requests
         still prefilling, or the recent average where that is larger (arrivals go on at
         the rate that built it, and a request that opened its hub session in a lull would
         then hold trees in a full batch)."""
-        return self.verdict(cached, queued)[0]
+        return self.verdict(cached, queued, now)[0]
 
-    def verdict(self, cached: list[int], queued: int = 0) -> tuple[bool, int, float, float]:
+    def verdict(self, cached: list[int], queued: int = 0, now: float | None = None
+                ) -> tuple[bool, int, float, float]:
         """``pays``, with the rows, tree and plain tokens/s it was judged at."""
-        rows = max(len(cached) + queued, round(self.batch.get(1.0)))
+        recent = self.batch.get(1.0, time.monotonic() if now is None else now)
+        rows = max(len(cached) + queued, round(recent))
         mean = sum(cached) / len(cached) if cached else 0.0
         tree, plain = self.rates(cached + [round(mean)] * (rows - len(cached)))
         return tree >= self.margin * plain, rows, tree, plain
