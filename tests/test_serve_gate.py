@@ -94,47 +94,6 @@ def test_a_batch_where_plain_pays_decodes_without_the_hub_and_equal_to_generate(
         assert got == ref[0, len(ids):].tolist()
 
 
-def test_a_batch_sent_plain_stays_plain_until_its_requests_end(tiny_model):
-    """A request that joins plain rows does not open a tree among them, whatever the
-    gate would say of the batch; once they are gone, requests use the hub again."""
-    import queue
-
-    from serving import wait_until
-
-    from starhub.launch.spawn import spawn_hub
-    from targets.serve.batcher import Batcher, Request
-
-    def finish(events: queue.SimpleQueue):
-        event = events.get(timeout=60)
-        while not event.done:
-            event = events.get(timeout=60)
-        return event.stats
-
-    model, tokenizer = tiny_model
-    with spawn_hub(["--drafter", "ngram", "--depth", "4"]) as hub:
-        batcher = Batcher(model, tokenizer, hub.address)
-        feed(batcher.gate, per_token_s=0.0001)  # trees pay at every batch...
-        batcher.gate.margin = float("inf")  # ...but not by this margin: plain
-        first, joined, later = (queue.SimpleQueue() for _ in range(3))
-        batcher.start()
-        try:
-            rid = batcher.submit(Request(prompt=[5, 6, 7, 8, 9], max_tokens=1500,
-                                         sink=first.put))
-            first.get(timeout=60)
-            batcher.gate.margin = 0.0
-            batcher.submit(Request(prompt=[11, 12, 13], max_tokens=8, sink=joined.put))
-            joined_stats = finish(joined)
-            assert batcher.active == 1, "the first request was still decoding"
-            batcher.cancel(rid)
-            assert wait_until(lambda: batcher.active == 0, 30)
-            batcher.submit(Request(prompt=[11, 12, 13], max_tokens=8, sink=later.put))
-            later_stats = finish(later)
-        finally:
-            batcher.stop()
-    assert joined_stats.rounds == 0 and joined_stats.note == "its batch decodes plain, batched"
-    assert later_stats.rounds > 0
-
-
 def test_a_request_arriving_in_a_lull_is_judged_by_the_batch_recent_load_builds():
     gate = SpeculationGate(step_s=0.04)
     feed(gate, per_token_s=0.003)

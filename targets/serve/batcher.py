@@ -118,8 +118,6 @@ class Slot:
     opening: Open | None = None
     """Its OPEN, until the hub answers it: sent again (once) if the hub had forgotten us."""
     reopened: bool = False
-    gated: bool = False
-    """Sent on alone by the gate: plain batching served its batch faster."""
     tree: DraftTree | None = None
     plain_left: int = 0
     plain_tokens: list[int] = field(default_factory=list)
@@ -474,13 +472,6 @@ class Batcher:
         if slot.client is not self.link.client:  # dropped or replaced while prefilling
             slot.client = None
             return
-        if any(s.gated and s.decoding for s in self._slots.values()):
-            # the batch decodes plain until those requests end: a tree among plain rows
-            # would slow every row's pass and still wait for the hub's round trip
-            self._alone(slot, "its batch decodes plain, batched")
-            slot.gated = True
-            self.stats.gated += 1
-            return
         pays, rows, tree, plain = self.gate.verdict(self._decoding_cached(), len(self._new))
         if pays != self._gate_open:
             self._gate_open = pays
@@ -488,11 +479,12 @@ class Batcher:
                      "tree passes %.2fx slower beside the hub)", self.name, rows,
                      "requests use the hub" if pays else "requests decode plain, batched",
                      tree, plain, self.gate.slowdown.get(1.0))
-        if not pays:  # the whole batch goes plain
+        if not pays:
+            # the whole batch goes plain: a tree among plain rows would slow every row's
+            # pass and hold its own request back for the hub's round trip
             for other in self._slots.values():
                 if other.client is not None or other is slot:
                     self._alone(other, "plain batching serves this batch faster")
-                    other.gated = True
                     self.stats.gated += 1
             return
         slot.ref = next(self._refs)
