@@ -49,7 +49,8 @@ class SpeculationGate:
         self.nodes = Ema(PRIOR_NODES, alpha=0.05)
         self.round_trip = Ema(0.0, alpha=0.1)
         self.batch = TimeAverage(BATCH_WINDOW_S)
-        """Requests decoding, averaged over the last few seconds."""
+        """Requests decoding, averaged over the last few seconds; a spell with none
+        counts as one, the request that will end it."""
         self.slowdown = Ema(1.0, alpha=0.1)
         """Wall over alone time of the passes that verified trees: what the hub's compute
         next to ours adds to them (1 where it runs elsewhere)."""
@@ -65,7 +66,7 @@ class SpeculationGate:
 
     def observe_batch(self, rows: int, now: float | None = None) -> None:
         """Requests decoding from ``now`` (``time.monotonic()``) on."""
-        self.batch.update(rows, time.monotonic() if now is None else now)
+        self.batch.update(max(rows, 1), time.monotonic() if now is None else now)
 
     def observe_round(self, nodes: int, committed: int) -> None:
         """A hub tree of ``nodes`` verified here, ``committed`` tokens kept (bonus included)."""
