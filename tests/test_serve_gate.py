@@ -135,6 +135,15 @@ def test_what_a_tree_row_costs_beyond_its_tokens_counts_against_trees():
     assert not gate_with(0.05).pays([200, 200])
 
 
+def test_a_tree_among_rows_already_decoding_plain_is_judged_as_that_mix():
+    """Rows sent plain cannot take up trees mid-stream: a newcomer's tree would slow their
+    pass and add nothing to them, so it must pay for the mix, not for a batch of trees."""
+    gate = SpeculationGate(step_s=0.04)
+    feed(gate, per_token_s=0.001, round_trip_s=0.02)
+    assert gate.pays([300] * 3), "three requests with trees would beat plain"
+    assert not gate.pays([300], plain=[300, 300]), "one tree beside two plain rows would not"
+
+
 def test_requests_still_prefilling_count_in_the_batch_a_new_request_joins():
     gate = SpeculationGate(step_s=0.04)
     feed(gate, per_token_s=0.003)

@@ -472,11 +472,16 @@ class Batcher:
         if slot.client is not self.link.client:  # dropped or replaced while prefilling
             slot.client = None
             return
-        pays, rows, tree, plain = self.gate.verdict(self._decoding_cached(), len(self._new))
+        decoding = [s for s in self._slots.values() if s.decoding]
+        alone = [self.engine.cached(s.req.rid) for s in decoding if s.client is None]
+        pays, rows, tree, plain = self.gate.verdict(
+            [self.engine.cached(s.req.rid) for s in decoding if s.client is not None],
+            len(self._new), plain=alone)
         if pays != self._gate_open:
             self._gate_open = pays
-            log.info("%s: at %d requests decoding, %s (trees %.1f tok/s, plain %.1f tok/s, "
-                     "tree passes %.2fx slower beside the hub)", self.name, rows,
+            log.info("%s: at %d requests decoding (%d plain), %s (trees %.1f tok/s, plain "
+                     "%.1f tok/s, tree passes %.2fx slower beside the hub)", self.name, rows,
+                     len(alone),
                      "requests use the hub" if pays else "requests decode plain, batched",
                      tree, plain, self.gate.slowdown.get(1.0))
         if not pays:

@@ -16,14 +16,16 @@ trip. Where the hub shares our cores, the fit is of each pass's time alone (its 
 the hub's compute is charged to the trees, not to plain batching. A request that is
 about to open its hub session asks it ``pays``; where plain batching would serve the
 batch faster, the request and every other in the batch decode on their own, still
-batched, and the hub drafts nothing for them (a batch of trees and plain rows would be
-the worst of both: each tree slows every row's pass). Until rounds have been measured
-it assumes trees pay, so that they get measured.
+batched, and the hub drafts nothing for them. Rows already decoding plain cannot take up
+trees mid-stream, so a request joining them is judged as the mix it would make: its tree
+slows their pass and gives them nothing. Until rounds have been measured it assumes
+trees pay, so that they get measured.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from starhub.control.estimators import Ema, TimeAverage
 from starhub.fit import LinearFit
@@ -78,39 +80,52 @@ class SpeculationGate:
         engine ran for other requests meanwhile: the time the round trip cost."""
         self.round_trip.update(seconds)
 
-    def tree_cycle_s(self, cached: list[int]) -> float:
+    def tree_cycle_s(self, cached: list[int], plain: Sequence[int] = ()) -> float:
         """A request's time per round with trees: its batch's tree pass, slowed by the hub
         beside us, plus the round trip."""
-        return self.tree_pass_s(cached) * self.slowdown.get(1.0) + self.round_trip.get(0.0)
+        return (self.tree_pass_s(cached, plain) * self.slowdown.get(1.0)
+                + self.round_trip.get(0.0))
 
     def plain_pass_s(self, cached: list[int]) -> float:
         """A plain pass over sessions of these cache lengths: one token fed each."""
         return max(self.passes.predict([1.0, len(cached), sum(cached), 0.0]), 0.0)
 
-    def tree_pass_s(self, cached: list[int]) -> float:
+    def tree_pass_s(self, cached: list[int], plain: Sequence[int] = ()) -> float:
+        """A pass that verifies a tree for each session of ``cached`` and one token for
+        each of ``plain``."""
         fed = 1.0 + self.nodes.get(PRIOR_NODES)
-        return max(self.passes.predict([1.0, len(cached) * fed, sum(cached) * fed,
-                                        len(cached)]), 0.0)
+        return max(self.passes.predict([1.0, len(cached) * fed + len(plain),
+                                        sum(cached) * fed + sum(plain), len(cached)]), 0.0)
 
-    def rates(self, cached: list[int]) -> tuple[float, float]:
-        """(tokens/s with trees, tokens/s plain) for a batch of these cache lengths."""
-        b = len(cached)
-        plain = b / max(self.plain_pass_s(cached), 1e-6)
-        return b * self.tau.get(PRIOR_TAU) / max(self.tree_cycle_s(cached), 1e-6), plain
+    def rates(self, cached: list[int], plain: Sequence[int] = ()) -> tuple[float, float]:
+        """(tokens/s with trees for the sessions of ``cached`` beside the ``plain`` rows,
+        tokens/s with every row plain), for sessions of these cache lengths. Plain rows
+        gain nothing from the trees beside them: they pay the tree pass, and step on
+        their own while the hub drafts."""
+        tokens = len(cached) * self.tau.get(PRIOR_TAU)
+        if plain:
+            alone = max(self.plain_pass_s(plain), 1e-6)
+            tokens += len(plain) * (1.0 + self.round_trip.get(0.0) / alone)
+        everyone = [*cached, *plain]
+        return (tokens / max(self.tree_cycle_s(cached, plain), 1e-6),
+                len(everyone) / max(self.plain_pass_s(everyone), 1e-6))
 
-    def pays(self, cached: list[int], queued: int = 0, now: float | None = None) -> bool:
-        """Whether trees for every session of this batch beat plain batching by the margin,
-        in the batch a new request will decode in: this one with the ``queued`` requests
-        still prefilling, or the recent average where that is larger (arrivals go on at
-        the rate that built it, and a request that opened its hub session in a lull would
-        then hold trees in a full batch)."""
-        return self.verdict(cached, queued, now)[0]
+    def pays(self, cached: list[int], queued: int = 0, now: float | None = None,
+             plain: Sequence[int] = ()) -> bool:
+        """Whether trees for the sessions of ``cached`` (beside the ``plain`` rows, which
+        cannot take up trees mid-stream) beat plain batching by the margin, in the batch
+        a new request will decode in: this one with the ``queued`` requests still
+        prefilling, or the recent average where that is larger (arrivals go on at the
+        rate that built it, and a request that opened its hub session in a lull would
+        then hold trees in a full batch); the rows the average adds would use trees."""
+        return self.verdict(cached, queued, now, plain)[0]
 
-    def verdict(self, cached: list[int], queued: int = 0, now: float | None = None
-                ) -> tuple[bool, int, float, float]:
+    def verdict(self, cached: list[int], queued: int = 0, now: float | None = None,
+                plain: Sequence[int] = ()) -> tuple[bool, int, float, float]:
         """``pays``, with the rows, tree and plain tokens/s it was judged at."""
         recent = self.batch.get(1.0, time.monotonic() if now is None else now)
-        rows = max(len(cached) + queued, round(recent))
-        mean = sum(cached) / len(cached) if cached else 0.0
-        tree, plain = self.rates(cached + [round(mean)] * (rows - len(cached)))
-        return tree >= self.margin * plain, rows, tree, plain
+        rows = max(len(cached) + len(plain) + queued, round(recent))
+        known = [*cached, *plain]
+        mean = sum(known) / len(known) if known else 0.0
+        tree, plain_rate = self.rates(cached + [round(mean)] * (rows - len(known)), plain)
+        return tree >= self.margin * plain_rate, rows, tree, plain_rate
