@@ -536,7 +536,8 @@ class Batcher:
         self.stats.passes += 1
         self.stats.rows += len(work)
         self.stats.last_batch = len(work)
-        step_s = self._plain_step_s() if self.gate is not None else 0.0
+        commits = any(s.tree is not None or s.plain_left for s in work)
+        step_s = self._plain_step_s() if commits else 0.0  # only COMMITs report it
         for slot, tree, verdict in zip(work, trees, verdicts, strict=True):
             slot.stats.verify_s += took
             if slot.tree is not None:

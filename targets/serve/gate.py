@@ -88,7 +88,7 @@ class SpeculationGate:
 
     def plain_pass_s(self, cached: list[int]) -> float:
         """A plain pass over sessions of these cache lengths: one token fed each."""
-        return max(self.passes.predict([1.0, len(cached), sum(cached), 0.0]), 0.0)
+        return self.tree_pass_s([], cached)
 
     def tree_pass_s(self, cached: list[int], plain: Sequence[int] = ()) -> float:
         """A pass that verifies a tree for each session of ``cached`` and one token for
