@@ -167,3 +167,50 @@ def test_the_slowdown_the_hub_adds_to_tree_passes_counts_against_trees():
     assert not gate_after(2.0).pays([200, 200])
     assert gate_after(2.0).rates([200])[1] == gate_after(1.0).rates([200])[1], \
         "plain batching is judged by the passes' time alone either way"
+
+
+def test_a_spell_of_tree_passes_does_not_move_what_plain_batching_costs():
+    """The fit of every pass forgets plain passes while trees run, and tree passes whose
+    cost grows faster than their fed tokens pull its plain pass along; plain batching is
+    priced by plain passes alone, so a tree spell cannot move it."""
+    import random
+
+    rng = random.Random(0)
+    gate = SpeculationGate(step_s=0.09)
+    for rows in range(1, 5):
+        for _ in range(20):
+            gate.observe_pass(BatchStats(rows, rows, rows * 300, rows * 300), 0.09 + 0.005 * rows)
+    for _ in range(300):  # 1 to 3 rows with trees, costing a little more than linear
+        rows, cached = rng.choice([1, 2, 3]), rng.randint(100, 500)
+        fed = 11 * rows
+        seconds = (0.09 + 0.004 * fed + 0.00004 * fed * fed) * rng.uniform(0.9, 1.1)
+        gate.observe_pass(BatchStats(rows, fed, rows * cached, fed * cached), seconds, trees=rows)
+    assert abs(gate.plain_pass_s([300, 300]) - 0.1) < 0.002
+    assert abs(gate.tree_pass_s([], [300, 300]) - 0.1) > 0.005, "the joint fit drifted"
+
+
+def test_a_lone_request_goes_to_the_hub_now_and_then_so_that_plain_is_not_forever():
+    """What the gate knows of trees moves only while trees run: after 2, 4, then 8 plain
+    verdicts in a row a lone request uses the hub anyway, and its rounds are measured."""
+    gate = SpeculationGate(step_s=0.04)
+    feed(gate, per_token_s=0.0001, round_trip_s=0.2)
+    decisions = [gate.decide([300]) for _ in range(25)]
+    assert [i for i, d in enumerate(decisions) if d.trees] == [2, 7, 16]
+    assert all(d.probe for d in decisions if d.trees)
+
+
+def test_a_batch_that_plain_serves_faster_is_never_probed():
+    gate = SpeculationGate(step_s=0.04)
+    feed(gate, per_token_s=0.003)
+    assert not any(gate.decide([300] * 6).trees for _ in range(30))
+
+
+def test_a_tree_beside_plain_rows_waits_for_the_plain_passes_begun_while_it_was_away():
+    """The engine does not hold plain rows' passes for a tree longer than a fraction of
+    a pass, so a tree that comes back mid-pass waits for that pass to end: its round
+    costs a whole plain pass, not the round trip alone."""
+    gate = SpeculationGate(step_s=0.04)
+    feed(gate, per_token_s=0.0005, round_trip_s=0.02)
+    assert gate.pays([300, 300]), "two rows with trees pay"
+    tree, plain = gate.rates([300], plain=[300])
+    assert tree < 1.10 * plain and not gate.pays([300], plain=[300])

@@ -62,7 +62,7 @@ from targets.generate import (
     measure_step,
     target_card,
 )
-from targets.serve.gate import MARGIN, SpeculationGate
+from targets.serve.gate import COALESCE, MARGIN, SpeculationGate
 from targets.verify import Verdict
 
 log = logging.getLogger("starhub.serve")
@@ -474,17 +474,19 @@ class Batcher:
             return
         decoding = [s for s in self._slots.values() if s.decoding]
         alone = [self.engine.cached(s.req.rid) for s in decoding if s.client is None]
-        pays, rows, tree, plain = self.gate.verdict(
+        decision = self.gate.decide(
             [self.engine.cached(s.req.rid) for s in decoding if s.client is not None],
             len(self._new), plain=alone)
-        if pays != self._gate_open:
-            self._gate_open = pays
+        if decision.trees != self._gate_open or decision.probe:
+            self._gate_open = decision.trees and not decision.probe
             log.info("%s: at %d requests decoding (%d plain), %s (trees %.1f tok/s, plain "
-                     "%.1f tok/s, tree passes %.2fx slower beside the hub)", self.name, rows,
-                     len(alone),
-                     "requests use the hub" if pays else "requests decode plain, batched",
-                     tree, plain, self.gate.slowdown.get(1.0))
-        if not pays:
+                     "%.1f tok/s, tree passes %.2fx slower beside the hub)", self.name,
+                     decision.rows, len(alone),
+                     "this one uses the hub to measure trees again" if decision.probe else
+                     "requests use the hub" if decision.trees else
+                     "requests decode plain, batched",
+                     decision.tree_tok_s, decision.plain_tok_s, self.gate.slowdown.get(1.0))
+        if not decision.trees:
             # the whole batch goes plain: a tree among plain rows would slow every row's
             # pass and hold its own request back for the hub's round trip
             for other in self._slots.values():
@@ -511,7 +513,7 @@ class Batcher:
         last = self._pass_no
         if not any(s.cohort == last for s in waiting):
             return work
-        until = time.perf_counter() + 0.3 * self._pass_s
+        until = time.perf_counter() + COALESCE * self._pass_s
         while time.perf_counter() < until and not self._stop.is_set():
             self._read_hub(client, max(0.0, until - time.perf_counter()))
             if not any(s.waiting_since is not None and s.cohort == last

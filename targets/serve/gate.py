@@ -20,12 +20,27 @@ batched, and the hub drafts nothing for them. Rows already decoding plain cannot
 trees mid-stream, so a request joining them is judged as the mix it would make: its tree
 slows their pass and gives them nothing. Until rounds have been measured it assumes
 trees pay, so that they get measured.
+
+Plain passes are also fitted on their own (``c0 + c1·rows + c2·sum(cached)``), and that
+fit prices plain batching. The joint fit forgets as it goes, so through a spell of tree
+passes it forgets the plain ones, and its plain pass drifts: at two rows it read 17.5 to
+18 tok/s where plain passes ran 21.5, making trees look 20% better than they were, and so
+keeping them while the batch grew. A fit of plain passes alone only moves when plain
+passes run.
+
+What the gate knows of trees moves only while trees run, so one low reading (a prompt the
+drafter reads badly, a slow spell of the host) would keep every later request plain.
+A request that would decode alone is therefore sent to the hub anyway after 2, then 4,
+then at most MAX_PROBE_GAP plain verdicts in a row: alone it slows nobody else, and its
+rounds measure trees again.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from starhub.control.estimators import Ema, TimeAverage
 from starhub.fit import LinearFit
@@ -40,13 +55,32 @@ BATCH_WINDOW_S = 5.0
 """The recent batch size averages the rows decoding over about this long: long enough
 to see the load that arrivals build, short enough that a lull after a burst lets a lone
 request use the hub again."""
+COALESCE = 0.3
+"""The engine holds a pass at most this fraction of a pass for trees still on their way
+(``Batcher._coalesce``)."""
+MAX_PROBE_GAP = 8
+"""Plain verdicts for a lone request between two that send it to the hub regardless."""
 PRIOR_TAU = 2.0
 PRIOR_NODES = 10.0
 
 
+class Decision(NamedTuple):
+    trees: bool
+    """The request opens its hub session (else it and its batch decode plain)."""
+    probe: bool
+    """Trees only to measure them again: the verdict said plain."""
+    rows: int
+    tree_tok_s: float
+    plain_tok_s: float
+
+
 class SpeculationGate:
     def __init__(self, step_s: float, margin: float = MARGIN):
-        self.passes = LinearFit([step_s if step_s > 0 else 0.02, 0.0, 0.0, 0.0], forget=0.99)
+        step = step_s if step_s > 0 else 0.02
+        self.passes = LinearFit([step, 0.0, 0.0, 0.0], forget=0.99)
+        """Every pass: what a tree pass costs."""
+        self.plain_passes = LinearFit([step, 0.0, 0.0], forget=0.99)
+        """Passes without trees only: what plain batching costs."""
         self.tau = Ema(PRIOR_TAU, alpha=0.05)
         self.nodes = Ema(PRIOR_NODES, alpha=0.05)
         self.round_trip = Ema(0.0, alpha=0.1)
@@ -57,12 +91,16 @@ class SpeculationGate:
         """Wall over alone time of the passes that verified trees: what the hub's compute
         next to ours adds to them (1 where it runs elsewhere)."""
         self.margin = margin
+        self.plain_streak = 0
+        self.probe_gap = 2
 
     def observe_pass(self, cost: BatchStats, alone_s: float, wall_s: float | None = None,
                      trees: int = 0) -> None:
         """A pass's time with the cores to itself, and as it ran (default: the same);
         ``trees``: the rows that verified a tree."""
         self.passes.update([1.0, cost.new_tokens, cost.cached_x_new, trees], alone_s)
+        if not trees:
+            self.plain_passes.update([1.0, cost.new_tokens, cost.cached_x_new], alone_s)
         if trees and wall_s is not None and alone_s > 0:
             self.slowdown.update(max(wall_s / alone_s, 1.0))
 
@@ -80,15 +118,12 @@ class SpeculationGate:
         engine ran for other requests meanwhile: the time the round trip cost."""
         self.round_trip.update(seconds)
 
-    def tree_cycle_s(self, cached: list[int], plain: Sequence[int] = ()) -> float:
-        """A request's time per round with trees: its batch's tree pass, slowed by the hub
-        beside us, plus the round trip."""
-        return (self.tree_pass_s(cached, plain) * self.slowdown.get(1.0)
-                + self.round_trip.get(0.0))
-
-    def plain_pass_s(self, cached: list[int]) -> float:
-        """A plain pass over sessions of these cache lengths: one token fed each."""
-        return self.tree_pass_s([], cached)
+    def plain_pass_s(self, cached: Sequence[int]) -> float:
+        """A plain pass over sessions of these cache lengths: one token fed each; by the
+        joint fit until a plain pass has run."""
+        if not self.plain_passes.samples:
+            return self.tree_pass_s([], cached)
+        return max(self.plain_passes.predict([1.0, len(cached), sum(cached)]), 0.0)
 
     def tree_pass_s(self, cached: list[int], plain: Sequence[int] = ()) -> float:
         """A pass that verifies a tree for each session of ``cached`` and one token for
@@ -99,15 +134,24 @@ class SpeculationGate:
 
     def rates(self, cached: list[int], plain: Sequence[int] = ()) -> tuple[float, float]:
         """(tokens/s with trees for the sessions of ``cached`` beside the ``plain`` rows,
-        tokens/s with every row plain), for sessions of these cache lengths. Plain rows
-        gain nothing from the trees beside them: they pay the tree pass, and step on
-        their own while the hub drafts."""
+        tokens/s with every row plain), for sessions of these cache lengths.
+
+        A round with trees is the batch's tree pass, slowed by the hub beside us, then the
+        wait for the next trees. With no plain rows the wait is the round trip. Plain
+        rows do not wait: the engine holds their pass for the trees only COALESCE of a
+        pass, then runs it without them, so a tree row waits for whole plain passes (the
+        round trip rounded up to them), in which the plain rows step. Plain rows gain
+        nothing from the trees beside them and pay the tree pass."""
         tokens = len(cached) * self.tau.get(PRIOR_TAU)
+        wait = self.round_trip.get(0.0)
         if plain:
             alone = max(self.plain_pass_s(plain), 1e-6)
-            tokens += len(plain) * (1.0 + self.round_trip.get(0.0) / alone)
+            steps = math.ceil(wait / alone) if wait > COALESCE * alone else 0
+            wait = steps * alone if steps else wait
+            tokens += len(plain) * (1 + steps)
+        cycle = self.tree_pass_s(cached, plain) * self.slowdown.get(1.0) + wait
         everyone = [*cached, *plain]
-        return (tokens / max(self.tree_cycle_s(cached, plain), 1e-6),
+        return (tokens / max(cycle, 1e-6),
                 len(everyone) / max(self.plain_pass_s(everyone), 1e-6))
 
     def pays(self, cached: list[int], queued: int = 0, now: float | None = None,
@@ -119,6 +163,22 @@ class SpeculationGate:
         rate that built it, and a request that opened its hub session in a lull would
         then hold trees in a full batch); the rows the average adds would use trees."""
         return self.verdict(cached, queued, now, plain)[0]
+
+    def decide(self, cached: list[int], queued: int = 0, now: float | None = None,
+               plain: Sequence[int] = ()) -> Decision:
+        """The verdict for a request about to open its hub session, with a probe of
+        trees for a request alone after a streak of plain verdicts."""
+        pays, rows, tree, plain_rate = self.verdict(cached, queued, now, plain)
+        probe = False
+        if pays:
+            self.plain_streak, self.probe_gap = 0, 2
+        elif rows == 1:
+            self.plain_streak += 1
+            if self.plain_streak > self.probe_gap:
+                self.plain_streak = 0
+                self.probe_gap = min(2 * self.probe_gap, MAX_PROBE_GAP)
+                probe = True
+        return Decision(pays or probe, probe, rows, tree, plain_rate)
 
     def verdict(self, cached: list[int], queued: int = 0, now: float | None = None,
                 plain: Sequence[int] = ()) -> tuple[bool, int, float, float]:
