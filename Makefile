@@ -23,7 +23,7 @@ demo: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports --no-logo
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=15
 
 lint: install
 	$(BIN)/ruff check .
