@@ -1,6 +1,7 @@
 """Running estimates the control plane is built from: exponential moving averages (per
-observation, and over time for a quantity that holds between observations) and
-acceptance by tree depth with hierarchical priors (its cost curves are ``starhub.fit``)."""
+observation, and over time for a quantity that holds between observations), acceptance
+by tree depth with hierarchical priors (its cost curves are ``starhub.fit``), and the
+backoff that keeps an estimate of trees fresh while plain decoding wins."""
 
 from __future__ import annotations
 
@@ -45,6 +46,30 @@ class TimeAverage:
             return default
         weight = 1.0 - math.exp(-max(now - self.since, 0.0) / self.window_s)
         return self.value + weight * (self.held - self.value)
+
+
+@dataclass
+class ProbeBackoff:
+    """When to try trees again while plain decoding wins: what is known of trees moves
+    only while trees run, so one low reading would otherwise hold plain for good. After
+    a choice of trees the next probe comes after ``first`` plain choices; each probe
+    doubles the gap, up to ``most``."""
+    first: int = 2
+    most: int = 8
+    streak: int = 0
+    gap: int = 2
+
+    def trees(self) -> None:
+        """Trees were chosen: the gap starts over."""
+        self.streak, self.gap = 0, self.first
+
+    def plain(self) -> bool:
+        """Plain was chosen; True when this one is to probe trees instead."""
+        self.streak += 1
+        if self.streak <= self.gap:
+            return False
+        self.streak, self.gap = 0, min(2 * self.gap, self.most)
+        return True
 
 
 class Acceptance:

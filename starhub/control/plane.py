@@ -17,15 +17,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from starhub.control.estimators import Acceptance, Ema
+from starhub.control.estimators import Acceptance, Ema, ProbeBackoff
 from starhub.fit import LinearFit
 from starhub.options import AUTO, MAX_AUTO_DEPTH
 from starhub.wire.reports import MAX_ENTRIES, ControlReport, TargetEntry, Typical
 
 PLAIN_TOKENS = 16
 """Tokens a target decodes on its own per plain round: the round trip is paid once."""
-MAX_PROBE_GAP = 8
-"""Plain rounds between two probes of a target's plain sessions: 2, 4, then this many."""
 PROBE_DEPTH = 2
 """Probes draft at most this deep: acceptance near the root says whether trees pay, and
 a shallow tree costs least when they do not."""
@@ -92,10 +90,9 @@ class TargetProfile:
         self.shared_cores = False
         """The target said it computes on the hub's cores: its step is then timed with the
         cores to itself (``starhub.cores``), so the hub's drafting counts against trees."""
-        self.plain_streak = 0
-        self.probe_gap = 2
-        """Plain rounds until the next probe; it doubles after each probe, up to
-        MAX_PROBE_GAP, and is kept across the target's sessions."""
+        self.probes = ProbeBackoff()
+        """Plain rounds between two probes of the target's plain sessions: 2, 4, then 8;
+        kept across the target's sessions."""
 
     def step_s(self) -> float:
         return self.step.get(0.0)
@@ -353,13 +350,10 @@ class Controller:
                 best, best_total = (depth, nodes, s, z, e), total
         target = sm.target
         if best is not None:
-            target.plain_streak, target.probe_gap = 0, 2
+            target.probes.trees()
             depth, nodes, s, z, e = best
             return self._set(sm, Choice(depth, nodes), s, z, e)
-        target.plain_streak += 1
-        if target.plain_streak > target.probe_gap:
-            target.plain_streak = 0
-            target.probe_gap = min(2 * target.probe_gap, MAX_PROBE_GAP)
+        if target.probes.plain():
             _, depth, nodes, s, z, e = probe
             return self._set(sm, Choice(depth, nodes, probe=True), s, z, e)
         return self._set(sm, Choice(plain=self.config.plain_tokens), 0.0, 0.0, 1.0)

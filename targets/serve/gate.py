@@ -31,8 +31,9 @@ passes run.
 What the gate knows of trees moves only while trees run, so one low reading (a prompt the
 drafter reads badly, a slow spell of the host) would keep every later request plain.
 A request that would decode alone is therefore sent to the hub anyway after 2, then 4,
-then at most MAX_PROBE_GAP plain verdicts in a row: alone it slows nobody else, and its
-rounds measure trees again.
+then at most 8 plain verdicts in a row (``ProbeBackoff``, as the hub's control plane
+probes its plain targets): alone it slows nobody else, and its rounds measure trees
+again.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from starhub.control.estimators import Ema, TimeAverage
+from starhub.control.estimators import Ema, ProbeBackoff, TimeAverage
 from starhub.fit import LinearFit
 from targets.engine import BatchStats
 
@@ -58,8 +59,6 @@ request use the hub again."""
 COALESCE = 0.3
 """The engine holds a pass at most this fraction of a pass for trees still on their way
 (``Batcher._coalesce``)."""
-MAX_PROBE_GAP = 8
-"""Plain verdicts for a lone request between two that send it to the hub regardless."""
 PRIOR_TAU = 2.0
 PRIOR_NODES = 10.0
 
@@ -91,8 +90,8 @@ class SpeculationGate:
         """Wall over alone time of the passes that verified trees: what the hub's compute
         next to ours adds to them (1 where it runs elsewhere)."""
         self.margin = margin
-        self.plain_streak = 0
-        self.probe_gap = 2
+        self.probes = ProbeBackoff()
+        """Plain verdicts for a lone request between two that send it to the hub anyway."""
 
     def observe_pass(self, cost: BatchStats, alone_s: float, wall_s: float | None = None,
                      trees: int = 0) -> None:
@@ -169,15 +168,9 @@ class SpeculationGate:
         """The verdict for a request about to open its hub session, with a probe of
         trees for a request alone after a streak of plain verdicts."""
         pays, rows, tree, plain_rate = self.verdict(cached, queued, now, plain)
-        probe = False
         if pays:
-            self.plain_streak, self.probe_gap = 0, 2
-        elif rows == 1:
-            self.plain_streak += 1
-            if self.plain_streak > self.probe_gap:
-                self.plain_streak = 0
-                self.probe_gap = min(2 * self.probe_gap, MAX_PROBE_GAP)
-                probe = True
+            self.probes.trees()
+        probe = not pays and rows == 1 and self.probes.plain()
         return Decision(pays or probe, probe, rows, tree, plain_rate)
 
     def verdict(self, cached: list[int], queued: int = 0, now: float | None = None,
