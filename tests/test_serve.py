@@ -22,12 +22,14 @@ PROMPTS = ["the quick brown fox", "one two three four five", "hello world, again
 
 @pytest.fixture(scope="module")
 def stack(tiny_dir):
-    """An n-gram hub with Prometheus metrics and a server of the tiny model (2 at once)."""
+    """An n-gram hub with Prometheus metrics and a server of the tiny model (2 at once).
+    Every request uses the hub (``--speculate always``): these tests pin the link, and on
+    a random model the gate's verdict at one row sits within its margin (trees 1.05x)."""
     metrics = free_port()
     with spawn_hub(["--drafter", "ngram", "--depth", "4", "--metrics-port", str(metrics)]) \
             as hub:
         with spawn_serve(["--hub", hub.address, "--model", str(tiny_dir),
-                          "--max-concurrency", "2"]) as server:
+                          "--max-concurrency", "2", "--speculate", "always"]) as server:
             yield server.url, f"http://127.0.0.1:{metrics}/metrics", tiny_dir.name
 
 
