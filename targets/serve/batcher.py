@@ -62,7 +62,7 @@ from targets.generate import (
     measure_step,
     target_card,
 )
-from targets.serve.gate import COALESCE, MARGIN, SpeculationGate
+from targets.serve.gate import COALESCE, MARGIN, PRIOR_TAU, SpeculationGate
 from targets.verify import Verdict
 
 log = logging.getLogger("starhub.serve")
@@ -479,13 +479,16 @@ class Batcher:
             len(self._new), plain=alone)
         if decision.trees != self._gate_open or decision.probe:
             self._gate_open = decision.trees and not decision.probe
-            log.info("%s: at %d requests decoding (%d plain), %s (trees %.1f tok/s, plain "
-                     "%.1f tok/s, tree passes %.2fx slower beside the hub)", self.name,
-                     decision.rows, len(alone),
+            gate = self.gate
+            log.info("%s: at %d requests decoding (%d plain), %s (trees %.1f tok/s at τ %.2f "
+                     "and a %.0f ms round trip, tree passes %.2fx slower beside the hub; "
+                     "plain %.1f tok/s)", self.name, decision.rows, len(alone),
                      "this one uses the hub to measure trees again" if decision.probe else
                      "requests use the hub" if decision.trees else
                      "requests decode plain, batched",
-                     decision.tree_tok_s, decision.plain_tok_s, self.gate.slowdown.get(1.0))
+                     decision.tree_tok_s, gate.tau.get(PRIOR_TAU),
+                     1e3 * gate.round_trip.get(0.0), gate.slowdown.get(1.0),
+                     decision.plain_tok_s)
         if not decision.trees:
             # the whole batch goes plain: a tree among plain rows would slow every row's
             # pass and hold its own request back for the hub's round trip
