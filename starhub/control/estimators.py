@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 from starhub.options import MAX_AUTO_DEPTH
@@ -57,7 +57,10 @@ class ProbeBackoff:
     first: int = 2
     most: int = 8
     streak: int = 0
-    gap: int = 2
+    gap: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.gap = self.first
 
     def trees(self) -> None:
         """Trees were chosen: the gap starts over."""

@@ -64,6 +64,7 @@ PRIOR_NODES = 10.0
 
 
 class Decision(NamedTuple):
+    """The gate's verdict on a request's batch, and the rates it was judged by."""
     trees: bool
     """The request opens its hub session (else it and its batch decode plain)."""
     probe: bool
@@ -161,24 +162,25 @@ class SpeculationGate:
         prefilling, or the recent average where that is larger (arrivals go on at the
         rate that built it, and a request that opened its hub session in a lull would
         then hold trees in a full batch); the rows the average adds would use trees."""
-        return self.verdict(cached, queued, now, plain)[0]
+        return self.verdict(cached, queued, now, plain).trees
 
     def decide(self, cached: list[int], queued: int = 0, now: float | None = None,
                plain: Sequence[int] = ()) -> Decision:
         """The verdict for a request about to open its hub session, with a probe of
         trees for a request alone after a streak of plain verdicts."""
-        pays, rows, tree, plain_rate = self.verdict(cached, queued, now, plain)
-        if pays:
+        verdict = self.verdict(cached, queued, now, plain)
+        if verdict.trees:
             self.probes.trees()
-        probe = not pays and rows == 1 and self.probes.plain()
-        return Decision(pays or probe, probe, rows, tree, plain_rate)
+        elif verdict.rows == 1 and self.probes.plain():
+            return verdict._replace(trees=True, probe=True)
+        return verdict
 
     def verdict(self, cached: list[int], queued: int = 0, now: float | None = None,
-                plain: Sequence[int] = ()) -> tuple[bool, int, float, float]:
+                plain: Sequence[int] = ()) -> Decision:
         """``pays``, with the rows, tree and plain tokens/s it was judged at."""
         recent = self.batch.get(1.0, time.monotonic() if now is None else now)
         rows = max(len(cached) + len(plain) + queued, round(recent))
         known = [*cached, *plain]
         mean = sum(known) / len(known) if known else 0.0
         tree, plain_rate = self.rates(cached + [round(mean)] * (rows - len(known)), plain)
-        return tree >= self.margin * plain_rate, rows, tree, plain_rate
+        return Decision(tree >= self.margin * plain_rate, False, rows, tree, plain_rate)
