@@ -43,7 +43,8 @@ def _attack(address: str, pid: int) -> tuple[bool, float, float]:
 def test_default_hub_refuses_a_raw_peer_and_serves_on(tiny_model, tmp_path):
     model, tokenizer = tiny_model
     log = tmp_path / "hub.log"
-    with open(log, "w") as err, spawn_hub(["--drafter", "ngram"], log_file=err) as hub:
+    with open(log, "w") as err, spawn_hub(["--drafter", "ngram", "--depth", "4"],
+                                          log_file=err) as hub:
         closed, sent_mb, grew_mb = _attack(hub.address, hub.proc.pid)
         assert grew_mb < BOUND_MB, f"the hub held {grew_mb:.0f} MB of an unending message"
         assert closed and sent_mb < 64, f"the hub took {sent_mb:.0f} MB from a raw peer"

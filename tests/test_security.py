@@ -418,7 +418,7 @@ def test_default_hub_and_target_use_the_local_keys_and_refuse_plain_clients(tiny
 def test_insecure_on_both_sides_connects_without_curve(tiny_model, tmp_path):
     model, tokenizer = tiny_model
     log = tmp_path / "hub.log"
-    with open(log, "w") as err, spawn_hub(["--drafter", "ngram", "--insecure"],
+    with open(log, "w") as err, spawn_hub(["--drafter", "ngram", "--depth", "4", "--insecure"],
                                           log_file=err) as hub:
         assert "without CURVE (--insecure)" in log.read_text()
         status = _starhub("status", hub.address, "--insecure")
