@@ -89,10 +89,9 @@ def _rows(path) -> list[dict]:
             if line.endswith("\n")]
 
 
-def _back_through_hub(rows: list[dict], since: float, count: int) -> bool:
-    """Whether ``count`` prompts started after ``since`` ran through a hub."""
-    return sum(r["stats"]["started_at"] > since and r["stats"]["rounds"] > 0
-               for r in rows) >= count
+def _through_hub_after(row: dict, since: float) -> bool:
+    """Whether this prompt started after ``since`` and ran through a hub."""
+    return row["stats"]["started_at"] > since and row["stats"]["rounds"] > 0
 
 
 @pytest.mark.slow
@@ -114,7 +113,8 @@ def test_targets_finish_and_come_back_when_the_hub_is_killed_and_restarted(tmp_p
         with spawn_hub(hub_args):
             back_at = time.time()
             deadline = time.monotonic() + 120
-            while not all(_back_through_hub(_rows(out), back_at, 2) for out in outs):
+            while not all(sum(_through_hub_after(r, back_at) for r in _rows(out)) >= 2
+                          for out in outs):
                 assert all(p.poll() is None for p in procs), "a target died"
                 assert time.monotonic() < deadline, "the targets did not come back to the hub"
                 time.sleep(0.2)
@@ -129,8 +129,7 @@ def test_targets_finish_and_come_back_when_the_hub_is_killed_and_restarted(tmp_p
         # the prompt the kill interrupted finished alone, and says why
         assert any(r["stats"]["note"] for r in rows), "no prompt noticed the hub's death"
         # once back, a target stays with the hub
-        first = next(i for i, r in enumerate(rows)
-                     if r["stats"]["started_at"] > back_at and r["stats"]["rounds"] > 0)
+        first = next(i for i, r in enumerate(rows) if _through_hub_after(r, back_at))
         assert all(r["stats"]["rounds"] > 0 for r in rows[first:])
     _check_lossless([r for rows in results for r in rows])
 
