@@ -72,11 +72,17 @@ def test_chat_and_completions_streamed_or_not_equal_generate(stack, model, expec
     _, tokenizer = model
     api = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     before = scrape(hub_metrics)["starhub_rounds_total"]
-    for prompt, stream in ((PROMPTS[0], False), (PROMPTS[1], True)):
+    # the first request goes to the hub (the gate assumes trees pay until it has measured
+    # them); later ones go where the gate's measurements say, which on a fast CPU may
+    # rightly be plain for one row: their figures must then say so
+    for i, (prompt, stream) in enumerate(((PROMPTS[0], True), (PROMPTS[1], False))):
         ids, text, spec = chat(api, prompt, stream)
         assert ids == expected[prompt]
         assert text == tokenizer.decode(expected[prompt], skip_special_tokens=True)
-        assert spec["rounds"] > 0 and spec["mean_accept_len"] > 1.2, spec
+        if i == 0 or spec["rounds"]:
+            assert spec["rounds"] > 0 and spec["mean_accept_len"] > 1.2, spec
+        else:
+            assert spec["plain_steps"] == len(ids) - 1 and spec["draft_tokens"] == 0, spec
     prompt_ids = encode_prompt(tokenizer, PROMPTS[2])
     plain = api.completions.create(model=DEFAULT_NAME, prompt=prompt_ids, max_tokens=NEW,
                                    temperature=0, extra_body={"return_token_ids": True})

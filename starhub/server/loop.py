@@ -175,7 +175,9 @@ class Server:
             self.handle(identity, decode(frames, self.limits))
         except ProtocolError as exc:
             self.errors[exc.code.name] += 1
-            self.bad_input.record(identity, logging.WARNING, "peer %s: %s", peer_name(identity),
+            # a peer forgotten after idling sends its card again on this error: routine
+            level = logging.INFO if exc.code == ErrorCode.NO_CARD else logging.WARNING
+            self.bad_input.record(identity, level, "peer %s: %s", peer_name(identity),
                                   exc.message)
             self.reply(identity, error_for(exc))
         except Exception:
