@@ -196,3 +196,21 @@ def test_a_prepacked_model_keeps_no_weight_in_its_files_memory_map(tiny_dir):
     inside = [name for name, p in packed.named_parameters()
               if any(lo <= p.data_ptr() < hi for lo, hi in mapped)]
     assert not inside, f"still in the weights file's map: {inside}"
+
+
+def test_a_tokenizer_fingerprint_is_hashed_once_and_follows_added_tokens(default_model_dir):
+    """A target sends its card on every connection: the vocabulary is hashed once per
+    tokenizer, and again only when tokens were added since."""
+    from transformers import AutoTokenizer
+
+    from starhub.models.loading import tokenizer_fingerprint
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    reads = []
+    vocab = tokenizer.get_vocab
+    tokenizer.get_vocab = lambda: reads.append(1) or vocab()
+    first = tokenizer_fingerprint(tokenizer)
+    assert tokenizer_fingerprint(tokenizer) == first and len(reads) == 1
+    assert tokenizer_fingerprint(AutoTokenizer.from_pretrained(default_model_dir)) == first
+    tokenizer.add_tokens(["<a-token-added-later>"])
+    assert tokenizer_fingerprint(tokenizer) != first and len(reads) == 2
