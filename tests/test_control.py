@@ -215,3 +215,12 @@ def test_adaptive_depth_shortens_trees_when_the_hub_saturates():
 def test_a_target_without_a_known_step_time_is_admitted():
     ctl = controller()
     assert ctl.join(b"old", "old", 0.0, 0.0) is None
+
+
+def test_an_average_without_a_prior_weight_moves_by_its_alpha_from_the_start():
+    from starhub.control.estimators import Ema
+
+    ema = Ema(2.0, alpha=0.05)
+    ema.update(4.0)
+    assert abs(ema.get(0.0) - 2.1) < 1e-9
+    assert Ema(alpha=0.05).update(4.0) == 4.0, "with no starting value the first one is it"

@@ -73,16 +73,21 @@ def test_chat_and_completions_streamed_or_not_equal_generate(stack, model, expec
     api = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     before = scrape(hub_metrics)["starhub_rounds_total"]
     # the first request goes to the hub (the gate assumes trees pay until it has measured
-    # them); later ones go where the gate's measurements say, which on a fast CPU may
-    # rightly be plain for one row: their figures must then say so
-    for i, (prompt, stream) in enumerate(((PROMPTS[0], True), (PROMPTS[1], False))):
+    # them); a later one goes where the gate's measurements say, which on some CPUs is
+    # rightly plain for one row: its figures must then say so
+    specs = []
+    for prompt, stream in ((PROMPTS[1], True), (PROMPTS[0], False)):
         ids, text, spec = chat(api, prompt, stream)
         assert ids == expected[prompt]
         assert text == tokenizer.decode(expected[prompt], skip_special_tokens=True)
-        if i == 0 or spec["rounds"]:
+        if not specs or spec["rounds"]:
             assert spec["rounds"] > 0 and spec["mean_accept_len"] > 1.2, spec
         else:
             assert spec["plain_steps"] == len(ids) - 1 and spec["draft_tokens"] == 0, spec
+        specs.append(spec)
+    # the hub counts a round at its COMMIT; a request's last round is never committed
+    drafted = sum(max(spec["rounds"] - 1, 0) for spec in specs)
+    assert drafted > 0 and scrape(hub_metrics)["starhub_rounds_total"] >= before + drafted
     prompt_ids = encode_prompt(tokenizer, PROMPTS[2])
     plain = api.completions.create(model=DEFAULT_NAME, prompt=prompt_ids, max_tokens=NEW,
                                    temperature=0, extra_body={"return_token_ids": True})
@@ -95,7 +100,6 @@ def test_chat_and_completions_streamed_or_not_equal_generate(stack, model, expec
     chunks = list(pieces)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
     assert chunks[-1].usage.completion_tokens == NEW
-    assert scrape(hub_metrics)["starhub_rounds_total"] > before + 10
 
 
 def test_eight_concurrent_streams_equal_generate_in_shared_passes(stack, expected):

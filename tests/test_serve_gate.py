@@ -214,3 +214,18 @@ def test_a_tree_beside_plain_rows_waits_for_the_plain_passes_begun_while_it_was_
     assert gate.pays([300, 300]), "two rows with trees pay"
     tree, plain = gate.rates([300], plain=[300])
     assert tree < 1.10 * plain and not gate.pays([300], plain=[300])
+
+
+def test_a_few_rounds_move_the_gates_tau_as_far_as_their_mean():
+    """The prior τ weighs as a few rounds, not as an average that moves 5% a round: two
+    rounds that kept 4 tokens each read 2.67 (the prior 2.0 as four rounds), and a long run
+    settles on what the rounds keep."""
+    gate = SpeculationGate(step_s=0.04)
+    gate.observe_round(10, 4)
+    gate.observe_round(10, 4)
+    assert abs(gate.tau.get(0.0) - (4 * 2.0 + 2 * 4) / 6) < 1e-9
+    gate.observe_round_trip(0.008)
+    assert gate.round_trip.get(0.0) == 0.008, "the first measured round trip replaces zero"
+    for _ in range(200):
+        gate.observe_round(10, 3)
+    assert abs(gate.tau.get(0.0) - 3.0) < 0.01

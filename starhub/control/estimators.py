@@ -15,11 +15,22 @@ from starhub.options import MAX_AUTO_DEPTH
 
 @dataclass
 class Ema:
+    """An exponential moving average. A starting ``value`` counts as ``prior`` observations:
+    until there have been about ``1/alpha`` of them it is a plain mean of the prior and the
+    observations, so a few rounds move it as far as they should. By default it weighs as
+    much as the average's memory from the start."""
     value: float | None = None
     alpha: float = 0.1
+    prior: float = math.inf
+    seen: int = 0
 
     def update(self, x: float) -> float:
-        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+        self.seen += 1
+        if self.value is None:
+            self.value = x
+        else:
+            step = max(self.alpha, 1.0 / (self.seen + self.prior))
+            self.value += step * (x - self.value)
         return self.value
 
     def get(self, default: float) -> float:

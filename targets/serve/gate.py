@@ -61,6 +61,10 @@ COALESCE = 0.3
 (``Batcher._coalesce``)."""
 PRIOR_TAU = 2.0
 PRIOR_NODES = 10.0
+PRIOR_ROUNDS = 4
+"""The priors of τ and of the tree size weigh as this many rounds: the first rounds a
+server verifies move them as far as their mean says (two rounds of τ 4 read 2.67), not
+5% a round."""
 
 
 class Decision(NamedTuple):
@@ -81,9 +85,11 @@ class SpeculationGate:
         """Every pass: what a tree pass costs."""
         self.plain_passes = LinearFit([step, 0.0, 0.0], forget=0.99)
         """Passes without trees only: what plain batching costs."""
-        self.tau = Ema(PRIOR_TAU, alpha=0.05)
-        self.nodes = Ema(PRIOR_NODES, alpha=0.05)
-        self.round_trip = Ema(0.0, alpha=0.1)
+        self.tau = Ema(PRIOR_TAU, alpha=0.05, prior=PRIOR_ROUNDS)
+        self.nodes = Ema(PRIOR_NODES, alpha=0.05, prior=PRIOR_ROUNDS)
+        self.round_trip = Ema(0.0, alpha=0.1, prior=0)
+        """Zero until measured (trees pay until they are measured); the first measurement
+        replaces it."""
         self.batch = TimeAverage(BATCH_WINDOW_S)
         """Requests decoding, averaged over the last few seconds; a spell with none
         counts as one, the request that will end it."""
