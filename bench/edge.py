@@ -23,9 +23,8 @@ from bench.run import baseline_row, lossless_check, machine_info, wait_for_outpu
 from starhub.launch import child_env
 from starhub.launch.status import observer_client
 from starhub.models.loading import load_model, set_threads
-from starhub.models.prompts import encode_prompt, read_prompts
+from starhub.models.prompts import encode_prompt, iter_results, read_prompts
 from starhub.wire.messages import StatsQuery
-from targets.runner import iter_results
 
 EDGE_NOTES = {
     "system_tok_s": "committed tokens of all drafters over the run's span",

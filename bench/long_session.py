@@ -49,9 +49,8 @@ from bench.run import machine_info
 from starhub.launch import child_env
 from starhub.launch.spawn import die_with_parent, wait_ready
 from starhub.launch.status import observer_client
-from starhub.models.prompts import encode_prompt, read_prompts
+from starhub.models.prompts import encode_prompt, iter_results, read_prompts
 from starhub.wire.messages import StatsQuery
-from targets.runner import iter_results
 
 PROMPTS = Path(__file__).resolve().parent.parent / "scripts" / "prompts"
 LONG_SOURCE = PROMPTS / "train.jsonl"

@@ -25,6 +25,7 @@ from starhub.hub.metrics import DRAFT_KEYS
 from starhub.launch import child_env, spawn_hub, target_command
 from starhub.launch.status import observer_client
 from starhub.models.loading import linear_kernel, load_model, set_threads
+from starhub.models.prompts import iter_results, read_prompts
 from starhub.options import (
     AUTO,
     DEFAULT_DRAFT_PROCESS,
@@ -35,7 +36,6 @@ from starhub.options import (
 )
 from starhub.wire.messages import StatsQuery
 from targets.generate import encode_prompt
-from targets.runner import iter_results, read_prompts
 
 METRICS = ("system_tok_s", "per_target_tok_s", "t_s_ms", "t_wait_ms", "t_idle_ms", "r_q",
            "r_p", "load", "mean_accept_len")

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -49,9 +47,3 @@ def run(hub: str | None, model_spec: str, prompts: str, out: str, max_new_tokens
     gen.close()
     return 0
 
-
-def iter_results(path: str | Path) -> Iterator[dict]:
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                yield json.loads(line)

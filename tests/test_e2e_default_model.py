@@ -4,7 +4,9 @@ token-for-token what transformers' generate() returns for the same prompt ids.""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -70,3 +72,20 @@ def test_the_shipped_eagle_head_is_the_default_and_lossless_over_128_tokens(tmp_
     rows = run_targets(tmp_path, [], PROMPTS[:3], 1, 128)
     assert_identical_to_generate(rows, 128)
     assert max(r["stats"]["mean_accept_len"] for r in rows) > 1.5, "the head accepts nothing"
+
+
+@pytest.mark.slow
+def test_the_demo_compares_each_target_with_generate_run_as_the_targets_ran(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
+                            for i, p in enumerate(PROMPTS[:4])))
+    done = subprocess.run([sys.executable, "-m", "starhub", "demo", "--prompts", str(path),
+                           "--max-new-tokens", "12"], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("target")]
+    assert len(lines) == 2, done.stdout
+    for line in lines:
+        assert "4 prompts" not in line and "2 prompts" in line, line  # a shard each
+        assert re.search(r"generate\(\) 2 at once [\d.]+ tok/s -> [\d.]+x "
+                         r"\(alone [\d.]+ tok/s -> [\d.]+x\), output identical$", line), line

@@ -23,11 +23,11 @@ from starhub.client.connection import HubClient
 from starhub.launch import child_env, spawn_hub, target_command
 from starhub.launch.status import query_stats
 from starhub.models.loading import load_model
+from starhub.models.prompts import iter_results
 from starhub.wire.codec import decode, encode
 from starhub.wire.messages import DrafterCard, Open, Propose, StatsQuery, TargetCard
 from starhub.wire.security import ServerSecurity, bind_server
 from targets.generate import SpeculativeGenerator
-from targets.runner import iter_results
 
 PROMPTS = [
     "What is the capital of France?",

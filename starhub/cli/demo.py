@@ -12,73 +12,91 @@ import tempfile
 
 from starhub.client.round_stats import pooled_accept_len
 from starhub.launch import child_env, die_with_parent, spawn_hub, target_command
+from starhub.models.prompts import iter_results
 from starhub.options import resolve_threads, usable_cores
 
 
 def run_demo(args: argparse.Namespace, hub_flags: list[str]) -> int:
-    # deferred: torch and transformers load only when this runs
-    from targets.runner import iter_results
-
     quiet = ["--log-level", "warning"]
     args.threads = resolve_threads(args.threads, sharing=args.targets)
-    with tempfile.TemporaryDirectory() as tmp, spawn_hub(hub_flags, pre_args=quiet) as hub:
-        procs, outs = [], []
-        print(f"hub at {hub.address} ({args.drafter} drafter); {args.targets} targets, "
-              f"{args.threads} torch thread(s) each ({usable_cores()} usable cores)",
-              file=sys.stderr)
-        for i in range(args.targets):
-            out = f"{tmp}/target{i}.jsonl"
-            cmd = target_command(hub.address, args.prompts, out, threads=args.threads,
-                                 pre_args=quiet,
-                                 extra=["--model", args.model, "--dtype", args.dtype,
-                                        "--linear", args.linear, "--device", args.device,
-                                        "--max-new-tokens", str(args.max_new_tokens), "--shard",
-                                        f"{i}/{args.targets}", "--name", f"target{i}"])
-            procs.append(subprocess.Popen(cmd, env=child_env(args.threads),
-                                          preexec_fn=die_with_parent()))
-            outs.append(out)
-        codes = [p.wait() for p in procs]
-        if any(codes):
-            print(f"a target failed: exit codes {codes}", file=sys.stderr)
-            return 1
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [f"{tmp}/target{i}.jsonl" for i in range(args.targets)]
+        with spawn_hub(hub_flags, pre_args=quiet) as hub:
+            print(f"hub at {hub.address} ({args.drafter} drafter); {args.targets} targets, "
+                  f"{args.threads} torch thread(s) each ({usable_cores()} usable cores)",
+                  file=sys.stderr)
+            cmds = [target_command(hub.address, args.prompts, out, threads=args.threads,
+                                   pre_args=quiet,
+                                   extra=[*_model_flags(args), "--shard", f"{i}/{args.targets}",
+                                          "--name", f"target{i}"])
+                    for i, out in enumerate(outs)]
+            if not _run(cmds, args.threads, together=True, what="target"):
+                return 1
         results = [list(iter_results(out)) for out in outs]
-    print(f"timing plain generate() on each target's prompts, one process, {args.threads} "
-          f"torch thread(s) ...", file=sys.stderr)
-    reference = generate_alone(args, [r for rows in results for r in rows])
+        plain = [[sys.executable, "-m", "bench.plain_generate", out, f"{out}.plain",
+                  *_model_flags(args), "--threads", str(args.threads)] for out in outs]
+        print(f"timing plain generate() on each target's prompts: {args.targets} processes "
+              f"at once, as the targets ran, then one at a time; {args.threads} torch "
+              f"thread(s) each ...", file=sys.stderr)
+        if not _run(plain, args.threads, together=True, what="generate()"):
+            return 1
+        beside = _plain_rows(outs)
+        if not _run(plain, args.threads, together=False, what="generate()"):
+            return 1
+        alone = _plain_rows(outs)
     for i, rows in enumerate(results):
-        print(target_line(f"target{i}", rows, reference))
+        print(target_line(f"target{i}", rows, beside, alone, args.targets))
         if rows:
             print(f"  e.g. {json.dumps(rows[0]['text'][:160])}")
     return 0
 
 
-def generate_alone(args: argparse.Namespace, rows: list[dict]) -> dict[str, tuple[list, float]]:
-    """Each prompt's greedy ``generate()`` output and wall time, by prompt id."""
-    import torch
-
-    # deferred: torch and transformers load only when this runs
-    from bench.baselines import hf_generate
-    from starhub.models.loading import load_model
-
-    torch.set_num_threads(args.threads)
-    model, _ = load_model(args.model, dtype=args.dtype, linear=args.linear, device=args.device)
-    runs = hf_generate(model, [(r["id"], r["prompt_ids"]) for r in rows], args.max_new_tokens)
-    return {run.id: (run.output_ids, run.wall_s) for run in runs}
+def _model_flags(args: argparse.Namespace) -> list[str]:
+    return ["--model", args.model, "--dtype", args.dtype, "--linear", args.linear,
+            "--device", args.device, "--max-new-tokens", str(args.max_new_tokens)]
 
 
-def target_line(name: str, rows: list[dict], reference: dict[str, tuple[list, float]]) -> str:
+def _run(cmds: list[list[str]], threads: int, together: bool, what: str) -> bool:
+    """Run the commands, all at once or one after another; False (said) if any failed."""
+    procs = []
+    for cmd in cmds:
+        procs.append(subprocess.Popen(cmd, env=child_env(threads),
+                                      preexec_fn=die_with_parent()))
+        if not together:
+            procs[-1].wait()
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        print(f"a {what} process failed: exit codes {codes}", file=sys.stderr)
+    return not any(codes)
+
+
+def _plain_rows(outs: list[str]) -> dict[str, tuple[list, float]]:
+    """Each prompt's plain ``generate()`` ids and wall time, by prompt id."""
+    return {row["id"]: (row["output_ids"], row["wall_s"])
+            for out in outs for row in iter_results(f"{out}.plain")}
+
+
+def _speed(rows: list[dict], reference: dict[str, tuple[list, float]]) -> float:
+    runs = [reference[r["id"]] for r in rows if r["id"] in reference]
+    wall = sum(w for _, w in runs)
+    return sum(len(ids) for ids, _ in runs) / wall if wall else 0.0
+
+
+def target_line(name: str, rows: list[dict], beside: dict[str, tuple[list, float]],
+                alone: dict[str, tuple[list, float]], targets: int) -> str:
+    """A target's speed against plain ``generate()`` on its prompts: in ``targets``
+    processes at once, as the targets ran (the comparison that counts: the same machine,
+    shared the same way), and in one process with the machine to itself."""
     tokens = sum(len(r["output_ids"]) for r in rows)
     wall = sum(r["stats"]["wall_s"] for r in rows)
     tau = pooled_accept_len(r["stats"] for r in rows)
-    alone = [reference[r["id"]] for r in rows if r["id"] in reference]
-    alone_tokens = sum(len(ids) for ids, _ in alone)
-    alone_wall = sum(w for _, w in alone)
     speed = tokens / wall if wall else 0.0
     line = (f"{name}: {len(rows)} prompts, {tokens} tokens, {speed:.1f} tok/s, "
             f"mean accepted length {tau:.2f}")
-    if alone_wall and alone_tokens:
-        base = alone_tokens / alone_wall
-        same = all(r["output_ids"] == reference[r["id"]][0] for r in rows)
-        line += (f"; generate() alone {base:.1f} tok/s -> {speed / base:.2f}x, output "
+    base, solo = _speed(rows, beside), _speed(rows, alone)
+    if base and solo:
+        same = all(r["output_ids"] == beside[r["id"]][0] == alone[r["id"]][0] for r in rows)
+        line += (f"; generate() {targets} at once {base:.1f} tok/s -> {speed / base:.2f}x "
+                 f"(alone {solo:.1f} tok/s -> {speed / solo:.2f}x), output "
                  f"{'identical' if same else 'DIFFERENT'}")
     return line

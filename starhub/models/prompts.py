@@ -4,6 +4,7 @@ targets, edge drafters, the benchmark and the training data builder."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 Prompt = str | list[dict]
@@ -53,3 +54,11 @@ def encode_prompt(tokenizer, prompt: Prompt, chat_template: bool = True) -> list
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
     text = "\n\n".join(m["content"] for m in messages)
     return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+def iter_results(path: str | Path) -> Iterator[dict]:
+    """The rows of a JSONL output file (a target's, a baseline's), blank lines skipped."""
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                yield json.loads(line)

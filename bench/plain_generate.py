@@ -1,0 +1,47 @@
+"""Plain greedy ``generate()`` over a target's output rows, as a process of its own:
+``python -m bench.plain_generate ROWS OUT``. ``starhub demo`` starts one per target, all
+at once, so that the baseline shares the machine as its targets did.
+
+ROWS is a target's output JSONL (``id`` and ``prompt_ids`` are read); OUT gets one row per
+prompt: ``id``, ``output_ids`` and ``wall_s``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from bench.baselines import hf_generate
+from starhub.models.loading import load_model, set_threads
+from starhub.models.prompts import iter_results
+from starhub.options import POSITIVE
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.plain_generate", description=__doc__)
+    p.add_argument("rows", help="a target's output JSONL: the prompts, as token ids")
+    p.add_argument("out", help="JSONL to write: id, output_ids, wall_s")
+    p.add_argument("--model", default="default")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--linear", default="auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=POSITIVE.arg, default=1)
+    p.add_argument("--max-new-tokens", type=POSITIVE.arg, required=True)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    set_threads(args.threads)
+    prompts = [(row["id"], row["prompt_ids"]) for row in iter_results(args.rows)]
+    model, _ = load_model(args.model, dtype=args.dtype, linear=args.linear, device=args.device)
+    runs = hf_generate(model, prompts, args.max_new_tokens)
+    with open(args.out, "w", encoding="utf-8") as fh:
+        for run in runs:
+            fh.write(json.dumps({"id": run.id, "output_ids": run.output_ids,
+                                 "wall_s": run.wall_s}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
