@@ -1,9 +1,9 @@
-"""Plain greedy ``generate()`` over a target's output rows, as a process of its own:
-``python -m bench.plain_generate ROWS OUT``. ``starhub demo`` starts one per target, all
-at once, so that the baseline shares the machine as its targets did.
+"""Plain greedy ``generate()`` over a shard of a prompt file, as a process of its own:
+``python -m bench.plain_generate PROMPTS OUT --shard I/N``. ``starhub demo`` starts one
+per target, all at once, so that the baseline shares the machine as its targets do.
 
-ROWS is a target's output JSONL (``id`` and ``prompt_ids`` are read); OUT gets one row per
-prompt: ``id``, ``output_ids`` and ``wall_s``."""
+Prompts are encoded as ``starhub target`` encodes them (chat template); OUT gets one row
+per prompt: ``id``, ``output_ids`` and ``wall_s``."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ import sys
 
 from bench.baselines import hf_generate
 from starhub.models.loading import load_model, set_threads
-from starhub.models.prompts import iter_results
+from starhub.models.prompts import encode_prompt, read_prompts
 from starhub.options import POSITIVE
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.plain_generate", description=__doc__)
-    p.add_argument("rows", help="a target's output JSONL: the prompts, as token ids")
+    p.add_argument("prompts", help="JSONL prompt file, as `starhub target --prompts` takes")
     p.add_argument("out", help="JSONL to write: id, output_ids, wall_s")
+    p.add_argument("--shard", default="0/1", help="I/N: every N-th prompt starting at I")
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--linear", default="auto")
@@ -32,9 +33,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    index, _, count = args.shard.partition("/")
     set_threads(args.threads)
-    prompts = [(row["id"], row["prompt_ids"]) for row in iter_results(args.rows)]
-    model, _ = load_model(args.model, dtype=args.dtype, linear=args.linear, device=args.device)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear,
+                                  device=args.device)
+    prompts = [(id_, encode_prompt(tokenizer, prompt))
+               for id_, prompt in read_prompts(args.prompts)[int(index)::int(count or 1)]]
     runs = hf_generate(model, prompts, args.max_new_tokens)
     with open(args.out, "w", encoding="utf-8") as fh:
         for run in runs:

@@ -19,33 +19,43 @@ from starhub.options import resolve_threads, usable_cores
 def run_demo(args: argparse.Namespace, hub_flags: list[str]) -> int:
     quiet = ["--log-level", "warning"]
     args.threads = resolve_threads(args.threads, sharing=args.targets)
+    n = args.targets
     with tempfile.TemporaryDirectory() as tmp:
-        outs = [f"{tmp}/target{i}.jsonl" for i in range(args.targets)]
+        outs = [f"{tmp}/target{i}.jsonl" for i in range(n)]
+        plain_outs = [f"{tmp}/plain{i}.jsonl" for i in range(n)]
+        plain = [[sys.executable, "-m", "bench.plain_generate", args.prompts, out,
+                  "--shard", f"{i}/{n}", *_model_flags(args), "--threads", str(args.threads)]
+                 for i, out in enumerate(plain_outs)]
+        print(f"timing plain generate() on each target's prompts: {n} processes at once, "
+              f"{args.threads} torch thread(s) each, as the targets will run ...",
+              file=sys.stderr)
+        if not _run(plain, args.threads, together=True, what="generate()"):
+            return 1
+        before = _plain_rows(plain_outs)
         with spawn_hub(hub_flags, pre_args=quiet) as hub:
-            print(f"hub at {hub.address} ({args.drafter} drafter); {args.targets} targets, "
+            print(f"hub at {hub.address} ({args.drafter} drafter); {n} targets, "
                   f"{args.threads} torch thread(s) each ({usable_cores()} usable cores)",
                   file=sys.stderr)
             cmds = [target_command(hub.address, args.prompts, out, threads=args.threads,
                                    pre_args=quiet,
-                                   extra=[*_model_flags(args), "--shard", f"{i}/{args.targets}",
+                                   extra=[*_model_flags(args), "--shard", f"{i}/{n}",
                                           "--name", f"target{i}"])
                     for i, out in enumerate(outs)]
             if not _run(cmds, args.threads, together=True, what="target"):
                 return 1
         results = [list(iter_results(out)) for out in outs]
-        plain = [[sys.executable, "-m", "bench.plain_generate", out, f"{out}.plain",
-                  *_model_flags(args), "--threads", str(args.threads)] for out in outs]
-        print(f"timing plain generate() on each target's prompts: {args.targets} processes "
-              f"at once, as the targets ran, then one at a time; {args.threads} torch "
-              f"thread(s) each ...", file=sys.stderr)
+        print("plain generate() at once again (the baseline is the mean of the two), then "
+              "one process at a time with the machine to itself ...", file=sys.stderr)
         if not _run(plain, args.threads, together=True, what="generate()"):
             return 1
-        beside = _plain_rows(outs)
+        after = _plain_rows(plain_outs)
         if not _run(plain, args.threads, together=False, what="generate()"):
             return 1
-        alone = _plain_rows(outs)
+        alone = _plain_rows(plain_outs)
+    beside = {id_: (ids, (wall + after[id_][1]) / 2) for id_, (ids, wall) in before.items()}
     for i, rows in enumerate(results):
-        print(target_line(f"target{i}", rows, beside, alone, args.targets))
+        print(target_line(f"target{i}", rows, beside, alone, n,
+                          same=[before, after, alone]))
         if rows:
             print(f"  e.g. {json.dumps(rows[0]['text'][:160])}")
     return 0
@@ -73,7 +83,7 @@ def _run(cmds: list[list[str]], threads: int, together: bool, what: str) -> bool
 def _plain_rows(outs: list[str]) -> dict[str, tuple[list, float]]:
     """Each prompt's plain ``generate()`` ids and wall time, by prompt id."""
     return {row["id"]: (row["output_ids"], row["wall_s"])
-            for out in outs for row in iter_results(f"{out}.plain")}
+            for out in outs for row in iter_results(out)}
 
 
 def _speed(rows: list[dict], reference: dict[str, tuple[list, float]]) -> float:
@@ -83,10 +93,13 @@ def _speed(rows: list[dict], reference: dict[str, tuple[list, float]]) -> float:
 
 
 def target_line(name: str, rows: list[dict], beside: dict[str, tuple[list, float]],
-                alone: dict[str, tuple[list, float]], targets: int) -> str:
+                alone: dict[str, tuple[list, float]], targets: int,
+                same: list[dict[str, tuple[list, float]]]) -> str:
     """A target's speed against plain ``generate()`` on its prompts: in ``targets``
     processes at once, as the targets ran (the comparison that counts: the same machine,
-    shared the same way), and in one process with the machine to itself."""
+    shared the same way; timed before and after the targets, and averaged), and in one
+    process with the machine to itself. The output is identical when every run in
+    ``same`` produced the target's ids."""
     tokens = sum(len(r["output_ids"]) for r in rows)
     wall = sum(r["stats"]["wall_s"] for r in rows)
     tau = pooled_accept_len(r["stats"] for r in rows)
@@ -95,8 +108,8 @@ def target_line(name: str, rows: list[dict], beside: dict[str, tuple[list, float
             f"mean accepted length {tau:.2f}")
     base, solo = _speed(rows, beside), _speed(rows, alone)
     if base and solo:
-        same = all(r["output_ids"] == beside[r["id"]][0] == alone[r["id"]][0] for r in rows)
+        identical = all(r["output_ids"] == run[r["id"]][0] for r in rows for run in same)
         line += (f"; generate() {targets} at once {base:.1f} tok/s -> {speed / base:.2f}x "
                  f"(alone {solo:.1f} tok/s -> {speed / solo:.2f}x), output "
-                 f"{'identical' if same else 'DIFFERENT'}")
+                 f"{'identical' if identical else 'DIFFERENT'}")
     return line
