@@ -190,12 +190,21 @@ def build_parser() -> argparse.ArgumentParser:
                           "core it may use; the hub it starts drafts with 1")
     gen.add_argument("--no-chat-template", action="store_true")
 
-    demo = sub.add_parser("demo", help="two targets sharing one hub, with per-target speed")
+    demo = sub.add_parser(
+        "demo", help="two targets sharing one hub, with per-target speed",
+        description="Start a hub and --targets target processes on this machine, each "
+                    "decoding its share of --prompts; then print each target's speed "
+                    "against plain generate() on the same prompts: one generate() process "
+                    "per target, all at once as the targets ran (timed before and after "
+                    "them, and averaged), and one at a time with the machine to itself; "
+                    "and whether every output was identical.")
     demo.add_argument("--model", default="default")
     _add_tree_args(demo)
-    demo.add_argument("--prompts", default=str(DEMO_PROMPTS))
+    demo.add_argument("--prompts", default=str(DEMO_PROMPTS),
+                      help="JSONL prompt file (default: the 8 shipped demo prompts)")
     demo.add_argument("--max-new-tokens", type=POSITIVE.arg, default=48)
-    demo.add_argument("--targets", type=POSITIVE.arg, default=2)
+    demo.add_argument("--targets", type=POSITIVE.arg, default=2,
+                      help="target processes; prompt i goes to target i mod N")
     demo.add_argument("--threads", type=threads_arg, default=DEFAULT_THREADS,
                       help="torch threads of each target and of the generate() it is "
                            "compared with. auto (default): the usable cores split evenly "
