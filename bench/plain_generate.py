@@ -14,14 +14,15 @@ import sys
 from bench.baselines import hf_generate
 from starhub.models.loading import load_model, set_threads
 from starhub.models.prompts import encode_prompt, read_prompts
-from starhub.options import POSITIVE
+from starhub.options import POSITIVE, shard_arg
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.plain_generate", description=__doc__)
     p.add_argument("prompts", help="JSONL prompt file, as `starhub target --prompts` takes")
     p.add_argument("out", help="JSONL to write: id, output_ids, wall_s")
-    p.add_argument("--shard", default="0/1", help="I/N: every N-th prompt starting at I")
+    p.add_argument("--shard", type=shard_arg, default=(0, 1), metavar="I/N",
+                   help="every N-th prompt starting at I")
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--linear", default="auto")
@@ -33,12 +34,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    index, _, count = args.shard.partition("/")
+    index, count = args.shard
     set_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear,
                                   device=args.device)
     prompts = [(id_, encode_prompt(tokenizer, prompt))
-               for id_, prompt in read_prompts(args.prompts)[int(index)::int(count or 1)]]
+               for id_, prompt in read_prompts(args.prompts)[index::count]]
     runs = hf_generate(model, prompts, args.max_new_tokens)
     with open(args.out, "w", encoding="utf-8") as fh:
         for run in runs:

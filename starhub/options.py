@@ -203,6 +203,18 @@ budget_arg = auto_as_zero(BUDGET.meta.ge, "budget")
 """The verifier's ``--budget``: ``auto`` (0: measured at start) or a token count >= 2."""
 
 
+def shard_arg(text: str) -> tuple[int, int]:
+    """An argparse type for ``--shard I/N``: every N-th prompt starting at I, as (I, N)."""
+    index, _, count = str(text).strip().partition("/")
+    try:
+        shard = int(index), int(count or 1)
+    except ValueError:
+        shard = (-1, 0)
+    if not 0 <= shard[0] < shard[1]:
+        raise argparse.ArgumentTypeError(f"expected I/N with 0 <= I < N, got '{text}'")
+    return shard
+
+
 def on_off_arg(text: str) -> bool:
     """An argparse type for on/off switches that the benchmark can list (``on,off``)."""
     value = str(text).strip().lower()

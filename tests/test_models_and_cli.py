@@ -214,3 +214,16 @@ def test_a_tokenizer_fingerprint_is_hashed_once_and_follows_added_tokens(default
     assert tokenizer_fingerprint(AutoTokenizer.from_pretrained(default_model_dir)) == first
     tokenizer.add_tokens(["<a-token-added-later>"])
     assert tokenizer_fingerprint(tokenizer) != first and len(reads) == 2
+
+
+def test_a_shard_is_parsed_once_and_a_bad_one_is_refused_by_name(capsys):
+    parse = build_parser().parse_args
+    base = ["--prompts", "p.jsonl"]
+    assert parse(["target", *base, "--out", "o", "--shard", "1/3"]).shard == (1, 3)
+    assert parse(["target", *base, "--out", "o"]).shard == (0, 1)
+    assert parse(["drafter", "--verifier", "tcp://h:1", *base, "--out", "o",
+                  "--shard", "2/4"]).shard == (2, 4)
+    for bad in ("2/2", "1/0", "-1/2", "x", "1/y"):
+        with pytest.raises(SystemExit):
+            parse(["target", *base, "--out", "o", f"--shard={bad}"])
+        assert f"expected I/N with 0 <= I < N, got '{bad}'" in capsys.readouterr().err

@@ -30,6 +30,7 @@ from starhub.options import (
     budget_arg,
     max_batch_arg,
     resolve_threads,
+    shard_arg,
     threads_arg,
 )
 from starhub.server.limits import VERIFIER_LIMITS, add_limit_args, limits_from_args
@@ -124,7 +125,7 @@ def add_parsers(sub) -> None:
                          "may use, as on a device of its own; give 1 to drafters that share "
                          "a host")
     dr.add_argument("--name", default=None)
-    dr.add_argument("--shard", default="0/1",
+    dr.add_argument("--shard", type=shard_arg, default=(0, 1), metavar="I/N",
                     help="I/N: take every N-th prompt starting at I")
     dr.add_argument("--no-chat-template", action="store_true")
     security.add_client_args(dr)
@@ -166,8 +167,8 @@ def cmd_drafter(args: argparse.Namespace) -> int:
     secure = security.ClientSecurity.from_args(args)
     secure.keys()  # a keystore that cannot be used fails here, before the drafter loads
     threads = set_threads(resolve_threads(args.threads))
-    index, _, count = args.shard.partition("/")
-    items = read_prompts(args.prompts)[int(index)::int(count or 1)]
+    index, count = args.shard
+    items = read_prompts(args.prompts)[index::count]
     name = args.name or f"drafter{index}"
     tokenizer = load_tokenizer(args.model)
     drafter = make_drafter(args.drafter, args.draft, args.model, args.draft_dtype, args.device)

@@ -48,6 +48,7 @@ from starhub.options import (  # noqa: F401  (re-exported: earlier homes of thes
     max_targets_arg,
     on_off_arg,
     resolve_threads,
+    shard_arg,
     threads_arg,
 )
 from starhub.options import add_tree_args as _add_tree_args
@@ -168,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     tgt.add_argument("--no-chat-template", action="store_true",
                      help="tokenize prompts as plain text")
     tgt.add_argument("--name", default=None, help="name shown by the hub and progress bar")
-    tgt.add_argument("--shard", default="0/1",
+    tgt.add_argument("--shard", type=shard_arg, default=(0, 1), metavar="I/N",
                      help="I/N: take every N-th prompt starting at I (to split across targets)")
     tgt.add_argument("--hub-timeout", type=SECONDS.arg, default=3.0,
                      help="seconds a hub reply may take at least: past max(this, 10x the "
@@ -311,11 +312,10 @@ def cmd_target(args: argparse.Namespace) -> int:
     if args.hub:
         secure.keys()  # a keystore that cannot be used fails here, not while decoding
     security.use_client_security(secure)
-    index, _, count = args.shard.partition("/")
     return run(args.hub, args.model, args.prompts, args.out, args.max_new_tokens,
                args.temperature, args.top_p, args.seed, args.threads,
-               not args.no_chat_template, args.name or f"target{index}",
-               (int(index), int(count or 1)), args.dtype, args.linear,
+               not args.no_chat_template, args.name or f"target{args.shard[0]}",
+               args.shard, args.dtype, args.linear,
                hub_timeout_s=args.hub_timeout, device=args.device, device_map=args.device_map,
                shared_cores=args.shared_cores)
 
