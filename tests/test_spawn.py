@@ -28,6 +28,15 @@ def family(pid: int) -> list[psutil.Process]:
     return [proc, *proc.children(recursive=True)]
 
 
+def runs_a_target(proc: psutil.Process) -> bool:
+    """Whether ``proc`` is a target process; False for one that has already ended (the
+    demo's baseline processes come and go before its targets start)."""
+    try:
+        return "target" in proc.cmdline()
+    except psutil.Error:
+        return False
+
+
 def assert_gone(procs: list[psutil.Process]) -> None:
     _, alive = psutil.wait_procs(procs, timeout=GONE_WITHIN_S)
     for p in alive:  # the test fails, but leaves nothing running either
@@ -83,7 +92,7 @@ def test_the_demos_hub_and_targets_die_with_a_demo_killed_outright(tmp_path):
     try:
         deadline = time.monotonic() + 300
         children: list[psutil.Process] = []
-        while len([c for c in children if "target" in c.cmdline()]) < 1:
+        while not any(runs_a_target(c) for c in children):
             assert demo.poll() is None and time.monotonic() < deadline, "no target started"
             time.sleep(0.2)
             children = psutil.Process(demo.pid).children(recursive=True)
