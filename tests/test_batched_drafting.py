@@ -349,3 +349,45 @@ def test_a_drafter_that_drafts_one_at_a_time_goes_straight_on_to_the_next_reques
     finally:
         drafter.gate.set()
         hub.close()
+
+
+@pytest.mark.parametrize("linger_s, calls", [(1.0, [[11, 22]]), (0.0, [[11], [22]])])
+def test_a_request_that_finds_the_drafting_thread_waiting_is_drafted_without_a_new_hand_off(
+        monkeypatch, linger_s, calls):
+    """With nothing left to draft the thread waits ``LINGER_S`` for the next request
+    before it hands itself back: a request arriving meanwhile is drafted in the same
+    ``propose_batch``, and the hub's idle time still counts the gap before it."""
+    import time
+
+    from starhub.drafters.emulated import EmulatedDrafter
+    from starhub.wire.messages import Open, TargetCard
+    from tests.servers import HubHarness
+
+    class Counting(EmulatedDrafter):
+        def __init__(self):
+            super().__init__(1e-4, 100)
+            self.calls: list[list[int]] = []
+
+        def propose_batch(self, jobs, **kwargs):
+            self.calls.append([])
+            return super().propose_batch(jobs, **kwargs)
+
+        def propose(self, ctx, shape):
+            self.calls[-1].append(ctx.tokens[0])
+            return super().propose(ctx, shape)
+
+    monkeypatch.setattr("starhub.hub.worker.LINGER_S", linger_s)
+    drafter = Counting()
+    hub = HubHarness(drafter, shape=TreeShape(2, 1, 2))
+    try:
+        for name in (b"a", b"b"):
+            hub.send(name, TargetCard(name=name.decode(), vocab_size=100))
+        hub.send(b"a", Open(ref=1, prompt_len=3, tokens=np.array([11, 2, 3], np.int32)))
+        gap = 0.05
+        time.sleep(gap)
+        hub.send(b"b", Open(ref=2, prompt_len=3, tokens=np.array([22, 2, 3], np.int32)))
+        assert drafter.calls == calls
+        assert hub.hub.metrics.rounds == 2
+        assert hub.hub.metrics.idle_s >= gap
+    finally:
+        hub.close()
