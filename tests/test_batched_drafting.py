@@ -15,6 +15,7 @@ import torch
 from starhub.drafters.base import DraftContext, TreeShape
 from starhub.drafters.eagle import EagleDrafter
 from starhub.drafters.eagle_head import EAGLE, EAGLE3
+from starhub.drafters.emulated import EmulatedDrafter
 from starhub.drafters.growing import grow_greedy, grow_together
 from starhub.drafters.outcomes import likely_outcomes, path_to
 from starhub.hub.metrics import HubMetrics, derive
@@ -290,28 +291,38 @@ def test_pre_drafting_runs_only_for_a_drafter_that_can_guess():
     assert not _worker(hub).predrafting
 
 
+class _Recording(EmulatedDrafter):
+    """An emulated drafter that records, per ``propose_batch`` call, the first prompt
+    token of each session it drafts."""
+
+    def __init__(self, t_s: float = 0.0):
+        super().__init__(t_s, 100)
+        self.calls: list[list[int]] = []
+
+    def propose_batch(self, jobs, **kwargs):
+        self.calls.append([])
+        return super().propose_batch(jobs, **kwargs)
+
+    def propose(self, ctx, shape):
+        self.calls[-1].append(ctx.tokens[0])
+        return super().propose(ctx, shape)
+
+
 def test_a_drafter_that_drafts_one_at_a_time_goes_straight_on_to_the_next_request():
     """A request that arrives while another is drafted is handed over ahead, so the
     drafting thread takes it the moment it is done (in the same ``propose_batch``), not
     after a round trip through the event loop; its wait counts until the thread took it."""
     import time
 
-    from starhub.drafters.emulated import EmulatedDrafter
     from starhub.wire.messages import DrafterCard, Open, Propose, TargetCard
     from tests.servers import HubHarness
 
-    class Gated(EmulatedDrafter):
+    class Gated(_Recording):
         def __init__(self):
-            super().__init__(0.0, 100)
+            super().__init__()
             self.entered, self.gate = threading.Event(), threading.Event()
-            self.calls: list[list[int]] = []
-
-        def propose_batch(self, jobs, **kwargs):
-            self.calls.append([])
-            return super().propose_batch(jobs, **kwargs)
 
         def propose(self, ctx, shape):
-            self.calls[-1].append(ctx.tokens[0])
             self.entered.set()
             self.gate.wait(30)
             return super().propose(ctx, shape)
@@ -359,25 +370,11 @@ def test_a_request_that_finds_the_drafting_thread_waiting_is_drafted_without_a_n
     ``propose_batch``, and the hub's idle time still counts the gap before it."""
     import time
 
-    from starhub.drafters.emulated import EmulatedDrafter
     from starhub.wire.messages import Open, TargetCard
     from tests.servers import HubHarness
 
-    class Counting(EmulatedDrafter):
-        def __init__(self):
-            super().__init__(1e-4, 100)
-            self.calls: list[list[int]] = []
-
-        def propose_batch(self, jobs, **kwargs):
-            self.calls.append([])
-            return super().propose_batch(jobs, **kwargs)
-
-        def propose(self, ctx, shape):
-            self.calls[-1].append(ctx.tokens[0])
-            return super().propose(ctx, shape)
-
     monkeypatch.setattr("starhub.hub.worker.LINGER_S", linger_s)
-    drafter = Counting()
+    drafter = _Recording(1e-4)
     hub = HubHarness(drafter, shape=TreeShape(2, 1, 2))
     try:
         for name in (b"a", b"b"):
