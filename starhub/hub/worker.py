@@ -225,10 +225,12 @@ class DraftWorker:
                 return
             now = time.monotonic()
             more = self.take(room)
-            handed.extend((len(requests) + i, (req.session.ctx, self.shape(req.session)))
-                          for i, req in enumerate(more))
+            first = len(requests)
+            # the thread may take from ``handed`` at any moment: it goes last
             requests.extend(more)
             begun.extend([now] * len(more))
+            handed.extend((first + i, (req.session.ctx, self.shape(req.session)))
+                          for i, req in enumerate(more))
             if more:
                 handing.set()
                 self.drafter.wake()
