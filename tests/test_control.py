@@ -72,6 +72,42 @@ def test_acceptance_by_depth_learns_beta_and_starts_new_sessions_from_the_hub_cu
     assert fresh.expected_tokens()[6] == pytest.approx(1 + expected_accepted(0.8, 6), rel=0.1)
 
 
+def test_a_round_counts_once_in_a_session_curve_whatever_the_depth_of_its_priors():
+    """A session's round also reaches its target's and the hub's counts; the curves a
+    session shrinks toward leave it out, so one round that kept nothing moves a fresh
+    hub's session as far as one observation against the prior's weight, not three."""
+    hub = Acceptance()
+    target = Acceptance(parent=hub)
+    session = Acceptance(parent=target)
+    session.observe(4, 0)
+    once = hub.pseudo * hub.prior / (1 + hub.pseudo)
+    assert session.betas()[1] == pytest.approx(once)
+    assert target.betas()[1] == pytest.approx(once)
+    # the target's next session starts from that round, counted once
+    assert Acceptance(parent=target).betas()[1] == pytest.approx(once)
+    # another target's sessions do learn from it, through the hub
+    assert Acceptance(parent=Acceptance(parent=hub)).betas()[1] == pytest.approx(once)
+
+
+def test_a_curve_shrinks_toward_the_other_targets_rounds_at_a_busy_hub():
+    """Twelve targets' rounds interleave at the hub, which forgets per round it sees:
+    what a target leaves out of the hub's counts is its own share as the hub decayed it,
+    so the hub still holds the other eleven's rounds for it."""
+    hub = Acceptance()
+    targets = [Acceptance(parent=hub) for _ in range(12)]
+    rng = random.Random(5)
+    for r in range(2400):
+        beta = 0.5 if r % 12 == 0 else 0.9
+        accepted = 0
+        while accepted < 6 and rng.random() < beta:
+            accepted += 1
+        targets[r % 12].observe(6, accepted)
+    others = hub.betas(without=targets[0])[1]
+    assert others == pytest.approx(0.9, abs=0.03)
+    assert hub.betas()[1] < others
+    assert targets[0].betas()[1] == pytest.approx(0.5, abs=0.06)
+
+
 def test_n_full_and_n_max_follow_the_star_model():
     """t_s=1.4ms, depth 6, Z=26ms, beta 0.8, t_step 25ms: N_full = 5; every target keeps
     its standalone speed while N·S <= tau·t_step, so N_max = 11."""

@@ -89,31 +89,59 @@ class ProbeBackoff:
 class Acceptance:
     """Per-depth conditional acceptance ``beta_k = P(node at depth k accepted | depth k-1
     was)``, from decayed counts, shrunk toward a prior curve (the parent's) when data is
-    thin: a new session starts from its target's curve, which starts from the hub's."""
+    thin: a new session starts from its target's curve, which starts from the hub's.
+
+    Every round a session observes also reaches its target's and the hub's counts, so the
+    parent a curve shrinks toward leaves that curve's own rounds out: each round counts
+    once in an estimate. Counted in each, a fresh hub's first round weighed three times:
+    one round that kept nothing took a new session's ``beta_1`` from 0.5 to 0.35, not 0.44.
+    Each curve keeps its own contribution to its parent's counts as its parent has decayed
+    it (the parent forgets per round it sees, which a busy hub does faster than any one of
+    its sessions), so the parent's counts less it are exactly the others' rounds."""
 
     def __init__(self, parent: Acceptance | None = None, prior: float = 0.5,
                  pseudo: float = 8.0, forget: float = 0.995):
         self.parent, self.prior, self.pseudo, self.forget = parent, prior, pseudo, forget
         self.hits = [0.0] * (MAX_AUTO_DEPTH + 1)
         self.trials = [0.0] * (MAX_AUTO_DEPTH + 1)
+        self.seen = 0
+        """Rounds observed: the clock of this curve's decay."""
+        self.up_hits = [0.0] * (MAX_AUTO_DEPTH + 1)
+        self.up_trials = [0.0] * (MAX_AUTO_DEPTH + 1)
+        self.up_seen = 0
+        """This curve's share of its parent's counts, decayed as the parent's were when
+        the parent had seen ``up_seen`` rounds."""
 
     def observe(self, depth: int, accepted: int) -> None:
         """A round that drafted ``depth`` layers and had ``accepted`` nodes accepted."""
         depth = min(depth, MAX_AUTO_DEPTH)
         reached, hit = min(accepted + 1, depth), min(accepted, depth)
         f = self.forget
+        self.seen += 1
         self.trials = [f * t + (1 <= k <= reached) for k, t in enumerate(self.trials)]
         self.hits = [f * h + (1 <= k <= hit) for k, h in enumerate(self.hits)]
-        if self.parent is not None:
-            self.parent.observe(depth, accepted)
+        parent = self.parent
+        if parent is not None:
+            parent.observe(depth, accepted)
+            g = parent.forget ** (parent.seen - self.up_seen)
+            self.up_trials = [g * t + (1 <= k <= reached) for k, t in enumerate(self.up_trials)]
+            self.up_hits = [g * h + (1 <= k <= hit) for k, h in enumerate(self.up_hits)]
+            self.up_seen = parent.seen
 
-    def betas(self) -> list[float]:
-        """``beta_k`` for k = 1..MAX_AUTO_DEPTH (index 0 unused, 1.0).
+    def betas(self, without: Acceptance | None = None) -> list[float]:
+        """``beta_k`` for k = 1..MAX_AUTO_DEPTH (index 0 unused, 1.0); ``without``: a
+        child whose rounds are left out of the counts.
 
         Deep nodes are tried less often, so each depth's prior carries what shallower data
         says: the parent's ``beta_k`` scaled by how this curve compares with the parent's
         one layer up (at the hub, which has no parent, the previous layer's estimate)."""
-        parent = self.parent.betas() if self.parent is not None else None
+        parent = self.parent.betas(without=self) if self.parent is not None else None
+        hits, trials = self.hits, self.trials
+        if without is not None:
+            g = self.forget ** (self.seen - without.up_seen)
+            hits = [max(h - g * u, 0.0) for h, u in zip(hits, without.up_hits, strict=True)]
+            trials = [max(t - g * u, 0.0)
+                      for t, u in zip(trials, without.up_trials, strict=True)]
         out = [1.0] * (MAX_AUTO_DEPTH + 1)
         for k in range(1, MAX_AUTO_DEPTH + 1):
             if parent is None:
@@ -121,7 +149,7 @@ class Acceptance:
             else:
                 prior = parent[k] * out[k - 1] / max(parent[k - 1], 1e-6)
             prior = min(max(prior, 0.0), 1.0)
-            out[k] = (self.hits[k] + self.pseudo * prior) / (self.trials[k] + self.pseudo)
+            out[k] = (hits[k] + self.pseudo * prior) / (trials[k] + self.pseudo)
         return out
 
     def expected_tokens(self) -> list[float]:
