@@ -248,6 +248,23 @@ def test_adaptive_depth_shortens_trees_when_the_hub_saturates():
     assert max(crowd_depths) < deep_alone
 
 
+def test_sessions_of_mixed_acceptance_get_trees_whose_round_trips_stay_in_step():
+    """Round trips that differ queue behind the slowest once the hub's load nears it, so
+    the tree choice counts every session at the slowest round trip: a good drafter's
+    deeper tree stretches everyone's round, and a poor one's shallow tree saves no one
+    any time. The speculating sessions end within a layer of each other."""
+    ctl = controller(depth=AUTO, max_targets=0, max_nodes=8)
+    for i in range(8):
+        ctl.join(bytes([i]), str(i), STEP, 0.0)
+        ctl.open(i + 1, bytes([i]), STEP)
+    for _ in range(60):
+        for i in range(8):
+            run_rounds(ctl, i + 1, 0.5 if i % 2 else 0.9, 1, seed=i)
+    trips = [sm.s + sm.z for sm in ctl.sessions.values() if sm.s]
+    assert len(trips) >= 4
+    assert max(trips) - min(trips) < 1.5 * T_S
+
+
 def test_a_target_without_a_known_step_time_is_admitted():
     ctl = controller()
     assert ctl.join(b"old", "old", 0.0, 0.0) is None
