@@ -9,7 +9,14 @@ import random
 import pytest
 
 from bench.model import expected_accepted
-from starhub.control.plane import AUTO, Acceptance, ControlConfig, Controller, LinearFit
+from starhub.control.plane import (
+    AUTO,
+    Acceptance,
+    ControlConfig,
+    Controller,
+    LinearFit,
+    session_rate,
+)
 
 STEP, T_S, T_V, T_C = 25e-3, 1.4e-3, 25e-3, 1e-3
 
@@ -248,21 +255,29 @@ def test_adaptive_depth_shortens_trees_when_the_hub_saturates():
     assert max(crowd_depths) < deep_alone
 
 
-def test_sessions_of_mixed_acceptance_get_trees_whose_round_trips_stay_in_step():
-    """Round trips that differ queue behind the slowest once the hub's load nears it, so
-    the tree choice counts every session at the slowest round trip: a good drafter's
-    deeper tree stretches everyone's round, and a poor one's shallow tree saves no one
-    any time. The speculating sessions end within a layer of each other."""
+def test_a_round_goes_at_its_own_pace_on_a_light_hub_and_at_the_slowest_at_the_knee():
+    """Round trips that differ queue behind the slowest once the hub's load nears it."""
+    e, cycle, slowest = 3.0, 28e-3, 36e-3
+    assert session_rate(e, cycle, slowest, 4e-3) == pytest.approx(e / cycle, rel=0.01)
+    assert session_rate(e, cycle, slowest, slowest) == pytest.approx(e / slowest)
+    assert e / slowest < session_rate(e, cycle, slowest, 27e-3) < e / cycle
+    assert session_rate(e, cycle, slowest, 50e-3) == pytest.approx(e / 50e-3)
+
+
+def test_a_good_drafter_near_the_knee_drafts_no_longer_than_the_others_round_trips():
+    """Its deeper tree would stretch every other session's round toward its own; at a
+    hub loaded near the round trips it pays less than that costs them."""
     ctl = controller(depth=AUTO, max_targets=0, max_nodes=8)
-    for i in range(8):
+    for i in range(6):
         ctl.join(bytes([i]), str(i), STEP, 0.0)
         ctl.open(i + 1, bytes([i]), STEP)
-    for _ in range(60):
-        for i in range(8):
-            run_rounds(ctl, i + 1, 0.5 if i % 2 else 0.9, 1, seed=i)
-    trips = [sm.s + sm.z for sm in ctl.sessions.values() if sm.s]
-    assert len(trips) >= 4
-    assert max(trips) - min(trips) < 1.5 * T_S
+    for _ in range(80):
+        for i in range(6):
+            run_rounds(ctl, i + 1, 0.95 if i == 0 else 0.7, 1, seed=i)
+    good = ctl.sessions[1]
+    others = [sm.s + sm.z for tag, sm in ctl.sessions.items() if tag != 1 and sm.s]
+    assert good.choice.depth >= 4
+    assert good.s + good.z <= max(others) + 1e-4
 
 
 def test_a_target_without_a_known_step_time_is_admitted():
