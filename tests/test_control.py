@@ -222,6 +222,18 @@ def test_a_fixed_limit_counts_admitted_targets_only():
     assert ctl.join(b"c", "c", STEP, 0.0) is None
 
 
+def crowd(betas: list[float], iterations: int) -> Controller:
+    """One session per target, of these acceptances, their rounds taken in turn."""
+    ctl = controller(depth=AUTO, max_targets=0, max_nodes=8)
+    for i in range(len(betas)):
+        ctl.join(bytes([i]), str(i), STEP, 0.0)
+        ctl.open(i + 1, bytes([i]), STEP)
+    for _ in range(iterations):
+        for i, beta in enumerate(betas):
+            run_rounds(ctl, i + 1, beta, 1, seed=i)
+    return ctl
+
+
 def test_adaptive_depth_goes_deep_for_a_good_drafter_and_plain_for_a_bad_one():
     ctl = controller(depth=AUTO, max_targets=0, max_nodes=8)
     ctl.join(b"good", "good", STEP, 0.0)
@@ -243,15 +255,9 @@ def test_adaptive_depth_shortens_trees_when_the_hub_saturates():
     alone.join(b"t", "t", STEP, 0.0)
     alone.open(1, b"t", STEP)
     run_rounds(alone, 1, 0.75, 400)
-    crowd = controller(depth=AUTO, max_targets=0, max_nodes=8)
-    for i in range(24):
-        crowd.join(bytes([i]), str(i), STEP, 0.0)
-        crowd.open(i + 1, bytes([i]), STEP)
-    for _ in range(40):
-        for i in range(24):
-            run_rounds(crowd, i + 1, 0.75, 1, seed=i)
+    crowded = crowd([0.75] * 24, 40)
     deep_alone = alone.choose(1).depth
-    crowd_depths = [crowd.sessions[i + 1].choice.depth for i in range(24)]
+    crowd_depths = [crowded.sessions[i + 1].choice.depth for i in range(24)]
     assert max(crowd_depths) < deep_alone
 
 
@@ -267,13 +273,7 @@ def test_a_round_goes_at_its_own_pace_on_a_light_hub_and_at_the_slowest_at_the_k
 def test_a_good_drafter_near_the_knee_drafts_no_longer_than_the_others_round_trips():
     """Its deeper tree would stretch every other session's round toward its own; at a
     hub loaded near the round trips it pays less than that costs them."""
-    ctl = controller(depth=AUTO, max_targets=0, max_nodes=8)
-    for i in range(6):
-        ctl.join(bytes([i]), str(i), STEP, 0.0)
-        ctl.open(i + 1, bytes([i]), STEP)
-    for _ in range(80):
-        for i in range(6):
-            run_rounds(ctl, i + 1, 0.95 if i == 0 else 0.7, 1, seed=i)
+    ctl = crowd([0.95] + [0.7] * 5, 80)
     good = ctl.sessions[1]
     others = [sm.s + sm.z for tag, sm in ctl.sessions.items() if tag != 1 and sm.s]
     assert good.choice.depth >= 4
