@@ -116,16 +116,15 @@ class Acceptance:
         """A round that drafted ``depth`` layers and had ``accepted`` nodes accepted."""
         depth = min(depth, MAX_AUTO_DEPTH)
         reached, hit = min(accepted + 1, depth), min(accepted, depth)
-        f = self.forget
         self.seen += 1
-        self.trials = [f * t + (1 <= k <= reached) for k, t in enumerate(self.trials)]
-        self.hits = [f * h + (1 <= k <= hit) for k, h in enumerate(self.hits)]
+        self.trials = _count(self.trials, self.forget, reached)
+        self.hits = _count(self.hits, self.forget, hit)
         parent = self.parent
         if parent is not None:
             parent.observe(depth, accepted)
-            g = parent.forget ** (parent.seen - self.up_seen)
-            self.up_trials = [g * t + (1 <= k <= reached) for k, t in enumerate(self.up_trials)]
-            self.up_hits = [g * h + (1 <= k <= hit) for k, h in enumerate(self.up_hits)]
+            decay = parent.forget ** (parent.seen - self.up_seen)
+            self.up_trials = _count(self.up_trials, decay, reached)
+            self.up_hits = _count(self.up_hits, decay, hit)
             self.up_seen = parent.seen
 
     def betas(self, without: Acceptance | None = None) -> list[float]:
@@ -138,10 +137,9 @@ class Acceptance:
         parent = self.parent.betas(without=self) if self.parent is not None else None
         hits, trials = self.hits, self.trials
         if without is not None:
-            g = self.forget ** (self.seen - without.up_seen)
-            hits = [max(h - g * u, 0.0) for h, u in zip(hits, without.up_hits, strict=True)]
-            trials = [max(t - g * u, 0.0)
-                      for t, u in zip(trials, without.up_trials, strict=True)]
+            decay = self.forget ** (self.seen - without.up_seen)
+            hits = _less(hits, without.up_hits, decay)
+            trials = _less(trials, without.up_trials, decay)
         out = [1.0] * (MAX_AUTO_DEPTH + 1)
         for k in range(1, MAX_AUTO_DEPTH + 1):
             if parent is None:
@@ -172,3 +170,13 @@ class Acceptance:
         """Unconditional acceptance of the node at depth k, as the metrics report it."""
         reach = list(accumulate(self.betas()[1:], operator.mul))
         return reach if digits is None else [round(r, digits) for r in reach]
+
+
+def _count(counts: list[float], decay: float, upto: int) -> list[float]:
+    """Per-depth counts decayed by ``decay``, with one more at depths 1..``upto``."""
+    return [decay * c + (1 <= k <= upto) for k, c in enumerate(counts)]
+
+
+def _less(counts: list[float], share: list[float], decay: float) -> list[float]:
+    """Per-depth counts less a child's ``share`` of them, decayed by ``decay`` since."""
+    return [max(c - decay * s, 0.0) for c, s in zip(counts, share, strict=True)]
