@@ -37,7 +37,8 @@ def test_before_any_round_is_measured_trees_are_tried():
 def test_where_fed_tokens_cost_a_lot_trees_pay_alone_but_not_in_a_wide_batch():
     gate = SpeculationGate(step_s=0.04)
     feed(gate, per_token_s=0.003)
-    assert gate.pays([300])
+    tree, plain = gate.rates([300])
+    assert tree > 1.2 * plain
     assert not gate.pays([300] * 6)
     tree, plain = gate.rates([300] * 6)
     assert plain > tree
@@ -52,13 +53,15 @@ def test_where_fed_tokens_are_nearly_free_trees_pay_at_every_batch():
 def test_a_slow_hub_round_trip_makes_plain_batching_win():
     gate = SpeculationGate(step_s=0.04)
     feed(gate, per_token_s=0.0001, round_trip_s=0.2)
-    assert not gate.pays([300])
+    assert not gate.pays([300, 300])
 
 
 def test_trees_that_keep_nothing_never_pay():
     gate = SpeculationGate(step_s=0.04)
     feed(gate, per_token_s=0.0001, tau=1)
-    assert not gate.pays([300])
+    assert not gate.pays([300, 300])
+    tree, plain = gate.rates([300])
+    assert tree < plain
 
 
 def test_a_batch_where_plain_pays_decodes_without_the_hub_and_equal_to_generate(tiny_model):
@@ -74,24 +77,58 @@ def test_a_batch_where_plain_pays_decodes_without_the_hub_and_equal_to_generate(
     with spawn_hub(["--drafter", "ngram", "--depth", "4"]) as hub:
         batcher = Batcher(model, tokenizer, hub.address)
         feed(batcher.gate, per_token_s=0.01, round_trip_s=0.5)  # the hub is far too slow
-        events: queue.SimpleQueue = queue.SimpleQueue()
+        sinks = [queue.SimpleQueue() for _ in prompts]
+        for ids, sink in zip(prompts, sinks, strict=True):  # queued together: a batch of 2
+            batcher.submit(Request(prompt=ids, max_tokens=12, sink=sink.put))
         batcher.start()
         try:
-            outs = {}
-            for ids in prompts:
-                rid = batcher.submit(Request(prompt=ids, max_tokens=12, sink=events.put))
-                outs[rid] = []
-                event = events.get(timeout=60)
-                while not event.done:
-                    outs[rid] += event.tokens
-                    event = events.get(timeout=60)
-                outs[rid] += event.tokens
+            outs = [tokens_of(sink) for sink in sinks]
             assert batcher.stats.gated == len(prompts) and batcher.stats.rounds == 0
         finally:
             batcher.stop()
-    for ids, got in zip(prompts, outs.values(), strict=True):
+    for ids, got in zip(prompts, outs, strict=True):
         ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
         assert got == ref[0, len(ids):].tolist()
+
+
+def test_a_lone_request_uses_the_hub_where_the_rates_say_plain(tiny_model):
+    """Alone, a request slows no other row, and the hub judges its rounds from its own
+    acceptance: it opens its hub session even where the gate's averages (a slow hub
+    round trip) say plain, and its output is still the target's own."""
+    import queue
+
+    import torch
+
+    from starhub.launch.spawn import spawn_hub
+    from targets.serve.batcher import Batcher, Request
+
+    model, tokenizer = tiny_model
+    ids = [5, 6, 7, 8, 9]
+    with spawn_hub(["--drafter", "ngram", "--depth", "4"]) as hub:
+        batcher = Batcher(model, tokenizer, hub.address)
+        feed(batcher.gate, per_token_s=0.01, round_trip_s=0.5)
+        tree, plain = batcher.gate.rates([len(ids) + 1])
+        assert tree < plain, "the gate's averages say plain"
+        sink: queue.SimpleQueue = queue.SimpleQueue()
+        batcher.start()
+        try:
+            batcher.submit(Request(prompt=ids, max_tokens=12, sink=sink.put))
+            got = tokens_of(sink)
+            assert batcher.stats.gated == 0 and batcher.stats.rounds > 0
+        finally:
+            batcher.stop()
+    ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+    assert got == ref[0, len(ids):].tolist()
+
+
+def tokens_of(sink) -> list[int]:
+    """A request's tokens, read from its events until the last."""
+    tokens = []
+    event = sink.get(timeout=60)
+    while not event.done:
+        tokens += event.tokens
+        event = sink.get(timeout=60)
+    return tokens + event.tokens
 
 
 def test_a_request_arriving_in_a_lull_is_judged_by_the_batch_recent_load_builds():
@@ -189,20 +226,12 @@ def test_a_spell_of_tree_passes_does_not_move_what_plain_batching_costs():
     assert abs(gate.tree_pass_s([], [300, 300]) - 0.1) > 0.005, "the joint fit drifted"
 
 
-def test_a_lone_request_goes_to_the_hub_now_and_then_so_that_plain_is_not_forever():
-    """What the gate knows of trees moves only while trees run: after 2, 4, then 8 plain
-    verdicts in a row a lone request uses the hub anyway, and its rounds are measured."""
+def test_a_lone_request_opens_its_hub_session_whatever_the_rates_say():
     gate = SpeculationGate(step_s=0.04)
     feed(gate, per_token_s=0.0001, round_trip_s=0.2)
-    decisions = [gate.decide([300]) for _ in range(25)]
-    assert [i for i, d in enumerate(decisions) if d.trees] == [2, 7, 16]
-    assert all(d.probe for d in decisions if d.trees)
-
-
-def test_a_batch_that_plain_serves_faster_is_never_probed():
-    gate = SpeculationGate(step_s=0.04)
-    feed(gate, per_token_s=0.003)
-    assert not any(gate.decide([300] * 6).trees for _ in range(30))
+    alone = gate.verdict([300])
+    assert alone.trees and alone.lone and alone.tree_tok_s < alone.plain_tok_s
+    assert not any(gate.pays([300, 300]) for _ in range(30)), "a batch is judged every time"
 
 
 def test_a_tree_beside_plain_rows_waits_for_the_plain_passes_begun_while_it_was_away():

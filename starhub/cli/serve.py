@@ -51,10 +51,12 @@ def add_parser(sub: argparse._SubParsersAction, add_weight_args) -> None:
                    help="prompt tokens per prefill pass: a long prompt alternates with the "
                         "other requests' passes chunk by chunk (default 512)")
     p.add_argument("--speculate", choices=("auto", "always"), default="auto",
-                   help="auto (default): a request uses the hub's trees only while they "
-                        "serve the current batch faster than plain batched decoding, as "
-                        "measured on this server's own passes; always: every request uses "
-                        "the hub while one is connected")
+                   help="auto (default): a request that would decode alone uses the hub, "
+                        "whose control plane judges each round; one that joins other "
+                        "requests uses the hub's trees only while they serve the batch "
+                        "faster than plain batched decoding, as measured on this server's "
+                        "own passes; always: every request uses the hub while one is "
+                        "connected")
     p.add_argument("--name", default="serve", help="this target's name at the hub")
     p.add_argument("--hub-timeout", type=SECONDS.arg, default=3.0,
                    help="seconds a hub reply may take at least: past max(this, 10x the "

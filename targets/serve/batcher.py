@@ -474,17 +474,17 @@ class Batcher:
             return
         decoding = [s for s in self._slots.values() if s.decoding]
         alone = [self.engine.cached(s.req.rid) for s in decoding if s.client is None]
-        decision = self.gate.decide(
+        decision = self.gate.verdict(
             [self.engine.cached(s.req.rid) for s in decoding if s.client is not None],
             len(self._new), plain=alone)
-        if decision.trees != self._gate_open or decision.probe:
-            self._gate_open = decision.trees and not decision.probe
+        if decision.trees != self._gate_open:
+            self._gate_open = decision.trees
             gate = self.gate
             log.info("%s: at %d requests decoding (%d plain), %s (trees %.1f tok/s at τ %.2f "
                      "and a %.0f ms round trip, tree passes %.2fx slower beside the hub; "
                      "plain %.1f tok/s)", self.name, decision.rows, len(alone),
-                     "this one uses the hub to measure trees again" if decision.probe else
-                     "requests use the hub" if decision.trees else
+                     "a lone request uses the hub, which judges its rounds" if decision.lone
+                     else "requests use the hub" if decision.trees else
                      "requests decode plain, batched",
                      decision.tree_tok_s, gate.tau.get(PRIOR_TAU),
                      1e3 * gate.round_trip.get(0.0), gate.slowdown.get(1.0),

@@ -28,12 +28,13 @@ passes it forgets the plain ones, and its plain pass drifts: at two rows it read
 keeping them while the batch grew. A fit of plain passes alone only moves when plain
 passes run.
 
-What the gate knows of trees moves only while trees run, so one low reading (a prompt the
-drafter reads badly, a slow spell of the host) would keep every later request plain.
-A request that would decode alone is therefore sent to the hub anyway after 2, then 4,
-then at most 8 plain verdicts in a row (``ProbeBackoff``, as the hub's control plane
-probes its plain targets): alone it slows nobody else, and its rounds measure trees
-again.
+A request that would decode alone always opens its hub session: alone it slows no other
+row of ours, and the hub's control plane judges its rounds one by one from the session's
+own acceptance, our verify and plain step times and the hub's load, sending plain rounds
+where no tree pays (and probing again now and then). The gate cannot know a new prompt's
+acceptance, and its averages move only while trees run: judged by them, one low reading
+(a prompt the drafter reads badly, the first rounds of a cold hub) kept lone requests
+plain for minutes, while the hub, which sees each session's rounds, would have drafted.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from starhub.control.estimators import Ema, ProbeBackoff, TimeAverage
+from starhub.control.estimators import Ema, TimeAverage
 from starhub.fit import LinearFit
 from targets.engine import BatchStats
 
@@ -71,8 +72,9 @@ class Decision(NamedTuple):
     """The gate's verdict on a request's batch, and the rates it was judged by."""
     trees: bool
     """The request opens its hub session (else it and its batch decode plain)."""
-    probe: bool
-    """Trees only to measure them again: the verdict said plain."""
+    lone: bool
+    """It would decode alone: it opens its hub session whatever the rates say, and the
+    hub judges its rounds."""
     rows: int
     tree_tok_s: float
     plain_tok_s: float
@@ -97,8 +99,6 @@ class SpeculationGate:
         """Wall over alone time of the passes that verified trees: what the hub's compute
         next to ours adds to them (1 where it runs elsewhere)."""
         self.margin = margin
-        self.probes = ProbeBackoff()
-        """Plain verdicts for a lone request between two that send it to the hub anyway."""
 
     def observe_pass(self, cost: BatchStats, alone_s: float, wall_s: float | None = None,
                      trees: int = 0) -> None:
@@ -162,24 +162,14 @@ class SpeculationGate:
 
     def pays(self, cached: list[int], queued: int = 0, now: float | None = None,
              plain: Sequence[int] = ()) -> bool:
-        """Whether trees for the sessions of ``cached`` (beside the ``plain`` rows, which
-        cannot take up trees mid-stream) beat plain batching by the margin, in the batch
-        a new request will decode in: this one with the ``queued`` requests still
-        prefilling, or the recent average where that is larger (arrivals go on at the
-        rate that built it, and a request that opened its hub session in a lull would
+        """Whether the request about to open its hub session should: always when it would
+        decode alone; otherwise when trees for the sessions of ``cached`` (beside the
+        ``plain`` rows, which cannot take up trees mid-stream) beat plain batching by the
+        margin, in the batch it will decode in: this one with the ``queued`` requests
+        still prefilling, or the recent average where that is larger (arrivals go on at
+        the rate that built it, and a request that opened its hub session in a lull would
         then hold trees in a full batch); the rows the average adds would use trees."""
         return self.verdict(cached, queued, now, plain).trees
-
-    def decide(self, cached: list[int], queued: int = 0, now: float | None = None,
-               plain: Sequence[int] = ()) -> Decision:
-        """The verdict for a request about to open its hub session, with a probe of
-        trees for a request alone after a streak of plain verdicts."""
-        verdict = self.verdict(cached, queued, now, plain)
-        if verdict.trees:
-            self.probes.trees()
-        elif verdict.rows == 1 and self.probes.plain():
-            return verdict._replace(trees=True, probe=True)
-        return verdict
 
     def verdict(self, cached: list[int], queued: int = 0, now: float | None = None,
                 plain: Sequence[int] = ()) -> Decision:
@@ -189,4 +179,5 @@ class SpeculationGate:
         known = [*cached, *plain]
         mean = sum(known) / len(known) if known else 0.0
         tree, plain_rate = self.rates(cached + [round(mean)] * (rows - len(known)), plain)
-        return Decision(tree >= self.margin * plain_rate, False, rows, tree, plain_rate)
+        lone = rows == 1
+        return Decision(lone or tree >= self.margin * plain_rate, lone, rows, tree, plain_rate)
