@@ -34,7 +34,8 @@ own acceptance, our verify and plain step times and the hub's load, sending plai
 where no tree pays (and probing again now and then). The gate cannot know a new prompt's
 acceptance, and its averages move only while trees run: judged by them, one low reading
 (a prompt the drafter reads badly, the first rounds of a cold hub) kept lone requests
-plain for minutes, while the hub, which sees each session's rounds, would have drafted.
+plain until a probe (at 0.5 requests/s over two servers, half their tokens), while the
+hub, which sees each session's rounds, would have drafted.
 """
 
 from __future__ import annotations
