@@ -349,10 +349,11 @@ class Controller:
             return self._set(sm, Choice(depth, nodes), *self._round(sm, depth, nodes))
         others = [o for t, o in self.sessions.items() if t != tag and o.s]
         load = sum(o.s for o in others)
-        slowest = max((o.s + o.z for o in others), default=0.0)
+        cycles = [(o.e, o.s + o.z) for o in others]
+        slowest = max((cycle for _, cycle in cycles), default=0.0)
 
         def others_rate(slow: float, total_load: float) -> float:
-            return sum(session_rate(o.e, o.s + o.z, slow, total_load) for o in others)
+            return sum(session_rate(e, cycle, slow, total_load) for e, cycle in cycles)
 
         step = sm.target.step_s()
         standalone = 1.0 / step if step > 0 else 0.0
