@@ -168,3 +168,45 @@ def test_ranked_children_are_log_probabilities_best_first():
     for row in range(3):
         assert ranked.ids[row] == logp[row].topk(4).indices.tolist()
         assert ranked.logp[row] == pytest.approx(logp[row].topk(4).values.tolist())
+
+
+def path_probabilities(tree: DraftTree, root: torch.Tensor, expand) -> list[float]:
+    """Each node's draft path probability under ``path_expand`` logits (which depend only
+    on the node's own path), fed parents first with the tree's indices as ids."""
+    rows, logp = {-1: root}, {-1: 0.0}
+    for i, (token, parent) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist(),
+                                            strict=True)):
+        logp[i] = logp[parent] + float(torch.log_softmax(rows[parent], -1)[token])
+        rows[i] = expand([i], [token], [parent])[0]
+    return [float(np.exp(logp[i])) for i in range(len(tree))]
+
+
+def node_paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    """Each node's tokens from the root's child down to it."""
+    out: list[tuple[int, ...]] = []
+    for token, parent in zip(tree.tokens.tolist(), tree.parents.tolist(), strict=True):
+        out.append((out[parent] if parent >= 0 else ()) + (token,))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_floor_leaves_out_the_unlikely_nodes_of_the_same_tree(seed):
+    root = torch.randn(200, generator=torch.Generator().manual_seed(seed)) * 2.0
+    trees = {}
+    for floor in (0.0, 0.05):
+        trees[floor] = build_greedy_tree(root, path_expand(200, seed, 2.0, []), depth=5,
+                                         topk=4, max_nodes=10, floor=floor)
+    full, cut = trees[0.0], trees[0.05]
+    probs = path_probabilities(full, root, path_expand(200, seed, 2.0, []))
+    kept = {path for path, p in zip(node_paths(full), probs, strict=True) if p >= 0.05}
+    assert set(node_paths(cut)) == (kept or {node_paths(full)[0]}), \
+        "the full tree's nodes at or above the floor, and no others"
+    assert len(cut) < len(full)
+
+
+def test_a_floor_above_every_node_keeps_the_best_first_guess():
+    root = torch.zeros(50)
+    root[7] = 0.5
+    tree = build_greedy_tree(root, random_expand(50), depth=5, topk=4, max_nodes=10,
+                             floor=0.9)
+    assert tree.tokens.tolist() == [7] and tree.parents.tolist() == [-1]

@@ -416,10 +416,10 @@ class DraftBatch:
             self.ranked.append(shape.topk if k in plain else 0)
             if k in plain:
                 growers.append(grow_greedy(next(roots), shape.depth, shape.topk,
-                                           shape.max_nodes))
+                                           shape.max_nodes, floor=shape.floor))
             elif score is not None:
                 growers.append(grow_greedy(state.root_logits, shape.depth, shape.topk,
-                                           shape.max_nodes, score))
+                                           shape.max_nodes, score, shape.floor))
             else:
                 growers.append(grow_sampled(state.root_logits, shape.depth, shape.topk,
                                             shape.max_nodes, ctx.temperature, shape.support,
@@ -495,4 +495,5 @@ def _after_outcome(bonus: int, shape: TreeShape):
     logits = yield [-1], [bonus], [-2]
     if logits is None:
         return None
-    return (yield from grow_greedy(logits[0], shape.depth, shape.topk, shape.max_nodes))
+    return (yield from grow_greedy(logits[0], shape.depth, shape.topk, shape.max_nodes,
+                                   floor=shape.floor))

@@ -6,6 +6,7 @@ forward pass can grow many sessions' trees together.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
@@ -158,12 +159,13 @@ depth (1 for the root's children); a seeded sampled session adds the target's no
 
 
 def build_greedy_tree(root_logits: torch.Tensor, expand: Expand, depth: int, topk: int,
-                      max_nodes: int, score: Score | None = None) -> DraftTree:
-    return drive(grow_greedy(root_logits, depth, topk, max_nodes, score), expand)
+                      max_nodes: int, score: Score | None = None, floor: float = 0.0
+                      ) -> DraftTree:
+    return drive(grow_greedy(root_logits, depth, topk, max_nodes, score, floor), expand)
 
 
 def grow_greedy(root_logits: torch.Tensor | Ranked, depth: int, topk: int, max_nodes: int,
-                score: Score | None = None) -> Grower:
+                score: Score | None = None, floor: float = 0.0) -> Grower:
     """EAGLE-2 dynamic tree: expand the top-k paths per layer, keep the best nodes overall.
 
     A node's score is its path's cumulative log-probability, which never grows along a
@@ -171,10 +173,16 @@ def grow_greedy(root_logits: torch.Tensor | Ranked, depth: int, topk: int, max_n
     nodes that could still have a child among them are expanded (``_useful``). With
     ``score``, the log-probabilities are those of the softmax of ``score(logits, layer
     depth)``.
+
+    Nodes whose path probability is below ``floor`` are left out, all but the root's best
+    child: a node is accepted about as often as its path probability says, so where each
+    node costs the target verify time, the unlikely ones cost more than they add. Their
+    subtrees score lower still, so a layer whose nodes all fall below it ends the tree.
     """
     tokens: list[int] = []
     parents: list[int] = []
     scores: list[float] = []
+    least = math.log(floor) if floor > 0 else -math.inf
 
     def add(nodes: list[int], logits: torch.Tensor | Ranked, layer: int) -> list[int]:
         """Each node's top-k children, scored by log-probability: one top-k and one
@@ -185,6 +193,8 @@ def grow_greedy(root_logits: torch.Tensor | Ranked, depth: int, topk: int, max_n
         for node, vals, toks in zip(nodes, logits.logp, logits.ids, strict=True):
             base = scores[node] if node >= 0 else 0.0
             for v, t in zip(vals[:topk], toks[:topk], strict=True):
+                if base + v < least and tokens:  # best first: the rest are lower
+                    break
                 new.append(len(tokens))
                 tokens.append(t)
                 parents.append(node)

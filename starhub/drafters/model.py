@@ -53,7 +53,7 @@ class ModelDrafter(Drafter):
         score = ctx.coupled(self.vocab_size)
         if ctx.greedy or score is not None:
             tree = build_greedy_tree(root_logits, expand, shape.depth, shape.topk,
-                                     shape.max_nodes, score)
+                                     shape.max_nodes, score, shape.floor)
         else:
             tree = build_sampled_tree(root_logits, expand, shape.depth, shape.topk,
                                       shape.max_nodes, ctx.temperature, shape.support,
