@@ -292,3 +292,61 @@ def test_an_average_without_a_prior_weight_moves_by_its_alpha_from_the_start():
     ema.update(4.0)
     assert abs(ema.get(0.0) - 2.1) < 1e-9
     assert Ema(alpha=0.05).update(4.0) == 4.0, "with no starting value the first one is it"
+
+
+def verified(ctl: Controller, tag: int, per_node: float, rounds: int = 40) -> None:
+    """Rounds whose verify takes ``T_V + per_node`` a tree node, over trees of 2 to 8."""
+    for i in range(rounds):
+        nodes = 2 + i % 7
+        ctl.choose(tag)
+        ctl.observe_commit(tag, 1, 3, nodes, T_V + per_node * nodes, None, STEP)
+
+
+def test_a_tree_leaves_out_nodes_worth_less_than_the_verify_time_they_cost():
+    ctl = controller(depth=4, max_targets=0, topk=4, max_nodes=10)
+    ctl.join(b"cpu", "cpu", STEP, 0.0)
+    ctl.open(1, b"cpu", STEP)
+    verified(ctl, 1, per_node=1.2e-3)
+    choice = ctl.choose(1)
+    sm = ctl.sessions[1]
+    slope = ctl.targets[b"cpu"].verify_line()[1]
+    assert slope == pytest.approx(1.2e-3, rel=0.1)
+    assert choice.floor == pytest.approx(sm.e * slope / (sm.s + sm.z))
+    assert 0.02 < choice.floor < 0.2, "a CPU target's node is worth keeping above a few %"
+
+
+def test_nodes_that_cost_nothing_are_all_kept_and_pruning_can_be_turned_off():
+    free = controller(depth=4, max_targets=0, topk=4, max_nodes=10)
+    free.join(b"gpu", "gpu", STEP, 0.0)
+    free.open(1, b"gpu", STEP)
+    verified(free, 1, per_node=0.0)
+    assert free.choose(1).floor < 1e-3
+    off = Controller(ControlConfig(depth=4, topk=4, max_nodes=10, prune=False))
+    off.join(b"cpu", "cpu", STEP, 0.0)
+    off.open(1, b"cpu", STEP)
+    verified(off, 1, per_node=1.2e-3)
+    assert off.choose(1).floor == 0.0
+
+
+def test_a_session_whose_trees_keep_few_nodes_is_priced_at_the_nodes_it_keeps():
+    """Verify costs 5 ms a node and the floor leaves a quarter of each tree: priced at the
+    full trees, no tree would pay, yet the trees it sends do."""
+    ctl = controller(depth=AUTO, max_targets=0, topk=4, max_nodes=10)
+    ctl.join(b"cpu", "cpu", STEP, 0.0)
+    ctl.open(1, b"cpu", STEP)
+    rng = random.Random(0)
+    choices = []
+    for _ in range(300):
+        choice = ctl.choose(1)
+        choices.append(choice)
+        if choice.plain:
+            ctl.observe_commit(1, 0, 0, 0, choice.plain * STEP, choice.plain * STEP + T_C,
+                               STEP)
+            continue
+        kept = max(1, choice.nodes // 4)
+        accepted = 0
+        while accepted < min(choice.depth, kept) and rng.random() < 0.7:
+            accepted += 1
+        ctl.observe_commit(1, accepted, choice.depth, kept, STEP + 5e-3 * kept, None, STEP)
+    assert sum(not c.plain for c in choices[-100:]) >= 90
+    assert ctl.sessions[1].kept.get(1.0) < 0.4

@@ -26,6 +26,7 @@ from starhub.options import (  # noqa: F401  (re-exported: earlier homes of thes
     DEFAULT_DRAFT_PROCESS,
     DEFAULT_LOOKUP,
     DEFAULT_PREDRAFT,
+    DEFAULT_PRUNE,
     DEFAULT_SHAPE,
     DEFAULT_THREADS,
     DTYPES,
@@ -133,6 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "the latest earlier occurrence of its last 2-4 tokens (prompt "
                           "lookup), one branch of at most --depth tokens, where the tree lacks "
                           "it. Pays where answers copy from their prompt: passages, code")
+    hub.add_argument("--prune", type=on_off_arg, default=DEFAULT_PRUNE, metavar="on|off",
+                     help="on (default): a greedy tree leaves out the nodes whose draft "
+                          "probability is below what they cost, each round: the target's "
+                          "measured verify time per node over its round, times the tokens a "
+                          "round commits. A node is accepted about as often as that "
+                          "probability says, so on a CPU target, where a node costs about a "
+                          "twentieth of a step, the unlikely ones slow it; on a GPU almost "
+                          "none are left out. Output never changes")
     hub.add_argument("--draft-process", type=auto_on_off_arg, default=DEFAULT_DRAFT_PROCESS,
                      metavar="auto|on|off",
                      help="on: draft in a process of its own, so that drafting never waits "
@@ -275,7 +284,7 @@ def cmd_hub(args: argparse.Namespace) -> int:
                        metrics_port=args.metrics_port, threads=threads,
                        limits=limits_from_args(args), security=secure,
                        batch=args.batch, predraft=args.predraft,
-                       lookup=args.lookup)
+                       lookup=args.lookup, prune=args.prune)
     hub = Hub(drafter, config)
     logging.getLogger("starhub.hub").info("torch threads=%d, drafter weights %s", threads,
                                           getattr(drafter, "dtype", "none"))

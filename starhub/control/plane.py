@@ -25,7 +25,7 @@ where no tree pays. The hub calls this module; it never touches sockets.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from starhub.control.estimators import Acceptance, Ema, ProbeBackoff
 from starhub.fit import LinearFit
@@ -45,6 +45,9 @@ slowest)^IN_STEP_POWER`` of the difference. Squared: at four emulated targets of
 acceptance (load 0.8 of the slowest round trip) sessions already queued 2 ms a round
 behind one another, and counting them in step there took ``--depth auto`` from 0.95x to
 1.00x the best fixed depth; at a quarter of it (the demo's two targets) it counts 6%."""
+MAX_FLOOR = 0.5
+"""No floor leaves out a node the head gives even odds, whatever the cost estimates say
+(before a target has verified a tree its cost per node is a prior)."""
 CONFIDENCE = 2.0
 """Admission counts acceptance this many standard errors below its estimate: an admitted
 target keeps its slot until it leaves, so a lucky streak must not admit one too many."""
@@ -59,6 +62,8 @@ class Choice:
     nodes: int = 0
     plain: int = 0
     probe: bool = False
+    floor: float = 0.0
+    """Nodes of a greedy tree below this draft path probability are left out."""
 
     @property
     def label(self) -> str:
@@ -78,6 +83,9 @@ class ControlConfig:
     t_c_prior_s: float = 1e-3
     verify_slope_prior: float = 0.04
     """Verification cost per tree node, as a fraction of a plain step, until measured."""
+    prune: bool = True
+    """Each tree choice carries a ``floor``: greedy trees leave out the nodes worth less
+    than the verify time they cost."""
 
     @property
     def adaptive(self) -> bool:
@@ -106,6 +114,8 @@ class TargetProfile:
         self.shared_cores = False
         """The target said it computes on the hub's cores: its step is then timed with the
         cores to itself (``starhub.cores``), so the hub's drafting counts against trees."""
+        self.kept = Ema(1.0, alpha=0.05)
+        """The share of its chosen trees' nodes the floor left, over its sessions."""
         self.probes = ProbeBackoff()
         """Plain rounds between two probes of the target's plain sessions: 2, 4, then 8;
         kept across the target's sessions."""
@@ -140,6 +150,11 @@ class SessionModel:
     """Hub time per round at the current choice (0 when plain)."""
     z: float = 0.0
     e: float = 1.0
+    kept: Ema = field(default_factory=Ema)
+    """The share of a chosen tree's nodes that a floor left in this session's rounds (a
+    prompt the head reads with confidence keeps most, a poorly read one few), from its
+    target's share: its verify time is priced at that share, as its acceptance is learned
+    from the same rounds."""
 
 
 class Controller:
@@ -186,7 +201,13 @@ class Controller:
         target = sm.target
         target.report_step(step_s)
         if sm.choice.plain == 0 and depth > 0:
-            sm.acceptance.observe(depth, accepted)
+            # A tree its floor cut short counts to the depth chosen: E(d) is then what a
+            # round of depth d yields with the floor, as the choice needs it.
+            sm.acceptance.observe(max(depth, sm.choice.depth), accepted)
+            if sm.choice.nodes:
+                share = min(nodes / sm.choice.nodes, 1.0)
+                sm.kept.update(share)
+                target.kept.update(share)
             if verify_s > 0:
                 target.verify.update([1.0, nodes], verify_s)
         if return_s is not None and verify_s > 0:
@@ -314,7 +335,8 @@ class Controller:
             target.report_step(step_s)
         target.shared_cores = shared_cores
         target.sessions.add(tag)
-        self.sessions[tag] = SessionModel(target, Acceptance(parent=target.acceptance))
+        self.sessions[tag] = SessionModel(target, Acceptance(parent=target.acceptance),
+                                          kept=Ema(target.kept.get(1.0), alpha=0.1, prior=2))
 
     def close(self, tag: int) -> None:
         sm = self.sessions.pop(tag, None)
@@ -333,6 +355,7 @@ class Controller:
         target = sm.target
         t_c = target.t_c.get(self.config.t_c_prior_s)
         base, slope = target.verify_line()
+        slope *= sm.kept.get(1.0)
         expected = sm.acceptance.expected_tokens()
         return [(d, n, s, t_c + max(base + slope * n, 0.0), expected[min(d, MAX_AUTO_DEPTH)])
                 for (d, n), s in zip(shapes, self.services(shapes), strict=True)]
@@ -377,8 +400,22 @@ class Controller:
         return self._set(sm, Choice(plain=self.config.plain_tokens), 0.0, 0.0, 1.0)
 
     def _set(self, sm: SessionModel, choice: Choice, s: float, z: float, e: float) -> Choice:
+        if choice.depth and self.config.prune:
+            choice = replace(choice, floor=self.floor(sm.target, s + z, e))
         sm.choice, sm.s, sm.z, sm.e = choice, s, z, e
         return choice
+
+    def floor(self, target: TargetProfile, cycle: float, e: float) -> float:
+        """The draft path probability below which a tree node costs its session more than
+        it adds. A round commits ``e`` tokens every ``cycle`` seconds; a node adds its
+        chance of being accepted, which the head's path probability tracks (with the
+        shipped head, nodes of path probability 0.02, 0.04, 0.07 and 0.14 were accepted
+        2.9%, 5.1%, 8.3% and 18% of the time over 10,000 held-out nodes), and costs the
+        target's verify time per node. It pays where ``p / slope >= e / cycle``."""
+        slope = target.verify_line()[1]
+        if slope <= 0 or cycle <= 0:
+            return 0.0
+        return min(e * slope / cycle, MAX_FLOOR)
 
     # --- what the model predicts ---------------------------------------------------------
 

@@ -11,6 +11,7 @@ from starhub.options import (
     COUNT,
     DEFAULT_LOOKUP,
     DEFAULT_PREDRAFT,
+    DEFAULT_PRUNE,
     MESSAGE_BYTES,
     PORT,
     POSITIVE,
@@ -54,6 +55,8 @@ class HubConfig:
     tree for its likeliest outcomes, so a matching COMMIT is answered at once."""
     lookup: bool = DEFAULT_LOOKUP
     """``--lookup``: graft a prompt-lookup branch onto each greedy session's tree."""
+    prune: bool = DEFAULT_PRUNE
+    """``--prune``: greedy trees leave out nodes worth less than the verify time they cost."""
 
     def __post_init__(self) -> None:
         """Every number finite and in range (``starhub.options``), or a ``ValueError`` that
@@ -72,4 +75,5 @@ class HubConfig:
     def control(self) -> ControlConfig:
         return ControlConfig(depth=AUTO if self.adaptive else self.shape.depth,
                              topk=self.shape.topk, max_nodes=self.shape.max_nodes,
-                             max_targets=self.max_targets, retry_after_s=self.retry_after_s)
+                             max_targets=self.max_targets, retry_after_s=self.retry_after_s,
+                             prune=self.prune)

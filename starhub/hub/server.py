@@ -291,7 +291,8 @@ class Hub(Server):
         choice = self.control.choose(session.tag)
         session.choice = choice
         self.metrics.chose(choice.label)
-        log.debug("session %d round %d: %s%s", session.tag, session.seq, choice.label,
+        log.debug("session %d round %d: %s%s%s", session.tag, session.seq, choice.label,
+                  f" floor {choice.floor:.3f}" if choice.floor else "",
                   " (probe)" if choice.probe else "")
         now = time.monotonic()
         if choice.plain:

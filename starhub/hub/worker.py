@@ -323,7 +323,7 @@ class DraftWorker:
     def shape(self, session: DraftSession) -> TreeShape:
         config = self.config.shape
         return TreeShape(session.choice.depth, config.topk, session.choice.nodes,
-                         config.support)
+                         config.support, session.choice.floor)
 
     def send(self, req: Request, tree: DraftTree, now: float) -> None:
         session = req.session
