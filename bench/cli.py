@@ -19,6 +19,7 @@ from starhub.options import (
     DEFAULT_DRAFT_PROCESS,
     DEFAULT_LOOKUP,
     DEFAULT_PREDRAFT,
+    DEFAULT_PRUNE,
     DEFAULT_THREADS,
     DTYPES,
     LINEARS,
@@ -48,6 +49,7 @@ RATE = Number(float, Meta(gt=0))
 TREE_ARGS = ("drafter", "draft", "depth", "topk", "max_nodes", "draft_dtype")
 PREDRAFT_DEFAULT = "on" if DEFAULT_PREDRAFT else "off"
 LOOKUP_DEFAULT = "on" if DEFAULT_LOOKUP else "off"
+PRUNE_DEFAULT = "on" if DEFAULT_PRUNE else "off"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -86,6 +88,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--lookup", default=None,
                    help="comma list of the hub's --lookup (on, off); each value gets its own "
                         f"star or hub-load row for every N (default: {LOOKUP_DEFAULT}, as "
+                        "`starhub hub`)")
+    p.add_argument("--prune", default=None,
+                   help="comma list of the hub's --prune (on, off); each value gets its own "
+                        f"star or hub-load row for every N (default: {PRUNE_DEFAULT}, as "
                         "`starhub hub`)")
     p.add_argument("--draft-process", default=None,
                    help="comma list of the hub's --draft-process (auto, on, off); each value "
@@ -142,7 +148,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "hub load", "--hub-load: a real hub and drafter, and N replay clients that compute "
         "nothing: they answer each PROPOSE from a recorded greedy run of --model (recorded "
         "once, then cached), at once or after --emulate t_v=TIME. One row per N and "
-        "combination of --depth, --max-targets, --batch, --predraft, --lookup and "
+        "combination of --depth, --max-targets, --batch, --predraft, --lookup, --prune and "
         "--draft-process")
     load.add_argument("--hub-load", action="store_true")
     load.add_argument("--repeat", type=POSITIVE.arg, default=1, metavar="R",
@@ -294,6 +300,7 @@ def hub_load_doc(args: argparse.Namespace, ns: list[int], tree: dict,
                         predraft=parse_list(args.predraft or PREDRAFT_DEFAULT, on_off_arg,
                                           "--predraft"),
                         lookup=parse_list(args.lookup or LOOKUP_DEFAULT, on_off_arg, "--lookup"),
+                        prune=parse_list(args.prune or PRUNE_DEFAULT, on_off_arg, "--prune"),
                         draft_process=draft_processes(args),
                         warmup_s=args.warmup, duration_s=args.duration,
                         t_v=parse_t_v(args.emulate), cache=args.replay_cache,
@@ -307,6 +314,7 @@ def hub_load_doc(args: argparse.Namespace, ns: list[int], tree: dict,
 SERVE_HUB_FLAGS = {"drafter": str, "draft": str, "depth": depth_arg, "topk": TREE.arg,
                    "max_nodes": TREE.arg, "max_targets": max_targets_arg,
                    "batch": batch_arg, "predraft": on_off_arg, "lookup": on_off_arg,
+                   "prune": on_off_arg,
                    "draft_process": auto_on_off_arg, "draft_dtype": str}
 """The hub flags --serve passes on, one value each, where given, with their parsers."""
 
@@ -349,7 +357,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--repeat applies to --hub-load only")
     if args.topology == "edge" or (args.emulate and not args.hub_load):
         given = [flag for flag, value in (("--batch", args.batch), ("--predraft", args.predraft),
-                                          ("--lookup", args.lookup),
+                                          ("--lookup", args.lookup), ("--prune", args.prune),
                                           ("--draft-process", args.draft_process))
                  if value is not None]
         if given:
@@ -392,6 +400,7 @@ def main(args: argparse.Namespace) -> int:
                                               "--predraft"),
                           lookup=parse_list(args.lookup or LOOKUP_DEFAULT, on_off_arg,
                                             "--lookup"),
+                          prune=parse_list(args.prune or PRUNE_DEFAULT, on_off_arg, "--prune"),
                           draft_process=draft_processes(args),
                           baselines=baselines, log_dir=args.log_dir, dtype=args.dtype,
                           linear=args.linear, **tree)

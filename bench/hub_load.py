@@ -130,7 +130,7 @@ def run_point(cfg: HubLoadConfig, n: int, variant: StarVariant, log_dir: str,
             print(f"hub-load: N={n} depth={variant.depth} topk={variant.topk} "
                   f"max-nodes={variant.max_nodes} max-targets={variant.max_targets} "
                   f"batch={variant.batch} predraft={on_off(variant.predraft)} "
-                  f"lookup={on_off(variant.lookup)} "
+                  f"lookup={on_off(variant.lookup)} prune={on_off(variant.prune)} "
                   f"draft-process={on_off(variant.draft_process)}: "
                   + (f"run {run + 1} of {cfg.repeat}, " if cfg.repeat > 1 else "") +
                   f"{cfg.warmup_s:g}s warm-up, "
@@ -171,7 +171,7 @@ def run_hub_load(cfg: HubLoadConfig, progress: bool = True) -> dict:
     meta = asdict(recording.meta) if recording is not None else {}
     config = {k: v for k, v in asdict(cfg).items() if k not in ("log_dir", "predraft")}
     config.update(mode="hub-load", predraft=[on_off(p) for p in cfg.predraft],
-                  lookup=[on_off(v) for v in cfg.lookup],
+                  lookup=[on_off(v) for v in cfg.lookup], prune=[on_off(v) for v in cfg.prune],
                   draft_process=[on_off(v) for v in cfg.draft_process], logs=log_dir,
                   recording={**{k: meta.get(k) for k in (
                       "key", "model", "prompts", "prompt_names", "max_new_tokens",

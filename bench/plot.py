@@ -17,7 +17,7 @@ def _series(rows: list[dict], key: str, sub: str | None = None) -> tuple[list, l
 
 
 ROW_OPTIONS = ("draft", "depth", "topk", "max_nodes", "max_targets", "batch", "predraft",
-               "lookup", "draft_process")
+               "lookup", "prune", "draft_process")
 """What a star row records of the hub's comparison options."""
 
 

@@ -34,7 +34,8 @@ EMULATED_EXTRA = [
 
 
 CONTROL_COLUMNS = [("batch", "batch", "{}"), ("predraft", "predraft", "{}"),
-                   ("lookup", "lookup", "{}"), ("process", "draft_process", "{}")]
+                   ("lookup", "lookup", "{}"), ("prune", "prune", "{}"),
+                   ("process", "draft_process", "{}")]
 """After ``max`` in star tables whose rows record the hub's batching and pre-drafting."""
 DRAFT_COLUMNS = [("batch_mean", "batch_mean", "{:.2f}"),
                  ("predraft_hit", "predraft_hit_rate", "{:.3f}"),

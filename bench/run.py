@@ -31,6 +31,7 @@ from starhub.options import (
     DEFAULT_DRAFT_PROCESS,
     DEFAULT_LOOKUP,
     DEFAULT_PREDRAFT,
+    DEFAULT_PRUNE,
     resolve_threads,
     usable_cores,
 )
@@ -74,6 +75,8 @@ class StarConfig:
     """Star rows run once per value: the hub's ``--predraft``."""
     lookup: list[bool] = field(default_factory=lambda: [DEFAULT_LOOKUP])
     """Star rows run once per value: the hub's ``--lookup``."""
+    prune: list[bool] = field(default_factory=lambda: [DEFAULT_PRUNE])
+    """Star rows run once per value: the hub's ``--prune``."""
     draft_process: list[bool | str] = field(default_factory=lambda: [DEFAULT_DRAFT_PROCESS])
     """Star rows run once per value: the hub's ``--draft-process``."""
 
@@ -109,13 +112,13 @@ class BenchConfig(StarConfig):
 
 def variants(cfg) -> list[StarVariant]:
     """Every combination of a config's ``draft``, ``depth``, ``topk``, ``max_nodes``,
-    ``max_targets``, ``batch``, ``predraft``, ``lookup`` and ``draft_process`` lists, one
-    row each."""
+    ``max_targets``, ``batch``, ``predraft``, ``lookup``, ``prune`` and ``draft_process``
+    lists, one row each."""
     drafts = cfg.draft if isinstance(cfg.draft, list) else [cfg.draft]
-    return [StarVariant(d, m, b, p, w, k, n, look, x) for w in drafts for d in cfg.depth
+    return [StarVariant(d, m, b, p, w, k, n, look, x, cut) for w in drafts for d in cfg.depth
             for k in cfg.topk for n in cfg.max_nodes
             for m in cfg.max_targets for b in cfg.batch for p in cfg.predraft
-            for look in cfg.lookup for x in cfg.draft_process]
+            for look in cfg.lookup for x in cfg.draft_process for cut in cfg.prune]
 
 
 def hub_flags(cfg, variant: StarVariant) -> list[str]:
@@ -126,7 +129,7 @@ def hub_flags(cfg, variant: StarVariant) -> list[str]:
             "--max-nodes", str(variant.max_nodes), "--draft-dtype", cfg.draft_dtype,
             "--max-targets", str(variant.max_targets), "--batch", str(variant.batch),
             "--predraft", on_off(variant.predraft), "--lookup", on_off(variant.lookup),
-            "--draft-process", on_off(variant.draft_process)]
+            "--prune", on_off(variant.prune), "--draft-process", on_off(variant.draft_process)]
 
 
 @dataclass(frozen=True)
@@ -142,12 +145,13 @@ class StarVariant:
     max_nodes: int = TreeShape().max_nodes
     lookup: bool = DEFAULT_LOOKUP
     draft_process: bool | str = DEFAULT_DRAFT_PROCESS
+    prune: bool = DEFAULT_PRUNE
 
     @property
     def name(self) -> str:
         tag = (f"d{self.depth}-k{self.topk}-n{self.max_nodes}-m{self.max_targets}"
                f"-b{self.batch}-p{on_off(self.predraft)}-l{on_off(self.lookup)}"
-               f"-x{on_off(self.draft_process)}")
+               f"-x{on_off(self.draft_process)}-c{on_off(self.prune)}")
         return tag + (f"-w{zlib.crc32(self.draft.encode()):08x}" if self.draft else "")
 
     def record(self) -> dict:
@@ -155,7 +159,8 @@ class StarVariant:
         return {"depth": self.depth, "topk": self.topk, "max_nodes": self.max_nodes,
                 "max_targets": self.max_targets, "batch": self.batch,
                 "predraft": on_off(self.predraft), "lookup": on_off(self.lookup),
-                "draft_process": on_off(self.draft_process), "draft": self.draft}
+                "draft_process": on_off(self.draft_process), "prune": on_off(self.prune),
+                "draft": self.draft}
 
 
 def first_variant(cfg: StarConfig) -> StarVariant:
@@ -433,6 +438,7 @@ def _run_real(cfg: BenchConfig, threads: int, progress: bool) -> dict:
                                     f"{variant.max_targets} batch={variant.batch} "
                                     f"predraft={on_off(variant.predraft)} "
                                     f"lookup={on_off(variant.lookup)} "
+                                    f"prune={on_off(variant.prune)} "
                                     f"draft-process={on_off(variant.draft_process)}")
                 rows.append(run_star(cfg, n, log_dir, reference, tick=tick, variant=variant))
         if reference is not None and cfg.targets and star_rows:
@@ -445,6 +451,7 @@ def _run_real(cfg: BenchConfig, threads: int, progress: bool) -> dict:
     config.update(linear=linear_kernel(cfg.linear, model.dtype),
                   predraft=[on_off(p) for p in cfg.predraft],
                   lookup=[on_off(v) for v in cfg.lookup],
+                  prune=[on_off(v) for v in cfg.prune],
                   draft_process=[on_off(v) for v in cfg.draft_process])
     config.update(threads_resolved={"cores": usable_cores(), "baselines": threads,
                                     "targets": {str(n): resolve_threads(cfg.threads, n)

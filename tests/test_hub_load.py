@@ -44,20 +44,23 @@ def test_hub_load_takes_only_a_verify_time():
         parse_t_v("t_s=1ms,t_v=2ms")
 
 
-def test_star_rows_for_every_batch_predraft_lookup_and_draft_process_value():
+def test_star_rows_for_every_batch_predraft_lookup_prune_and_draft_process_value():
     cfg = BenchConfig(targets=[1], drafter="ngram", draft=None, depth=[3, "auto"], topk=2,
                       max_nodes=6, batch=[1, "auto"], predraft=[True, False],
-                      lookup=[False, True], draft_process=[True, False])
+                      lookup=[False, True], draft_process=[True, False], prune=[True, False])
     rows = variants(cfg)
-    assert len(rows) == 32 and len({r.name for r in rows}) == 32
-    flags = hub_flags(cfg, StarVariant(3, 0, 1, False, lookup=False, draft_process=False))
+    assert len(rows) == 64 and len({r.name for r in rows}) == 64
+    flags = hub_flags(cfg, StarVariant(3, 0, 1, False, lookup=False, draft_process=False,
+                                       prune=False))
     assert flags[flags.index("--batch") + 1] == "1"
     assert flags[flags.index("--predraft") + 1] == "off"
     assert flags[flags.index("--lookup") + 1] == "off"
+    assert flags[flags.index("--prune") + 1] == "off"
     assert flags[flags.index("--draft-process") + 1] == "off"
     assert StarVariant("auto", 0, "auto", True).record() == {
         "depth": "auto", "topk": 4, "max_nodes": 10, "max_targets": 0, "batch": "auto",
-        "predraft": "on", "lookup": "on", "draft_process": "auto", "draft": None}
+        "predraft": "on", "lookup": "on", "draft_process": "auto", "prune": "on",
+        "draft": None}
 
 
 def test_star_rows_for_every_topk_and_node_budget_given():
