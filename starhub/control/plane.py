@@ -388,34 +388,38 @@ class Controller:
             if depth <= PROBE_DEPTH and (probe is None or own > probe[0]):
                 probe = (own, depth, nodes, s, z, e)
             if own >= MARGIN * standalone and total > best_total:
-                best, best_total = (depth, nodes, s, z, e), total
+                best, best_total = (own, depth, nodes, s, z, e), total
         target = sm.target
         if best is not None:
             target.probes.trees()
-            depth, nodes, s, z, e = best
-            return self._set(sm, Choice(depth, nodes), s, z, e)
+            own, depth, nodes, s, z, e = best
+            return self._set(sm, Choice(depth, nodes), s, z, e, own)
         if target.probes.plain():
-            _, depth, nodes, s, z, e = probe
-            return self._set(sm, Choice(depth, nodes, probe=True), s, z, e)
+            own, depth, nodes, s, z, e = probe
+            return self._set(sm, Choice(depth, nodes, probe=True), s, z, e, own)
         return self._set(sm, Choice(plain=self.config.plain_tokens), 0.0, 0.0, 1.0)
 
-    def _set(self, sm: SessionModel, choice: Choice, s: float, z: float, e: float) -> Choice:
+    def _set(self, sm: SessionModel, choice: Choice, s: float, z: float, e: float,
+             rate: float | None = None) -> Choice:
+        """Record the choice; a tree's carries the floor at the session's predicted rate
+        (default: its own round's, ``e / (s + z)``)."""
         if choice.depth and self.config.prune:
-            choice = replace(choice, floor=self.floor(sm.target, s + z, e))
+            rate = e / (s + z) if rate is None and s + z > 0 else rate or 0.0
+            choice = replace(choice, floor=self.floor(sm.target, rate))
         sm.choice, sm.s, sm.z, sm.e = choice, s, z, e
         return choice
 
-    def floor(self, target: TargetProfile, cycle: float, e: float) -> float:
+    def floor(self, target: TargetProfile, rate: float) -> float:
         """The draft path probability below which a tree node costs its session more than
-        it adds. A round commits ``e`` tokens every ``cycle`` seconds; a node adds its
-        chance of being accepted, which the head's path probability tracks (with the
-        shipped head, nodes of path probability 0.02, 0.04, 0.07 and 0.14 were accepted
-        2.9%, 5.1%, 8.3% and 18% of the time over 10,000 held-out nodes), and costs the
-        target's verify time per node. It pays where ``p / slope >= e / cycle``."""
+        it adds, for a session committing ``rate`` tokens a second. A node adds its chance
+        of being accepted, which the head's path probability tracks (with the shipped
+        head, nodes of path probability 0.02, 0.04, 0.07 and 0.14 were accepted 2.9%, 5.1%,
+        8.3% and 18% of the time over 10,000 held-out nodes), and costs the target's verify
+        time per node, ``slope``: it pays where ``p >= slope · rate``. A session that waits
+        on others' drafts commits less than its own round trip allows, and a node's verify
+        time then delays it less: its rate is the model's, the queue included."""
         slope = target.verify_line()[1]
-        if slope <= 0 or cycle <= 0:
-            return 0.0
-        return min(e * slope / cycle, MAX_FLOOR)
+        return min(max(slope * rate, 0.0), MAX_FLOOR)
 
     # --- what the model predicts ---------------------------------------------------------
 
@@ -435,7 +439,8 @@ class Controller:
         step = sum(steps) / len(steps) if steps else self.hello_step.get(0.0)
         prior = self.config.t_c_prior_s
         t_c = sum(t.t_c.get(prior) for t in targets) / len(targets) if targets else prior
-        lines = [t.verify_line() for t in targets if t.verify.samples or t.step.value]
+        lines = [(base, slope * t.kept.get(1.0)) for t in targets
+                 if t.verify.samples or t.step.value for base, slope in [t.verify_line()]]
         expected = self.hub_acceptance.expected_tokens()
         best = None
         for depth, nodes in self.config.shapes():
