@@ -4,8 +4,10 @@ The hub's floor (``Controller.floor``) leaves out the nodes of a greedy tree who
 probability is below what one node costs the target. That rule counts a node's
 probability as its chance of being accepted; this script measures how far that holds. It
 decodes greedily in one process, the target verifying each tree the EAGLE head drafts,
-and bins every drafted node by its path probability. (The cost side of the rule, the
-target's verify time per node, the hub measures from each COMMIT.)
+and bins every drafted node by its path probability. With ``--costs`` it also replays the
+rounds with each floor of ``--floors`` held fixed: a round keeps the nodes at or above
+the floor (the root's best child always), commits its accepted path up to the first node
+left out plus the bonus token, and takes ``base + slope·nodes + hub`` milliseconds.
 
     .venv/bin/python -m scripts.tree_calibration --prompts scripts/prompts/heldout.jsonl
 """
@@ -59,13 +61,17 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--max-nodes", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--costs", default=None, metavar="BASE,SLOPE,HUB",
+                   help="milliseconds: a verify's base, its cost per node, the hub's share "
+                        "of a round; replays the rounds at each of --floors")
+    p.add_argument("--floors", default="0,0.01,0.02,0.03,0.05,0.08,0.12")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("default")
     drafter = make_drafter("eagle")
     shape = TreeShape(args.depth, args.topk, args.max_nodes)
     nodes: list[tuple[float, bool]] = []
-    rounds = 0
+    rounds: list[tuple[list[float], list[int]]] = []
     with PathScores() as paths:
         for _, prompt in read_prompts(args.prompts):
             ids = encode_prompt(tokenizer, prompt)
@@ -78,9 +84,10 @@ def main() -> None:
                 if len(paths.kept) != len(tree):
                     raise RuntimeError("the drafter did not grow a greedy tree")
                 verdict = target.verify(tree)
-                rounds += 1
+                probs = [math.exp(s) for s in paths.kept]
+                rounds.append((probs, list(verdict.path)))
                 accepted = set(verdict.path)
-                nodes += [(math.exp(s), i in accepted) for i, s in enumerate(paths.kept)]
+                nodes += [(q, i in accepted) for i, q in enumerate(probs)]
                 ctx.tokens.extend(verdict.tokens)
                 ctx.features.append(verdict.features)
                 made += len(verdict.tokens)
@@ -88,7 +95,7 @@ def main() -> None:
                     break
     probs = np.array([n[0] for n in nodes])
     hits = np.array([n[1] for n in nodes], dtype=float)
-    print(f"{len(nodes)} nodes in {rounds} rounds "
+    print(f"{len(nodes)} nodes in {len(rounds)} rounds "
           f"(depth {args.depth}, top-{args.topk}, {args.max_nodes} nodes, "
           f"{args.threads} torch thread(s)); accepted {hits.mean():.3f} of them")
     print("path probability   nodes   mean probability   accepted")
@@ -97,6 +104,30 @@ def main() -> None:
         if inside.any():
             print(f"[{lo:.2f}, {min(hi, 1.0):.2f})   {int(inside.sum()):6d}   "
                   f"{probs[inside].mean():16.3f}   {hits[inside].mean():8.3f}")
+    if args.costs:
+        base, slope, hub = (float(x) / 1e3 for x in args.costs.split(","))
+        for floor in (float(x) for x in args.floors.split(",")):
+            tokens, seconds, kept = replay(rounds, floor, base, slope, hub)
+            print(f"floor {floor:.2f}: {tokens / seconds:.1f} tok/s, "
+                  f"tau {tokens / len(rounds):.2f}, {kept / len(rounds):.1f} nodes a tree")
+
+
+def replay(rounds: list[tuple[list[float], list[int]]], floor: float, base: float,
+           slope: float, hub: float) -> tuple[int, float, int]:
+    """(tokens, seconds, nodes) of the rounds had each kept only nodes at or above
+    ``floor``, the root's best child always; a node's subtree scores lower still."""
+    tokens, seconds, kept = 0, 0.0, 0
+    for probs, path in rounds:
+        keep = {i for i, q in enumerate(probs) if q >= floor} or {int(np.argmax(probs))}
+        accepted = 0
+        for node in path:
+            if node not in keep:
+                break
+            accepted += 1
+        tokens += accepted + 1
+        seconds += base + slope * len(keep) + hub
+        kept += len(keep)
+    return tokens, seconds, kept
 
 
 if __name__ == "__main__":
