@@ -350,3 +350,4 @@ def test_a_session_whose_trees_keep_few_nodes_is_priced_at_the_nodes_it_keeps():
         ctl.observe_commit(1, accepted, choice.depth, kept, STEP + 5e-3 * kept, None, STEP)
     assert sum(not c.plain for c in choices[-100:]) >= 90
     assert ctl.sessions[1].kept.get(1.0) < 0.4
+    assert ctl.snapshot(0.0).targets[0].kept_share < 0.4, "STATS reports the share"

@@ -497,7 +497,8 @@ class Controller:
                     predicted_tok_s=sum(rates) if rates else None,
                     t_c_ms=1e3 * target.t_c.get(self.config.t_c_prior_s),
                     verify_ms_fit=[1e3 * w for w in target.verify.weights],
-                    verify_samples=target.verify.samples, shared_cores=target.shared_cores))
+                    verify_samples=target.verify.samples, shared_cores=target.shared_cores,
+                    kept_share=target.kept.get(1.0)))
         return ControlReport(
             depth=self.config.depth, max_targets=self.config.max_targets,
             admitted=len(self.targets), rejections=self.rejections,

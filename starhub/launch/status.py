@@ -163,7 +163,7 @@ def hub_report(address: str, body: HubReport) -> str:
             f"{drafting_line(body.drafting)}")
     control = {t.name: t for t in body.control.targets or []}
     rows = [["target", "state", "rounds", "tokens", "tok/s", "step ms", "alone tok/s",
-             "predicted tok/s", "t_c ms", "shares cores"]]
+             "predicted tok/s", "t_c ms", "nodes kept", "shares cores"]]
     peers = body.counters.peers if body.counters else None
     for name, rounds, _queue, _draft, _commits, tokens, first, last in peers or []:
         c = control.get(name)
@@ -171,6 +171,7 @@ def hub_report(address: str, body: HubReport) -> str:
                      _fmt(tokens / (last - first) if last > first else None),
                      *(_fmt(getattr(c, key, None)) for key in
                        ("step_ms", "standalone_tok_s", "predicted_tok_s", "t_c_ms")),
+                     _fmt(c.kept_share, ".2f") if c else "-",
                      ("yes" if c.shared_cores else "no") if c else "-"])
     if len(rows) == 1:
         return head + "\nno targets yet"

@@ -137,6 +137,8 @@ class TargetEntry(Entry):
     verify_samples: int
     shared_cores: bool = False
     """The target computes on the hub's cores and times its step alone."""
+    kept_share: float = 1.0
+    """The share of its chosen trees' nodes that each round's floor kept."""
 
 
 class ControlReport(Entry):
