@@ -19,7 +19,9 @@ import torch
 from starhub.drafters.base import DraftContext, DrafterLost, TreeShape
 from starhub.drafters.eagle import EagleDrafter
 from starhub.drafters.eagle_head import EAGLE, save_eagle_head
+from starhub.drafters.ngram import NgramDrafter
 from starhub.hub import drafting_process
+from starhub.hub.config import HubConfig
 from starhub.hub.drafting_process import RemoteDrafter, Watch
 from starhub.options import AUTO, auto_on_off_arg, draft_process_for
 from starhub.wire.messages import TargetCard
@@ -235,3 +237,12 @@ def test_auto_gives_only_the_batching_drafter_a_process_of_its_own():
     assert [auto_on_off_arg(v) for v in ("auto", "on", "off")] == [AUTO, True, False]
     with pytest.raises(argparse.ArgumentTypeError, match="'auto', 'on' or 'off'"):
         auto_on_off_arg("maybe")
+
+
+def test_the_hub_prunes_trees_only_for_a_drafter_whose_probabilities_track_acceptance(
+        drafters):
+    _, remote = drafters
+    assert remote.calibrated, "the child reports the EAGLE head's calibration"
+    assert HubConfig().control(calibrated=remote.calibrated).prune
+    assert not HubConfig().control(calibrated=NgramDrafter().calibrated).prune
+    assert not HubConfig(prune=False).control(calibrated=True).prune

@@ -83,6 +83,11 @@ class Drafter(ABC):
     """Whether the hub may graft a prompt-lookup branch onto this drafter's greedy trees
     (``--lookup``): not for one that is all lookup, nor for a stand-in whose target never
     reads tokens."""
+    calibrated: bool = False
+    """Whether a greedy tree's path probabilities track how often its nodes are accepted,
+    so that the hub may leave out the unlikely ones (``--prune``). Measured for the EAGLE
+    head (``scripts/tree_calibration.py``); not so for a draft model, whose probabilities
+    say nothing of a target that agrees with it everywhere (``self``) or nowhere."""
     batches: bool = False
     """Whether ``propose_batch`` shares work across sessions. A drafter that would only
     loop is given one request at a time, so no session waits for others' drafts."""

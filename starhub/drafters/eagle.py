@@ -114,6 +114,7 @@ class CatchUp:
 class EagleDrafter(Drafter):
     name = "eagle"
     batches = True
+    calibrated = True
 
     def __init__(self, head: EagleHead, label: str = "eagle"):
         self.head = head

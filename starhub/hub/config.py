@@ -72,8 +72,10 @@ class HubConfig:
         if self.batch != AUTO:
             POSITIVE.check(self.batch, "hub config: batch")
 
-    def control(self) -> ControlConfig:
+    def control(self, calibrated: bool = True) -> ControlConfig:
+        """The control plane's settings; ``calibrated``: the drafter's path probabilities
+        track acceptance (``Drafter.calibrated``), without which no tree is pruned."""
         return ControlConfig(depth=AUTO if self.adaptive else self.shape.depth,
                              topk=self.shape.topk, max_nodes=self.shape.max_nodes,
                              max_targets=self.max_targets, retry_after_s=self.retry_after_s,
-                             prune=self.prune)
+                             prune=self.prune and calibrated)

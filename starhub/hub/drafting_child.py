@@ -180,7 +180,8 @@ def ready_message(drafter: Drafter) -> Ready:
                  dtype=str(getattr(drafter, "dtype", "none")),
                  feature_layers=list(drafter.feature_layers),
                  feature_size=drafter.feature_size, lookup_branches=drafter.lookup_branches,
-                 batches=drafter.batches, predrafts=drafter.predrafts, needs=drafter.needs())
+                 calibrated=drafter.calibrated, batches=drafter.batches,
+                 predrafts=drafter.predrafts, needs=drafter.needs())
 
 
 def main(argv: list[str] | None = None) -> int:

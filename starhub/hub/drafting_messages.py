@@ -89,6 +89,7 @@ class Ready(Framed, tag="READY"):
     feature_layers: list[int] = msgspec.field(default_factory=list)
     feature_size: int = 0
     lookup_branches: bool = True
+    calibrated: bool = False
     batches: bool = False
     predrafts: bool = False
     needs: TargetNeeds = msgspec.field(default_factory=TargetNeeds)

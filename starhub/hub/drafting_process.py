@@ -376,6 +376,7 @@ class RemoteDrafter(Drafter):
         self.feature_layers = ready.feature_layers
         self.feature_size = ready.feature_size
         self.lookup_branches = ready.lookup_branches
+        self.calibrated = ready.calibrated
         self.batches = ready.batches
         self._predrafts = ready.predrafts
         self._needs: TargetNeeds = ready.needs

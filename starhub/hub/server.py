@@ -76,7 +76,7 @@ class Hub(Server):
                          self.metrics.errors)
         self.sweep_s = min(1.0, self.config.ttl_s / 4)
         self.observers = Observers()
-        self.control = Controller(self.config.control())
+        self.control = Controller(self.config.control(calibrated=drafter.calibrated))
         self.worker = DraftWorker(drafter, self.config, self.table, self.metrics, self.control,
                                   self.reply, self.close)
         self.ready = asyncio.Event()
