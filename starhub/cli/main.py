@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "round commits. A node is accepted about as often as that "
                           "probability says, so on a CPU target, where a node costs about a "
                           "twentieth of a step, the unlikely ones slow it; on a GPU almost "
-                          "none are left out. Output never changes")
+                          "none are left out. EAGLE drafter only (its probabilities were "
+                          "measured to track acceptance). Output never changes")
     hub.add_argument("--draft-process", type=auto_on_off_arg, default=DEFAULT_DRAFT_PROCESS,
                      metavar="auto|on|off",
                      help="on: draft in a process of its own, so that drafting never waits "
