@@ -351,3 +351,12 @@ def test_a_session_whose_trees_keep_few_nodes_is_priced_at_the_nodes_it_keeps():
     assert sum(not c.plain for c in choices[-100:]) >= 90
     assert ctl.sessions[1].kept.get(1.0) < 0.4
     assert ctl.snapshot(0.0).targets[0].kept_share < 0.4, "STATS reports the share"
+
+
+def test_a_serving_targets_sessions_get_no_floor():
+    """A serving target's COMMIT times a whole batched pass, not one tree's nodes."""
+    ctl = controller(depth=4, max_targets=0, topk=4, max_nodes=10)
+    ctl.join(b"srv", "srv", STEP, 0.0)
+    ctl.open(1, b"srv", STEP, batched=True)
+    verified(ctl, 1, per_node=1.2e-3)
+    assert ctl.choose(1).floor == 0.0

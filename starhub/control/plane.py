@@ -150,6 +150,10 @@ class SessionModel:
     """Hub time per round at the current choice (0 when plain)."""
     z: float = 0.0
     e: float = 1.0
+    batched: bool = False
+    """Its target verifies it in passes shared with other sessions (a serving target): a
+    pass's time says little of what one more node of this tree costs, so its trees get no
+    floor (the target's own gate prices tree passes)."""
     kept: Ema = field(default_factory=Ema)
     """The share of a chosen tree's nodes that a floor left in this session's rounds (a
     prompt the head reads with confidence keeps most, a poorly read one few), from its
@@ -203,8 +207,9 @@ class Controller:
         if sm.choice.plain == 0 and depth > 0:
             # A tree its floor cut short counts to the depth chosen: E(d) is then what a
             # round of depth d yields with the floor, as the choice needs it.
-            sm.acceptance.observe(max(depth, sm.choice.depth), accepted)
-            if sm.choice.nodes:
+            floored = sm.choice.floor > 0
+            sm.acceptance.observe(max(depth, sm.choice.depth) if floored else depth, accepted)
+            if floored and sm.choice.nodes:
                 share = min(nodes / sm.choice.nodes, 1.0)
                 sm.kept.update(share)
                 target.kept.update(share)
@@ -326,7 +331,7 @@ class Controller:
     # --- sessions and shapes -----------------------------------------------------------
 
     def open(self, tag: int, identity: bytes, step_s: float = 0.0,
-             shared_cores: bool = False) -> None:
+             shared_cores: bool = False, batched: bool = False) -> None:
         target = self.targets.get(identity)
         if target is None:
             target = self.targets[identity] = TargetProfile(
@@ -336,6 +341,7 @@ class Controller:
         target.shared_cores = shared_cores
         target.sessions.add(tag)
         self.sessions[tag] = SessionModel(target, Acceptance(parent=target.acceptance),
+                                          batched=batched,
                                           kept=Ema(target.kept.get(1.0), alpha=0.1, prior=2))
 
     def close(self, tag: int) -> None:
@@ -403,7 +409,7 @@ class Controller:
              rate: float | None = None) -> Choice:
         """Record the choice; a tree's carries the floor at the session's predicted rate
         (default: its own round's, ``e / (s + z)``)."""
-        if choice.depth and self.config.prune:
+        if choice.depth and self.config.prune and not sm.batched:
             rate = e / (s + z) if rate is None and s + z > 0 else rate or 0.0
             choice = replace(choice, floor=self.floor(sm.target, rate))
         sm.choice, sm.s, sm.z, sm.e = choice, s, z, e

@@ -224,7 +224,8 @@ class Hub(Server):
         session = self.table.add(DraftSession(tag=self.table.new_tag(), owner=identity, ctx=ctx,
                                               prompt_len=msg.prompt_len), len(msg.tokens),
                                  self.held_bytes(msg))
-        self.control.open(session.tag, identity, msg.step_ms / 1e3, msg.shares_cores)
+        self.control.open(session.tag, identity, msg.step_ms / 1e3, msg.shares_cores,
+                          msg.batched)
         self.metrics.sessions_opened += 1
         self.enqueue(identity, session, msg.ref)
 

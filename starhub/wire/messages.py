@@ -231,6 +231,9 @@ class Open(Message, tag="OPEN"):
     shares_cores: bool = False
     """Star: the target computes on the hub's cores, and ``step_ms`` is its step with the
     cores to itself (``starhub.cores``)."""
+    batched: bool = False
+    """Star: the target verifies this session in passes shared with its other sessions (a
+    serving target), so a COMMIT's ``verify_ms`` is a whole pass's time, not this tree's."""
     tokens: Tokens = msgspec.field(default_factory=_no_tokens)
     features: Features | None = None
 

@@ -503,7 +503,7 @@ class Batcher:
         self._check_sharing()
         slot.opening = Open(prompt_len=len(req.prompt), temperature=req.sampling.temperature,
                             top_p=req.sampling.top_p, seed=req.seed, step_ms=1e3 * self.step_s,
-                            ref=slot.ref, shares_cores=self.clock.shared,
+                            ref=slot.ref, shares_cores=self.clock.shared, batched=True,
                             tokens=torch.tensor([*req.prompt, first], dtype=torch.int32),
                             features=self._half(feats))
         self._send(slot, slot.opening)
