@@ -179,11 +179,11 @@ and a pre-drafted tree, grown from the head's own guesses of the target's featur
 accepts fewer tokens than one drafted after the COMMIT (see ``starhub.hub.worker``)."""
 
 DEFAULT_PRUNE = True
-"""Greedy trees leave out the nodes whose draft probability is worth less than the verify
-time they cost the target (``Controller.floor``). On a CPU target each node costs about a
-twentieth of a plain step, and with the shipped head almost half of a ten-node tree's
-nodes have a path probability under 5%, accepted about as often; on an accelerator,
-where a node costs next to nothing, no node is left out."""
+"""The EAGLE head's greedy trees leave out the nodes whose draft probability is worth less
+than the verify time they cost the target (``Controller.floor``). On a CPU target each
+node costs about a twentieth of a plain step, and with the shipped head 40% of a ten-node
+tree's nodes have a path probability under 5%, accepted about as often; on an
+accelerator, where a node costs next to nothing, almost none is left out."""
 DEFAULT_LOOKUP = True
 """Greedy sessions' trees also get the continuation of the latest earlier occurrence of
 their last few tokens (prompt lookup), grafted on as one more branch: answers that copy

@@ -410,7 +410,8 @@ class Controller:
         """Record the choice; a tree's carries the floor at the session's predicted rate
         (default: its own round's, ``e / (s + z)``)."""
         if choice.depth and self.config.prune and not sm.batched:
-            rate = e / (s + z) if rate is None and s + z > 0 else rate or 0.0
+            if rate is None:
+                rate = e / (s + z) if s + z > 0 else 0.0
             choice = replace(choice, floor=self.floor(sm.target, rate))
         sm.choice, sm.s, sm.z, sm.e = choice, s, z, e
         return choice
