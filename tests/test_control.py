@@ -11,6 +11,7 @@ import pytest
 from bench.model import expected_accepted
 from starhub.control.plane import (
     AUTO,
+    MAX_FLOOR,
     Acceptance,
     ControlConfig,
     Controller,
@@ -353,10 +354,21 @@ def test_a_session_whose_trees_keep_few_nodes_is_priced_at_the_nodes_it_keeps():
     assert ctl.snapshot(0.0).targets[0].kept_share < 0.4, "STATS reports the share"
 
 
-def test_a_serving_targets_sessions_get_no_floor():
-    """A serving target's COMMIT times a whole batched pass, not one tree's nodes."""
+def test_a_serving_targets_sessions_take_the_floor_their_target_advises():
+    """A serving target's COMMIT times a whole batched pass, not one tree's nodes: the hub's
+    own floor would price a node at the whole batch, so its sessions take the floor the
+    target works out from its own passes, and none until it advises one."""
     ctl = controller(depth=4, max_targets=0, topk=4, max_nodes=10)
     ctl.join(b"srv", "srv", STEP, 0.0)
     ctl.open(1, b"srv", STEP, batched=True)
     verified(ctl, 1, per_node=1.2e-3)
     assert ctl.choose(1).floor == 0.0
+    ctl.observe_commit(1, 1, 3, 4, T_V, None, STEP, floor=0.08)
+    assert ctl.choose(1).floor == pytest.approx(0.08)
+    ctl.observe_commit(1, 1, 3, 4, T_V, None, STEP, floor=0.9)
+    assert ctl.choose(1).floor == MAX_FLOOR, "no advice leaves out a node at even odds"
+    off = Controller(ControlConfig(depth=4, topk=4, max_nodes=10, max_targets=0, prune=False))
+    off.join(b"srv", "srv", STEP, 0.0)
+    off.open(1, b"srv", STEP, batched=True)
+    off.observe_commit(1, 1, 3, 4, T_V, None, STEP, floor=0.08)
+    assert off.choose(1).floor == 0.0, "--prune off ignores the advice"

@@ -91,6 +91,8 @@ def frames_with(header_changes=None, drop=None, arrays=None):
     (frames_with({"accepted": 3}), ErrorCode.BAD_FIELD),
     (frames_with({"verify_ms": float("nan")}), ErrorCode.BAD_FIELD),
     (frames_with({"step_ms": -1.0}), ErrorCode.BAD_FIELD),
+    (frames_with({"floor": 1.5}), ErrorCode.BAD_FIELD),
+    (frames_with({"floor": float("nan")}), ErrorCode.BAD_FIELD),
 ])
 def test_malformed_messages_raise_protocol_errors_with_codes(frames, code):
     with pytest.raises(ProtocolError) as info:

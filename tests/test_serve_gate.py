@@ -3,6 +3,8 @@ serve its batch faster than plain batching, judged from the passes it measured."
 
 from __future__ import annotations
 
+import pytest
+
 from targets.engine import BatchStats
 from targets.serve.gate import SpeculationGate
 
@@ -72,6 +74,25 @@ def test_trees_that_keep_nothing_never_pay():
     assert not gate.pays([300, 300])
     tree, plain = gate.rates([300])
     assert tree < plain
+
+
+def test_the_floor_advised_prices_a_node_at_what_it_holds_the_whole_batch_back():
+    """A node pays where its path probability beats its share of a pass times the tokens a
+    second the batch commits: no advice before passes are measured, a higher floor where
+    fed tokens cost more and where the batch commits more."""
+    gate = SpeculationGate(step_s=0.04)
+    assert gate.floor(300, gate.rates([300])[0]) == 0.0
+    cheap, dear = SpeculationGate(step_s=0.04), SpeculationGate(step_s=0.04)
+    feed(cheap, per_token_s=0.0005)
+    feed(dear, per_token_s=0.002)
+    assert cheap.node_s(300) == pytest.approx(0.0005, rel=0.05)
+    for gate in (cheap, dear):
+        lone, batch = gate.rates([300])[0], gate.rates([300] * 4)[0]
+        assert batch > lone
+        assert gate.floor(300, lone) == pytest.approx(gate.node_s(300) * lone)
+        assert gate.floor(300, batch) > gate.floor(300, lone)
+    assert dear.floor(300, 100.0) == pytest.approx(4 * cheap.floor(300, 100.0), rel=0.1)
+    assert dear.floor(300, 1e4) == 1.0
 
 
 def test_a_batch_where_plain_pays_decodes_without_the_hub_and_equal_to_generate(tiny_model):

@@ -152,8 +152,10 @@ class SessionModel:
     e: float = 1.0
     batched: bool = False
     """Its target verifies it in passes shared with other sessions (a serving target): a
-    pass's time says little of what one more node of this tree costs, so its trees get no
-    floor (the target's own gate prices tree passes)."""
+    pass's time says little of what one more node of this tree costs, so its trees take
+    the floor the target advises (``advised``), priced from its own fit of a pass."""
+    advised: float = 0.0
+    """The floor the target's latest COMMIT advised (0: none)."""
     kept: Ema = field(default_factory=Ema)
     """The share of a chosen tree's nodes that a floor left in this session's rounds (a
     prompt the head reads with confidence keeps most, a poorly read one few), from its
@@ -198,10 +200,14 @@ class Controller:
         return [max(c0 + c1 * d + c2 * n, 1e-5) + overhead for d, n in shapes]
 
     def observe_commit(self, tag: int, accepted: int, depth: int, nodes: int,
-                       verify_s: float, return_s: float | None, step_s: float) -> None:
+                       verify_s: float, return_s: float | None, step_s: float,
+                       floor: float = 0.0) -> None:
+        """A round verified; ``floor``: the target's advice for the next tree (a serving
+        target's COMMIT carries it)."""
         sm = self.sessions.get(tag)
         if sm is None:
             return
+        sm.advised = floor
         target = sm.target
         target.report_step(step_s)
         if sm.choice.plain == 0 and depth > 0:
@@ -408,11 +414,16 @@ class Controller:
     def _set(self, sm: SessionModel, choice: Choice, s: float, z: float, e: float,
              rate: float | None = None) -> Choice:
         """Record the choice; a tree's carries the floor at the session's predicted rate
-        (default: its own round's, ``e / (s + z)``)."""
-        if choice.depth and self.config.prune and not sm.batched:
-            if rate is None:
-                rate = e / (s + z) if s + z > 0 else 0.0
-            choice = replace(choice, floor=self.floor(sm.target, rate))
+        (default: its own round's, ``e / (s + z)``), or a batched session's the floor its
+        target advised."""
+        if choice.depth and self.config.prune:
+            if sm.batched:
+                floor = min(sm.advised, MAX_FLOOR)
+            else:
+                if rate is None:
+                    rate = e / (s + z) if s + z > 0 else 0.0
+                floor = self.floor(sm.target, rate)
+            choice = replace(choice, floor=floor)
         sm.choice, sm.s, sm.z, sm.e = choice, s, z, e
         return choice
 

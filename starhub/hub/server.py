@@ -255,7 +255,7 @@ class Hub(Server):
         returned = now - session.proposed_at if session.proposed_at is not None else None
         self.control.observe_commit(session.tag, msg.accepted, session.last_tree_depth,
                                     session.last_tree_size, msg.verify_ms / 1e3, returned,
-                                    msg.step_ms / 1e3)
+                                    msg.step_ms / 1e3, msg.floor)
         self.metrics.committed(msg.accepted, len(msg.tokens), identity, plain=bool(plain),
                                looked_up=self._looked_up(session, msg))
         self.enqueue(identity, session, 0, tuple(msg.tokens.tolist()))

@@ -92,6 +92,7 @@ Text = Annotated[str, Meta(max_length=MAX_TEXT)]
 Ms = Annotated[float, Meta(ge=0, lt=1e7)]
 """A duration in milliseconds: finite, non-negative."""
 Budget = Annotated[int, Meta(ge=0, le=MAX_TREE_NODES)]
+Probability = Annotated[float, Meta(ge=0, le=1)]
 """Nodes of a tree (0: no advice)."""
 TEMPERATURE = Meta(ge=0)
 """A sampling temperature (0: greedy); checked finite as well."""
@@ -311,13 +312,15 @@ class Commit(Message, tag="COMMIT"):
     ``verify_ms`` is the target's time for this round's verification (or plain steps) and
     ``step_ms`` its latest one-token step: the hub's load model learns from both.
     ``budget`` (edge) is the verifier's grant for the next tree: at most that many nodes
-    (0: no advice).
+    (0: no advice). ``floor`` (a serving target) is the least draft path probability worth
+    a node of the next tree in the target's batched passes (0: no advice).
     """
 
     accepted: Annotated[int, Meta(ge=0)] = 0
     verify_ms: Ms = 0.0
     step_ms: Ms = 0.0
     budget: Budget = 0
+    floor: Probability = 0.0
     tokens: Tokens = msgspec.field(default_factory=_no_tokens)
     features: Features | None = None
 

@@ -288,6 +288,9 @@ class Batcher:
             slot.plain_left = 0
         slot.client, slot.tag, slot.tree, slot.waiting_since = None, 0, None, None
         slot.opening = None
+        target = self.engine.sessions.get(slot.req.rid)
+        if slot.decoding and target is not None:  # no hub reads its features any more
+            target.feature_layers = []
         slot.plain_tokens, slot.plain_feats = [], []
 
     def _read_hub(self, client: HubClient | None, wait_s: float) -> None:
@@ -543,18 +546,19 @@ class Batcher:
         self.stats.last_batch = len(work)
         commits = any(s.tree is not None or s.plain_left for s in work)
         step_s = self._plain_step_s() if commits else 0.0  # only COMMITs report it
+        tok_s = self._tree_tok_s() if commits else 0.0
         for slot, tree, verdict in zip(work, trees, verdicts, strict=True):
             slot.stats.verify_s += took
             if slot.tree is not None:
-                self._after_tree(slot, tree, verdict, took, step_s)
+                self._after_tree(slot, tree, verdict, took, step_s, tok_s)
             elif slot.plain_left:
-                self._after_plain_step(slot, verdict, step_s)
+                self._after_plain_step(slot, verdict, step_s, tok_s)
             else:
                 self.stats.plain_steps += 1
                 self._emit(slot, verdict.tokens)
 
     def _after_tree(self, slot: Slot, tree: DraftTree, verdict: Verdict, took: float,
-                    step_s: float) -> None:
+                    step_s: float, tok_s: float) -> None:
         slot.tree = None
         accepted = len(verdict.path)
         count_round(slot.stats, accepted, len(tree))
@@ -562,16 +566,18 @@ class Batcher:
         self.stats.rounds += 1
         self.stats.committed += len(verdict.tokens)
         commit = Commit(tag=slot.tag, seq=slot.seq, accepted=accepted, verify_ms=1e3 * took,
-                        step_ms=1e3 * step_s,
+                        step_ms=1e3 * step_s, floor=self._floor(slot, tok_s),
                         tokens=torch.tensor(verdict.tokens, dtype=torch.int32),
                         features=self._half(verdict.features))
         if self._emit(slot, verdict.tokens):
             return
         self._commit(slot, commit)
 
-    def _after_plain_step(self, slot: Slot, verdict: Verdict, step_s: float) -> None:
+    def _after_plain_step(self, slot: Slot, verdict: Verdict, step_s: float,
+                          tok_s: float) -> None:
         """One of the plain steps the hub asked for; the last one COMMITs them all.
-        ``step_s``: this pass's ``_plain_step_s``, the step the hub must beat."""
+        ``step_s``: this pass's ``_plain_step_s``, the step the hub must beat; ``tok_s``:
+        ``_tree_tok_s``, which sets the floor advised for the next tree."""
         self.stats.plain_steps += 1
         slot.plain_left -= 1
         slot.plain_tokens.extend(verdict.tokens)
@@ -585,7 +591,7 @@ class Batcher:
         slot.stats.plain_s += took
         feats = torch.cat(slot.plain_feats) if slot.plain_feats else None
         commit = Commit(tag=slot.tag, seq=slot.seq, accepted=0, verify_ms=1e3 * took,
-                        step_ms=1e3 * step_s,
+                        step_ms=1e3 * step_s, floor=self._floor(slot, tok_s),
                         tokens=torch.tensor(slot.plain_tokens, dtype=torch.int32),
                         features=self._half(feats))
         slot.plain_tokens, slot.plain_feats = [], []
@@ -611,6 +617,19 @@ class Batcher:
         """What a request waits per token if it decodes plain in today's batch: the step
         the hub must beat, as it verifies our trees in passes as wide as this batch."""
         return self.gate.plain_pass_s(self._decoding_cached()) or self.step_s
+
+    def _tree_tok_s(self) -> float:
+        """Tokens a second this batch commits with trees for the requests using the hub
+        (beside those decoding plain), by the gate's model."""
+        decoding = [s for s in self._slots.values() if s.decoding]
+        return self.gate.rates(
+            [self.engine.cached(s.req.rid) for s in decoding if s.client is not None],
+            [self.engine.cached(s.req.rid) for s in decoding if s.client is None])[0]
+
+    def _floor(self, slot: Slot, tok_s: float) -> float:
+        """The floor this request's next tree is advised: its nodes below it would slow
+        the batch more than they add (``SpeculationGate.floor``)."""
+        return self.gate.floor(self.engine.cached(slot.req.rid), tok_s)
 
     def _commit(self, slot: Slot, commit: Commit) -> None:
         slot.waiting_since, slot.busy_mark = time.perf_counter(), self._busy_s

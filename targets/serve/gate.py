@@ -161,6 +161,22 @@ class SpeculationGate:
         return (tokens / max(cycle, 1e-6),
                 len(everyone) / max(self.plain_pass_s(everyone), 1e-6))
 
+    def node_s(self, cached: int) -> float:
+        """What one more tree node of a session holding ``cached`` tokens adds to a pass
+        as passes run here (beside the hub where it shares our cores): the fit's cost of
+        a fed token and of its attention; 0 until passes have told it."""
+        w = self.passes.weights
+        return max(w[1] + w[2] * cached, 0.0) * self.slowdown.get(1.0)
+
+    def floor(self, cached: int, tok_s: float) -> float:
+        """The least draft path probability worth a node in the next tree of a session
+        holding ``cached`` tokens, in a batch committing ``tok_s`` tokens a second
+        (``rates``' first). A node adds about its path probability in accepted tokens
+        and holds the whole batch for ``node_s``: it raises the batch's throughput where
+        ``p >= node_s · tok_s``. A session the head reads poorly in a busy batch so keeps
+        only its likeliest guesses, or none but the first."""
+        return min(self.node_s(cached) * tok_s, 1.0)
+
     def pays(self, cached: list[int], queued: int = 0, now: float | None = None,
              plain: Sequence[int] = ()) -> bool:
         """Whether the request about to open its hub session should: always when it would
