@@ -366,7 +366,14 @@ def test_a_serving_targets_sessions_take_the_floor_their_target_advises():
     ctl.observe_commit(1, 1, 3, 4, T_V, None, STEP, floor=0.08)
     assert ctl.choose(1).floor == pytest.approx(0.08)
     ctl.observe_commit(1, 1, 3, 4, T_V, None, STEP, floor=0.9)
-    assert ctl.choose(1).floor == MAX_FLOOR, "no advice leaves out a node at even odds"
+    assert ctl.choose(1).floor == MAX_FLOOR, \
+        "however high the advice, no floor leaves out a node at even odds"
+    own = controller(depth=4, max_targets=0, topk=4, max_nodes=10)
+    own.join(b"cpu", "cpu", STEP, 0.0)
+    own.open(1, b"cpu", STEP)
+    verified(own, 1, per_node=1.2e-3)
+    own.observe_commit(1, 1, 3, 4, T_V + 4 * 1.2e-3, None, STEP, floor=0.4)
+    assert 0.02 < own.choose(1).floor < 0.2, "a session of its own takes the hub's floor"
     off = Controller(ControlConfig(depth=4, topk=4, max_nodes=10, max_targets=0, prune=False))
     off.join(b"srv", "srv", STEP, 0.0)
     off.open(1, b"srv", STEP, batched=True)

@@ -14,8 +14,10 @@ from openai import OpenAI
 from serving import free_port, health, scrape, wait_until
 
 from starhub.launch.spawn import spawn_hub, spawn_serve
+from starhub.launch.status import observer_client
 from starhub.models.loading import DEFAULT_NAME, load_model
 from starhub.models.prompts import encode_prompt
+from starhub.wire.messages import StatsQuery
 from tests.test_e2e_default_model import PROMPTS
 
 NEW = 40
@@ -46,7 +48,7 @@ def stack():
     metrics = free_port()
     with spawn_hub(["--metrics-port", str(metrics)]) as hub, \
             spawn_serve(["--hub", hub.address], threads=2) as server:
-        yield server.url, f"http://127.0.0.1:{metrics}/metrics"
+        yield server.url, f"http://127.0.0.1:{metrics}/metrics", hub.address
 
 
 def chat(api: OpenAI, prompt: str, stream: bool) -> tuple[list[int], str, dict]:
@@ -68,7 +70,7 @@ def chat(api: OpenAI, prompt: str, stream: bool) -> tuple[list[int], str, dict]:
 
 
 def test_chat_and_completions_streamed_or_not_equal_generate(stack, model, expected):
-    url, hub_metrics = stack
+    url, hub_metrics, _ = stack
     _, tokenizer = model
     api = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     before = scrape(hub_metrics)["starhub_rounds_total"]
@@ -103,7 +105,7 @@ def test_chat_and_completions_streamed_or_not_equal_generate(stack, model, expec
 
 
 def test_eight_concurrent_streams_equal_generate_in_shared_passes(stack, expected):
-    url, _ = stack
+    url, _, _ = stack
     api = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     before = scrape(url + "/metrics")
     results: dict[str, list[int]] = {}
@@ -122,6 +124,22 @@ def test_eight_concurrent_streams_equal_generate_in_shared_passes(stack, expecte
         "starhub_serve_verify_passes_total"]
     rows = after["starhub_serve_verify_rows_total"] - before["starhub_serve_verify_rows_total"]
     assert rows / passes > 2, f"mean verify batch {rows / passes:.2f}"
+
+
+def test_a_serving_requests_trees_keep_only_the_nodes_its_server_says_pay(stack, expected):
+    """The server advises each tree's node floor from its own passes (a COMMIT's
+    ``floor``), and the hub leaves out the nodes below it: the share of the chosen trees'
+    nodes kept, which the hub reports per target, falls below 1."""
+    url, _, hub = stack
+    api = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    ids, _, spec = chat(api, PROMPTS[3], stream=False)
+    assert ids == expected[PROMPTS[3]] and spec["rounds"] > 0, spec
+    client = observer_client(hub, timeout_s=30, name="test")
+    try:
+        targets = client.request(StatsQuery()).body.control.targets
+    finally:
+        client.close()
+    assert targets and all(t.kept_share < 1.0 for t in targets), targets
 
 
 def test_a_hub_killed_mid_load_loses_no_request_and_is_used_again(expected):

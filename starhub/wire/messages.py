@@ -92,8 +92,9 @@ Text = Annotated[str, Meta(max_length=MAX_TEXT)]
 Ms = Annotated[float, Meta(ge=0, lt=1e7)]
 """A duration in milliseconds: finite, non-negative."""
 Budget = Annotated[int, Meta(ge=0, le=MAX_TREE_NODES)]
-Probability = Annotated[float, Meta(ge=0, le=1)]
 """Nodes of a tree (0: no advice)."""
+Probability = Annotated[float, Meta(ge=0, le=1)]
+"""A probability: finite, in [0, 1]."""
 TEMPERATURE = Meta(ge=0)
 """A sampling temperature (0: greedy); checked finite as well."""
 TOP_P = Meta(gt=0, le=1)

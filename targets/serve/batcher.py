@@ -288,10 +288,15 @@ class Batcher:
             slot.plain_left = 0
         slot.client, slot.tag, slot.tree, slot.waiting_since = None, 0, None, None
         slot.opening = None
-        target = self.engine.sessions.get(slot.req.rid)
-        if slot.decoding and target is not None:  # no hub reads its features any more
-            target.feature_layers = []
+        self._features_off(slot)
         slot.plain_tokens, slot.plain_feats = [], []
+
+    def _features_off(self, slot: Slot) -> None:
+        """No hub reads this request's features any more: its passes stop keeping them
+        (a prefill still under way too: it checks before each chunk)."""
+        target = self.engine.sessions.get(slot.req.rid)
+        if target is not None:
+            target.feature_layers = []
 
     def _read_hub(self, client: HubClient | None, wait_s: float) -> None:
         """Take every reply that has come (waiting up to ``wait_s`` for the first)."""
@@ -474,12 +479,10 @@ class Batcher:
             return
         if slot.client is not self.link.client:  # dropped or replaced while prefilling
             slot.client = None
+            self._features_off(slot)
             return
-        decoding = [s for s in self._slots.values() if s.decoding]
-        alone = [self.engine.cached(s.req.rid) for s in decoding if s.client is None]
-        decision = self.gate.verdict(
-            [self.engine.cached(s.req.rid) for s in decoding if s.client is not None],
-            len(self._new), plain=alone)
+        hub, alone = self._cached_split()
+        decision = self.gate.verdict(hub, len(self._new), plain=alone)
         if decision.trees != self._gate_open:
             self._gate_open = decision.trees
             gate = self.gate
@@ -618,13 +621,18 @@ class Batcher:
         the hub must beat, as it verifies our trees in passes as wide as this batch."""
         return self.gate.plain_pass_s(self._decoding_cached()) or self.step_s
 
+    def _cached_split(self) -> tuple[list[int], list[int]]:
+        """The cache lengths of the requests decoding: (those using the hub, those plain)."""
+        hub, alone = [], []
+        for s in self._slots.values():
+            if s.decoding:
+                (hub if s.client is not None else alone).append(self.engine.cached(s.req.rid))
+        return hub, alone
+
     def _tree_tok_s(self) -> float:
         """Tokens a second this batch commits with trees for the requests using the hub
         (beside those decoding plain), by the gate's model."""
-        decoding = [s for s in self._slots.values() if s.decoding]
-        return self.gate.rates(
-            [self.engine.cached(s.req.rid) for s in decoding if s.client is not None],
-            [self.engine.cached(s.req.rid) for s in decoding if s.client is None])[0]
+        return self.gate.rates(*self._cached_split())[0]
 
     def _floor(self, slot: Slot, tok_s: float) -> float:
         """The floor this request's next tree is advised: its nodes below it would slow
