@@ -18,7 +18,6 @@ from starhub.launch.status import observer_client
 from starhub.models.loading import DEFAULT_NAME, load_model
 from starhub.models.prompts import encode_prompt
 from starhub.wire.messages import StatsQuery
-from targets.serve.gate import BATCH_WINDOW_S
 from tests.test_e2e_default_model import PROMPTS
 
 NEW = 40
@@ -49,7 +48,7 @@ def stack():
     metrics = free_port()
     with spawn_hub(["--metrics-port", str(metrics)]) as hub, \
             spawn_serve(["--hub", hub.address], threads=2) as server:
-        yield server.url, f"http://127.0.0.1:{metrics}/metrics", hub.address
+        yield server.url, f"http://127.0.0.1:{metrics}/metrics"
 
 
 def chat(api: OpenAI, prompt: str, stream: bool) -> tuple[list[int], str, dict]:
@@ -71,7 +70,7 @@ def chat(api: OpenAI, prompt: str, stream: bool) -> tuple[list[int], str, dict]:
 
 
 def test_chat_and_completions_streamed_or_not_equal_generate(stack, model, expected):
-    url, hub_metrics, _ = stack
+    url, hub_metrics = stack
     _, tokenizer = model
     api = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     before = scrape(hub_metrics)["starhub_rounds_total"]
@@ -106,7 +105,7 @@ def test_chat_and_completions_streamed_or_not_equal_generate(stack, model, expec
 
 
 def test_eight_concurrent_streams_equal_generate_in_shared_passes(stack, expected):
-    url, _, _ = stack
+    url, _ = stack
     api = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     before = scrape(url + "/metrics")
     results: dict[str, list[int]] = {}
@@ -127,22 +126,23 @@ def test_eight_concurrent_streams_equal_generate_in_shared_passes(stack, expecte
     assert rows / passes > 2, f"mean verify batch {rows / passes:.2f}"
 
 
-def test_a_serving_requests_trees_keep_only_the_nodes_its_server_says_pay(stack, expected):
+def test_a_serving_requests_trees_keep_only_the_nodes_its_server_says_pay(expected):
     """The server advises each tree's node floor from its own passes (a COMMIT's
     ``floor``), and the hub leaves out the nodes below it: the share of the chosen trees'
-    nodes kept, which the hub reports per target, falls below 1."""
-    url, _, hub = stack
-    api = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    # after the bursts of other tests the gate judges a request by the batch they built;
-    # once its window has passed with nothing decoding, a request alone uses the hub
-    time.sleep(BATCH_WINDOW_S + 0.5)
-    ids, _, spec = chat(api, PROMPTS[3], stream=False)
-    assert ids == expected[PROMPTS[3]] and spec["rounds"] > 0, spec
-    client = observer_client(hub, timeout_s=30, name="test")
-    try:
-        targets = client.request(StatsQuery()).body.control.targets
-    finally:
-        client.close()
+    nodes kept, which the hub reports per target, falls below 1. The hub's depth is fixed
+    and the gate is off (``--speculate always``), so that every round has a tree whatever
+    this CPU's costs say; the first request teaches the server's fit what a node costs."""
+    with spawn_hub(["--depth", "4"]) as hub, \
+            spawn_serve(["--hub", hub.address, "--speculate", "always"]) as server:
+        api = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        for prompt in PROMPTS[2:4]:
+            ids, _, spec = chat(api, prompt, stream=False)
+            assert ids == expected[prompt] and spec["rounds"] > 0, spec
+        client = observer_client(hub.address, timeout_s=30, name="test")
+        try:
+            targets = client.request(StatsQuery()).body.control.targets
+        finally:
+            client.close()
     assert targets and all(t.kept_share < 1.0 for t in targets), targets
 
 
