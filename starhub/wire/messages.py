@@ -28,7 +28,7 @@ from msgspec import Meta
 from starhub.wire.reports import StatsBody
 from starhub.wire.text import printable
 
-VERSION = 7
+VERSION = 8
 MAX_TREE_NODES = 1024
 MAX_TOKENS = 1 << 20
 MAX_TEXT = 4096
