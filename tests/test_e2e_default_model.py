@@ -55,8 +55,12 @@ def assert_identical_to_generate(rows: list[dict], new: int) -> None:
                                   do_sample=False)[0, len(ids):].tolist()
         if row["output_ids"] != expected:
             mismatches.append(row["id"])
-        assert row["stats"]["rounds"] > 0, "the target never used the hub"
+        # the hub's control plane may rightly send a short prompt plain rounds only (a
+        # slow CPU, a loaded host): the prompt still went through the hub
+        assert not row["stats"]["standalone"], "the target never used the hub"
         assert {"rounds", "mean_accept_len", "tokens_per_s", "wall_s"} <= set(row["stats"])
+    assert sum(row["stats"]["rounds"] for row in rows) > 0, \
+        "no tree was verified: equal outputs would prove nothing"
     assert not mismatches, f"outputs differ from generate() for prompts {mismatches}"
 
 

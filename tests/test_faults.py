@@ -167,7 +167,9 @@ def test_an_eagle_hub_replaces_a_killed_and_then_a_stopped_drafting_process(tmp_
         status.stdout + status.stderr
     results = [list(iter_results(out)) for out in outs]
     for rows in results:
-        assert len(rows) == 2 and rows[-1]["stats"]["rounds"] > 0, \
+        # through the hub: its trees, or plain rounds where its control plane judged
+        # that no tree pays (a slow CPU, a loaded host)
+        assert len(rows) == 2 and not rows[-1]["stats"]["standalone"], \
             "the last prompt must go through the hub again"
     _check_lossless([r for rows in results for r in rows])
 
