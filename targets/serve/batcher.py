@@ -548,8 +548,7 @@ class Batcher:
         self.stats.rows += len(work)
         self.stats.last_batch = len(work)
         commits = any(s.tree is not None or s.plain_left for s in work)
-        step_s = self._plain_step_s() if commits else 0.0  # only COMMITs report it
-        tok_s = self._tree_tok_s() if commits else 0.0
+        step_s, tok_s = self._commit_rates() if commits else (0.0, 0.0)  # only COMMITs report them
         for slot, tree, verdict in zip(work, trees, verdicts, strict=True):
             slot.stats.verify_s += took
             if slot.tree is not None:
@@ -579,8 +578,8 @@ class Batcher:
     def _after_plain_step(self, slot: Slot, verdict: Verdict, step_s: float,
                           tok_s: float) -> None:
         """One of the plain steps the hub asked for; the last one COMMITs them all.
-        ``step_s``: this pass's ``_plain_step_s``, the step the hub must beat; ``tok_s``:
-        ``_tree_tok_s``, which sets the floor advised for the next tree."""
+        ``step_s``, ``tok_s``: this pass's ``_commit_rates``, the step the hub must beat
+        and the batch's rate that sets the floor advised for the next tree."""
         self.stats.plain_steps += 1
         slot.plain_left -= 1
         slot.plain_tokens.extend(verdict.tokens)
@@ -613,14 +612,6 @@ class Batcher:
                      "shares" if shared else "does not share",
                      "by CPU time as well" if shared else "by the wall clock")
 
-    def _decoding_cached(self) -> list[int]:
-        return [self.engine.cached(s.req.rid) for s in self._slots.values() if s.decoding]
-
-    def _plain_step_s(self) -> float:
-        """What a request waits per token if it decodes plain in today's batch: the step
-        the hub must beat, as it verifies our trees in passes as wide as this batch."""
-        return self.gate.plain_pass_s(self._decoding_cached()) or self.step_s
-
     def _cached_split(self) -> tuple[list[int], list[int]]:
         """The cache lengths of the requests decoding: (those using the hub, those plain)."""
         hub, alone = [], []
@@ -629,10 +620,17 @@ class Batcher:
                 (hub if s.client is not None else alone).append(self.engine.cached(s.req.rid))
         return hub, alone
 
-    def _tree_tok_s(self) -> float:
-        """Tokens a second this batch commits with trees for the requests using the hub
-        (beside those decoding plain), by the gate's model."""
-        return self.gate.rates(*self._cached_split())[0]
+    def _commit_rates(self) -> tuple[float, float]:
+        """What this pass's COMMITs report, from one read of the batch:
+
+        - the plain step: what a request waits per token if it decodes plain in today's
+          batch, the step the hub must beat, as it verifies our trees in passes as wide
+          as this batch;
+        - the tokens a second this batch commits with trees for the requests using the
+          hub (beside those decoding plain), by the gate's model, which sets the floor."""
+        hub, alone = self._cached_split()
+        step_s = self.gate.plain_pass_s(hub + alone) or self.step_s
+        return step_s, self.gate.rates(hub, alone)[0]
 
     def _floor(self, slot: Slot, tok_s: float) -> float:
         """The floor this request's next tree is advised: its nodes below it would slow
