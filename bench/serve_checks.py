@@ -19,9 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import socket
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
@@ -39,16 +41,18 @@ from starhub.options import resolve_threads
 
 
 def scrape(url: str) -> dict[str, float]:
-    import urllib.request
-
+    """Every sample of a Prometheus endpoint, keyed by its name and ``labels``."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return {s.name: s.value for fam in text_string_to_metric_families(text)
-            for s in fam.samples if not s.labels}
+    return {s.name + labels(s.labels): s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples}
+
+
+def labels(pairs: dict[str, str]) -> str:
+    """A sample's labels as Prometheus writes them: ``{code="STALE"}`` (empty: none)."""
+    return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(pairs.items())) + "}" if pairs else ""
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -318,8 +318,12 @@ class Batcher:
 
     def _on_reply(self, msg: Message) -> None:
         slot = self._slot_for(msg)
-        if slot is None:  # its request ended while the hub drafted: end the session too
-            if isinstance(msg, Propose) and self.link is not None and self.link.client:
+        if slot is None:  # its request ended, or went on alone, while the hub drafted
+            # an answer to an OPEN brings a session we never knew the tag of: end it too;
+            # one to a COMMIT (ref 0) finds its session already CLOSEd by ``_release`` or
+            # ``_alone``, and a second CLOSE would only earn an ERROR
+            if isinstance(msg, Propose) and msg.ref and self.link is not None \
+                    and self.link.client:
                 with contextlib.suppress(HubUnavailable):
                     self.link.client.send(Close(tag=msg.tag))
             return
