@@ -62,7 +62,7 @@ from targets.generate import (
     measure_step,
     target_card,
 )
-from targets.serve.gate import COALESCE, MARGIN, PRIOR_TAU, SpeculationGate
+from targets.serve.gate import COALESCE, MARGIN, PRIOR_TAU, Decision, SpeculationGate
 from targets.verify import Verdict
 
 log = logging.getLogger("starhub.serve")
@@ -179,7 +179,7 @@ class Batcher:
         weighs trees as they run against plain passes as they would run without the hub."""
         self._card_seen: object = None
         self._gate_open: bool | None = None
-        """The gate's last verdict, logged when it changes."""
+        """The gate's last verdict on a batch of more than one request (``_log_verdict``)."""
         self.step_s = measure_step(model, clock=self.clock) if hub else 0.0
         self.gate = SpeculationGate(self.step_s, margin=MARGIN if speculate == "auto" else 0) \
             if hub else None
@@ -487,18 +487,7 @@ class Batcher:
             return
         hub, alone = self._cached_split()
         decision = self.gate.verdict(hub, len(self._new), plain=alone)
-        if decision.trees != self._gate_open:
-            self._gate_open = decision.trees
-            gate = self.gate
-            log.info("%s: at %d requests decoding (%d plain), %s (trees %.1f tok/s at τ %.2f "
-                     "and a %.0f ms round trip, tree passes %.2fx slower beside the hub; "
-                     "plain %.1f tok/s)", self.name, decision.rows, len(alone),
-                     "a lone request uses the hub, which judges its rounds" if decision.lone
-                     else "requests use the hub" if decision.trees else
-                     "requests decode plain, batched",
-                     decision.tree_tok_s, gate.tau.get(PRIOR_TAU),
-                     1e3 * gate.round_trip.get(0.0), gate.slowdown.get(1.0),
-                     decision.plain_tok_s)
+        self._log_verdict(decision, len(alone))
         if not decision.trees:
             # the whole batch goes plain: a tree among plain rows would slow every row's
             # pass and hold its own request back for the hub's round trip
@@ -517,6 +506,26 @@ class Batcher:
                             tokens=torch.tensor([*req.prompt, first], dtype=torch.int32),
                             features=self._half(feats))
         self._send(slot, slot.opening)
+
+    def _log_verdict(self, decision: Decision, plain_rows: int) -> None:
+        """The gate's verdict on a batch, at INFO when it differs from its last verdict on
+        one (a lone request always uses the hub: under changing load, logging each lone
+        verdict too would flip the log between the two every second)."""
+        changed = not decision.lone and decision.trees != self._gate_open
+        if changed:
+            self._gate_open = decision.trees
+        if not changed and not log.isEnabledFor(logging.DEBUG):
+            return
+        gate = self.gate
+        log.log(logging.INFO if changed else logging.DEBUG,
+                "%s: at %d requests decoding (%d plain), %s (trees %.1f tok/s at τ %.2f "
+                "and a %.0f ms round trip, tree passes %.2fx slower beside the hub; "
+                "plain %.1f tok/s)", self.name, decision.rows, plain_rows,
+                "a lone request uses the hub, which judges its rounds" if decision.lone
+                else "requests use the hub" if decision.trees else
+                "requests decode plain, batched",
+                decision.tree_tok_s, gate.tau.get(PRIOR_TAU),
+                1e3 * gate.round_trip.get(0.0), gate.slowdown.get(1.0), decision.plain_tok_s)
 
     def _coalesce(self, client: HubClient | None, work: list[Slot], waiting: list[Slot]
                   ) -> list[Slot]:
