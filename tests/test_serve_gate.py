@@ -279,20 +279,3 @@ def test_a_few_rounds_move_the_gates_tau_as_far_as_their_mean():
     for _ in range(200):
         gate.observe_round(10, 3)
     assert abs(gate.tau.get(0.0) - 3.0) < 0.01
-
-
-def test_a_row_decoding_plain_beside_trees_steps_at_their_pass_not_a_plain_batchs():
-    """A request the hub sends plain while others in its batch keep verifying trees gets
-    one token per tree pass, plus one per plain pass run while their trees are away: the
-    step its COMMITs report, which the hub's trees for it must beat, is that, not the
-    pass of a batch that all decodes plain."""
-    gate = SpeculationGate(step_s=0.04)
-    feed(gate, per_token_s=0.003, round_trip_s=0.002)  # round trip under COALESCE: no plain pass
-    batch = gate.plain_pass_s([300, 300])
-    beside_trees = gate.plain_row_step_s([300], plain=[300])
-    assert beside_trees >= gate.tree_pass_s([300], plain=[300]) > 1.3 * batch
-    assert gate.plain_row_step_s([], plain=[300, 300]) == batch, "no trees: a plain pass"
-    for _ in range(50):  # a long round trip: the plain row steps meanwhile
-        gate.observe_round_trip(0.2)
-    cycle_steps = gate.plain_row_step_s([300], plain=[300])
-    assert batch < cycle_steps < beside_trees

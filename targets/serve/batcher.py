@@ -133,19 +133,6 @@ class Slot:
 
 
 @dataclass
-class BatchView:
-    """The batch as one pass's COMMITs see it (``Batcher._batch_view``): cache lengths by
-    request id."""
-
-    trees: dict[int, int]
-    """Requests verifying the hub's trees."""
-    plain: dict[int, int]
-    """Requests decoding plain: alone, or in a plain round the hub asked for."""
-    tok_s: float
-    """Tokens a second the batch commits so (``SpeculationGate.rates``)."""
-
-
-@dataclass
 class BatcherStats:
     """Totals since start, read by the server's metrics (plain ints: reads need no lock)."""
 
@@ -574,19 +561,19 @@ class Batcher:
         self.stats.rows += len(work)
         self.stats.last_batch = len(work)
         commits = any(s.tree is not None or s.plain_left for s in work)
-        view = self._batch_view() if commits else None  # only COMMITs report from it
+        step_s, tok_s = self._commit_rates() if commits else (0.0, 0.0)  # only COMMITs report them
         for slot, tree, verdict in zip(work, trees, verdicts, strict=True):
             slot.stats.verify_s += took
             if slot.tree is not None:
-                self._after_tree(slot, tree, verdict, took, view)
+                self._after_tree(slot, tree, verdict, took, step_s, tok_s)
             elif slot.plain_left:
-                self._after_plain_step(slot, verdict, view)
+                self._after_plain_step(slot, verdict, step_s, tok_s)
             else:
                 self.stats.plain_steps += 1
                 self._emit(slot, verdict.tokens)
 
     def _after_tree(self, slot: Slot, tree: DraftTree, verdict: Verdict, took: float,
-                    view: BatchView) -> None:
+                    step_s: float, tok_s: float) -> None:
         slot.tree = None
         accepted = len(verdict.path)
         count_round(slot.stats, accepted, len(tree))
@@ -594,17 +581,18 @@ class Batcher:
         self.stats.rounds += 1
         self.stats.committed += len(verdict.tokens)
         commit = Commit(tag=slot.tag, seq=slot.seq, accepted=accepted, verify_ms=1e3 * took,
-                        step_ms=1e3 * self._plain_step_s(slot, view),
-                        floor=self._floor(slot, view.tok_s),
+                        step_ms=1e3 * step_s, floor=self._floor(slot, tok_s),
                         tokens=torch.tensor(verdict.tokens, dtype=torch.int32),
                         features=self._half(verdict.features))
         if self._emit(slot, verdict.tokens):
             return
         self._commit(slot, commit)
 
-    def _after_plain_step(self, slot: Slot, verdict: Verdict, view: BatchView) -> None:
-        """One of the plain steps the hub asked for; the last one COMMITs them all, with
-        what this pass's ``view`` of the batch says."""
+    def _after_plain_step(self, slot: Slot, verdict: Verdict, step_s: float,
+                          tok_s: float) -> None:
+        """One of the plain steps the hub asked for; the last one COMMITs them all.
+        ``step_s``, ``tok_s``: this pass's ``_commit_rates``, the step the hub must beat
+        and the batch's rate that sets the floor advised for the next tree."""
         self.stats.plain_steps += 1
         slot.plain_left -= 1
         slot.plain_tokens.extend(verdict.tokens)
@@ -618,8 +606,7 @@ class Batcher:
         slot.stats.plain_s += took
         feats = torch.cat(slot.plain_feats) if slot.plain_feats else None
         commit = Commit(tag=slot.tag, seq=slot.seq, accepted=0, verify_ms=1e3 * took,
-                        step_ms=1e3 * self._plain_step_s(slot, view),
-                        floor=self._floor(slot, view.tok_s),
+                        step_ms=1e3 * step_s, floor=self._floor(slot, tok_s),
                         tokens=torch.tensor(slot.plain_tokens, dtype=torch.int32),
                         features=self._half(feats))
         slot.plain_tokens, slot.plain_feats = [], []
@@ -646,31 +633,17 @@ class Batcher:
                 (hub if s.client is not None else alone).append(self.engine.cached(s.req.rid))
         return hub, alone
 
-    def _batch_view(self) -> BatchView:
-        """One read of the batch for what this pass's COMMITs report: the requests
-        verifying the hub's trees, those decoding plain (alone, or in a plain round the
-        hub asked for), and the tokens a second the batch commits so, by the gate's
-        model, which sets the floor advised."""
-        trees: dict[int, int] = {}
-        plain: dict[int, int] = {}
-        for s in self._slots.values():
-            if s.decoding:
-                rows = trees if s.client is not None and not s.plain_left else plain
-                rows[s.req.rid] = self.engine.cached(s.req.rid)
-        return BatchView(trees, plain, self.gate.rates(list(trees.values()),
-                                                       list(plain.values()))[0])
+    def _commit_rates(self) -> tuple[float, float]:
+        """What this pass's COMMITs report, from one read of the batch:
 
-    def _plain_step_s(self, slot: Slot, view: BatchView) -> float:
-        """The step the hub must beat for this request: what it would wait per token
-        decoding plain in this batch as it runs. Beside requests that keep verifying
-        trees, that is their tree pass and the plain passes between (a plain batch's
-        pass would flatter plain, and the hub would send plain rounds to a request that
-        then pays tree passes for one token each)."""
-        rid = slot.req.rid
-        trees = [cached for other, cached in view.trees.items() if other != rid]
-        plain = [cached for other, cached in view.plain.items() if other != rid]
-        step = self.gate.plain_row_step_s(trees, [*plain, self.engine.cached(rid)])
-        return step or self.step_s
+        - the plain step: what a request waits per token if it decodes plain in today's
+          batch, the step the hub must beat, as it verifies our trees in passes as wide
+          as this batch;
+        - the tokens a second this batch commits with trees for the requests using the
+          hub (beside those decoding plain), by the gate's model, which sets the floor."""
+        hub, alone = self._cached_split()
+        step_s = self.gate.plain_pass_s(hub + alone) or self.step_s
+        return step_s, self.gate.rates(hub, alone)[0]
 
     def _floor(self, slot: Slot, tok_s: float) -> float:
         """The floor this request's next tree is advised: its nodes below it would slow

@@ -149,32 +149,17 @@ class SpeculationGate:
         pass, then runs it without them, so a tree row waits for whole plain passes (the
         round trip rounded up to them), in which the plain rows step. Plain rows gain
         nothing from the trees beside them and pay the tree pass."""
-        cycle, steps = self._cycle(cached, plain)
-        tokens = len(cached) * self.tau.get(PRIOR_TAU) + len(plain) * (1 + steps)
-        everyone = [*cached, *plain]
-        return (tokens / max(cycle, 1e-6),
-                len(everyone) / max(self.plain_pass_s(everyone), 1e-6))
-
-    def _cycle(self, cached: list[int], plain: Sequence[int]) -> tuple[float, int]:
-        """(seconds, plain passes) of one round of the trees for ``cached`` beside the
-        ``plain`` rows (``rates``): the tree pass, slowed by the hub beside us, then the
-        wait for the next trees, in which the plain rows step that many times."""
-        wait, steps = self.round_trip.get(0.0), 0
+        tokens = len(cached) * self.tau.get(PRIOR_TAU)
+        wait = self.round_trip.get(0.0)
         if plain:
             alone = max(self.plain_pass_s(plain), 1e-6)
             steps = math.ceil(wait / alone) if wait > COALESCE * alone else 0
             wait = steps * alone if steps else wait
-        return self.tree_pass_s(cached, plain) * self.slowdown.get(1.0) + wait, steps
-
-    def plain_row_step_s(self, cached: list[int], plain: Sequence[int]) -> float:
-        """What a row decoding plain waits per token, among the ``plain`` rows (itself
-        included) beside sessions verifying trees for ``cached``: it steps once in their
-        tree pass and in each plain pass run while their next trees are on the way; with
-        no trees beside it, in a plain pass of the batch."""
-        if not cached:
-            return self.plain_pass_s(plain)
-        cycle, steps = self._cycle(cached, plain)
-        return cycle / (1 + steps)
+            tokens += len(plain) * (1 + steps)
+        cycle = self.tree_pass_s(cached, plain) * self.slowdown.get(1.0) + wait
+        everyone = [*cached, *plain]
+        return (tokens / max(cycle, 1e-6),
+                len(everyone) / max(self.plain_pass_s(everyone), 1e-6))
 
     def node_s(self, cached: int) -> float:
         """What one more tree node of a session holding ``cached`` tokens adds to a pass
