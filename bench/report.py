@@ -163,7 +163,25 @@ def table_cells(doc: dict) -> tuple[list[str], list[list[str]]]:
                                   for row in doc["rows"]]
 
 
+def machine_line(doc: dict) -> str:
+    """The CPU model, the instruction set torch ran (``AVX2`` where it was forced) and the
+    host's load when the run began: every figure is read against these."""
+    machine = doc.get("machine") or {}
+    load = machine.get("loadavg_at_start")
+    return (f"CPU {machine.get('cpu', '?')} ({machine.get('isa', '?')}), load average at "
+            f"start {'/'.join(f'{x:.2f}' for x in load) if load else '?'}")
+
+
 def preamble(doc: dict) -> list[str]:
+    """The lines above a table: the machine first (a serving run's line says more), then
+    what ran."""
+    cfg = doc["config"]
+    if cfg.get("mode") == "serve":
+        return serve_preamble(doc)
+    return [machine_line(doc), *run_lines(doc)]
+
+
+def run_lines(doc: dict) -> list[str]:
     cfg = doc["config"]
     lines = []
     if cfg.get("topology") == "edge":
@@ -175,8 +193,6 @@ def preamble(doc: dict) -> list[str]:
                 cfg.get("threads_note", "")]
     if cfg.get("mode") == "hub-load":
         return hub_load_preamble(cfg)
-    if cfg.get("mode") == "serve":
-        return serve_preamble(doc)
     if cfg.get("mode") == "emulated":
         m = cfg["model"]
         lines.append(f"emulated {cfg['emulate']}: S(d)={m['S_ms']:.2f}ms Z(d)={m['Z_ms']:.2f}ms "
@@ -206,12 +222,9 @@ def threads_phrase(cfg: dict) -> str:
 
 
 def serve_preamble(doc: dict) -> list[str]:
-    cfg, machine = doc["config"], doc.get("machine") or {}
+    cfg = doc["config"]
     threads = cfg["threads_resolved"]
-    load = machine.get("loadavg_at_start")
-    return [f"serve: CPU {machine.get('cpu', '?')} ({machine.get('isa', '?')}), "
-            f"{threads['cores']} usable cores, load average at start "
-            f"{'/'.join(f'{x:.2f}' for x in load) if load else '?'}; torch threads: "
+    return [f"serve: {machine_line(doc)}, {threads['cores']} usable cores; torch threads: "
             f"{threads['servers']} per server, {threads['hub']} for the hub "
             f"(N={cfg['targets']} servers per mode; the load generator shares the cores)",
             f"open-loop Poisson arrivals (seed {cfg['seed']}), rate = requests/s over all N "

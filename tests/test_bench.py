@@ -71,13 +71,14 @@ def synthetic_doc(emulated: bool) -> dict:
         rows.append({"mode": "hf-generate", "targets": 1, "drafter": "none", "depth": None,
                      **dict.fromkeys(METRICS), "per_target_tok_s": 3.0, "system_tok_s": 3.0,
                      "lossless": None})
-    return {"machine": {}, "config": config, "rows": rows}
+    return {"machine": {"cpu": "some CPU", "isa": "AVX2"}, "config": config, "rows": rows}
 
 
 @pytest.mark.parametrize("emulated", [False, True])
 def test_tables_and_plot(tmp_path, emulated):
     doc = synthetic_doc(emulated)
     text = text_table(doc)
+    assert text.splitlines()[0].startswith("CPU some CPU (AVX2)"), "the machine comes first"
     assert "system_tok_s" in text and "t_idle_ms" in text
     assert ("model r_q" in text) == emulated and ("N_full=3" in text) == emulated
     md = markdown_table(doc)

@@ -143,7 +143,7 @@ def test_tables_show_hub_load_rows_and_star_controls():
     header = text_table({"machine": {}, "config": {"mode": "real", "n_prompts": 1,
                                                    "prompts": "p", "max_new_tokens": 8,
                                                    "threads": 1},
-                         "rows": [star]}).splitlines()[1]
+                         "rows": [star]}).splitlines()[2]
     assert "batch" in header and "predraft" in header
     assert "nodes" not in header, "one node budget needs no column"
     varied = {**doc, "rows": [{**row, "max_nodes": 10}, {**row, "max_nodes": 16}]}
