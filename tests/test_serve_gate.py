@@ -18,7 +18,8 @@ def feed(gate: SpeculationGate, per_token_s: float, base_s: float = 0.04,
             for fed_each in (1, nodes + 1):
                 fed = rows * fed_each
                 cost = BatchStats(rows, fed, rows * cached, rows * cached * fed_each)
-                gate.observe_pass(cost, base_s + per_token_s * fed)
+                gate.observe_pass(cost, base_s + per_token_s * fed,
+                                  trees=rows if fed_each > 1 else 0)
     for i in range(200):  # 2.5 as 2, 3, 2, 3, ...
         gate.observe_round(nodes, int(tau) + (i % 2 if tau % 1 else 0))
         gate.observe_round_trip(round_trip_s)
@@ -279,3 +280,45 @@ def test_a_few_rounds_move_the_gates_tau_as_far_as_their_mean():
     for _ in range(200):
         gate.observe_round(10, 3)
     assert abs(gate.tau.get(0.0) - 3.0) < 0.01
+
+
+def test_a_spell_of_plain_passes_does_not_move_what_tree_passes_cost():
+    """A server whose requests all went plain still prices trees by the tree passes it
+    ran: plain passes, whose fed tokens are all roots, teach the plain fit only."""
+    gate = SpeculationGate(step_s=0.06)
+    for rows in (1, 2, 4):
+        for nodes in (4, 10):
+            fed = rows * (nodes + 1)
+            gate.observe_pass(BatchStats(rows, fed, rows * 100, fed * 100),
+                              0.06 + 0.002 * fed + 0.01 * rows, trees=rows)
+    before = gate.tree_pass_s([100] * 5)
+    for _ in range(300):  # plain rows cost 8 ms each: far more than a fed tree node
+        gate.observe_pass(BatchStats(5, 5, 500, 500), 0.06 + 0.008 * 5)
+    assert gate.tree_pass_s([100] * 5) == before
+    assert gate.plain_pass_s([100] * 5) == pytest.approx(0.1, rel=0.02)
+
+
+def widths_then_one_row(anchored: bool) -> SpeculationGate:
+    """Plain passes at 1, 2 and 4 rows (8 ms a row), then a long spell of one-row ones."""
+    gate = SpeculationGate(step_s=0.06)
+    for rows in (1, 2, 4):
+        for cached in (48, 144):
+            gate.observe_pass(BatchStats(rows, rows, rows * cached, rows * cached),
+                              0.06 + 0.008 * rows)
+    if anchored:
+        gate.anchor()
+    for i in range(500):
+        cached = 100 + i % 300
+        gate.observe_pass(BatchStats(1, 1, cached, cached), 0.068)
+    return gate
+
+
+def test_passes_of_several_widths_keep_pricing_wide_batches_after_a_spell_of_one_row():
+    """One-row passes cannot tell a pass's fixed cost from its cost per row; once the
+    passes that did are forgotten, an anchored fit keeps their split, not its first
+    guess (a server's priced five plain rows at 175 ms where they took 100)."""
+    five = 0.06 + 0.008 * 5
+    anchored = widths_then_one_row(anchored=True).plain_pass_s([200] * 5)
+    drifted = widths_then_one_row(anchored=False).plain_pass_s([200] * 5)
+    assert anchored == pytest.approx(five, rel=0.05)
+    assert abs(drifted - five) > 2 * abs(anchored - five)

@@ -62,6 +62,7 @@ from targets.generate import (
     measure_step,
     target_card,
 )
+from targets.serve.calibration import ROWS, TREE_NODES, calibrate
 from targets.serve.gate import COALESCE, MARGIN, PRIOR_TAU, Decision, SpeculationGate
 from targets.verify import Verdict
 
@@ -184,6 +185,8 @@ class Batcher:
         self.gate = SpeculationGate(self.step_s, margin=MARGIN if speculate == "auto" else 0) \
             if hub else None
         """Whether a request should use the hub at today's batch (``--speculate``)."""
+        if self.gate is not None:
+            self._calibrate()
         self.stats = BatcherStats()
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._cancelled: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -202,6 +205,17 @@ class Batcher:
         if self.link is not None:
             self.link.connect()
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
+
+    def _calibrate(self) -> None:
+        """Time passes over throwaway sessions for the gate (``targets.serve.calibration``)."""
+        start = time.perf_counter()
+        timed = calibrate(self.engine, self.gate, self.clock, self.vocab_size)
+        widths = "/".join(map(str, ROWS))
+        log.info("%s: passes at %s rows take %s ms plain, %s ms with %d-node trees "
+                 "(timed in %.1f s)", self.name, widths,
+                 "/".join(f"{1e3 * timed[r, 0]:.0f}" for r in ROWS),
+                 "/".join(f"{1e3 * timed[r, TREE_NODES[-1]]:.0f}" for r in ROWS),
+                 TREE_NODES[-1], time.perf_counter() - start)
 
     # -- the outside's side (any thread) ----------------------------------------------
     def start(self) -> None:
@@ -553,8 +567,12 @@ class Batcher:
         verdicts = self.engine.verify(batch)
         took, alone = self.clock.lap()
         self._busy_s += took
+        n_trees = sum(s.tree is not None for s in work)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: pass of %d rows (%d trees, %d fed): %.1f ms, %.1f alone", self.name,
+                      len(work), n_trees, cost.new_tokens, 1e3 * took, 1e3 * alone)
         if self.gate is not None:
-            self.gate.observe_pass(cost, alone, took, sum(s.tree is not None for s in work))
+            self.gate.observe_pass(cost, alone, took, n_trees)
         self._pass_s = took if self.stats.passes == 0 else 0.8 * self._pass_s + 0.2 * took
         self._pass_no += 1
         self.stats.passes += 1

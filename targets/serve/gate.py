@@ -8,12 +8,13 @@ then passes them; on a host where the hub drafts on the target's own cores it do
 sooner, since both the round trip and our passes then carry the hub's compute.
 
 ``SpeculationGate`` learns the three things that decide it from this target's own passes:
-a pass's time as ``c0 + c1·fed + c2·sum(cached·fed) + c3·trees`` (fed tokens, the
+a tree pass's time as ``c0 + c1·fed + c2·sum(cached·fed) + c3·trees`` (fed tokens, the
 attention they pay against the caches, and what a tree row costs beyond its tokens: its
-mask and the scattered attention), τ and the tree size of the rounds verified here, and the round
-trip. Where the hub shares our cores, the fit is of each pass's time alone (its CPU time,
-``starhub.cores``) and tree passes carry the slowdown measured on them (wall over alone):
-the hub's compute is charged to the trees, not to plain batching. A request that is
+mask and the scattered attention) and a plain pass's (below), τ and the tree size of the
+rounds verified here, and the round trip. Where the hub shares our cores, the fits are of
+each pass's time alone (its CPU time, ``starhub.cores``) and tree passes carry the
+slowdown measured on them (wall over alone): the hub's compute is charged to the trees,
+not to plain batching. A request that is
 about to open its hub session asks it ``pays``; where plain batching would serve the
 batch faster, the request and every other in the batch decode on their own, still
 batched, and the hub drafts nothing for them. Rows already decoding plain cannot take up
@@ -21,12 +22,15 @@ trees mid-stream, so a request joining them is judged as the mix it would make: 
 slows their pass and gives them nothing. Until rounds have been measured it assumes
 trees pay, so that they get measured.
 
-Plain passes are also fitted on their own (``c0 + c1·rows + c2·sum(cached)``), and that
-fit prices plain batching. The joint fit forgets as it goes, so through a spell of tree
-passes it forgets the plain ones, and its plain pass drifts: at two rows it read 17.5 to
-18 tok/s where plain passes ran 21.5, making trees look 20% better than they were, and so
-keeping them while the batch grew. A fit of plain passes alone only moves when plain
-passes run.
+Plain passes are fitted on their own (``c0 + c1·rows + c2·sum(cached)``), and tree passes
+on theirs. Each fit forgets as it goes and learns only from its own kind of pass, so a
+spell of one kind moves neither the other's fit: one fit of every pass read a plain pass
+of two rows at 17.5 to 18 tok/s after a spell of trees, where plain passes ran 21.5, and
+kept trees while the batch grew; a server whose requests all went plain forgot what tree
+passes cost. Passes timed at start-up (``targets.serve.calibration``) give both fits
+batches of 1 to 4 rows before the first request: live passes alone tell a fit only the
+batches the load has run (a fit that had seen one-row plain passes only priced five rows
+at 175 ms where they took 100, and kept trees for them).
 
 A request that would decode alone always opens its hub session: alone it slows no other
 row of ours, and the hub's control plane judges its rounds one by one from the session's
@@ -85,7 +89,7 @@ class SpeculationGate:
     def __init__(self, step_s: float, margin: float = MARGIN):
         step = step_s if step_s > 0 else 0.02
         self.passes = LinearFit([step, 0.0, 0.0, 0.0], forget=0.99)
-        """Every pass: what a tree pass costs."""
+        """Passes with trees (plain rows among them included): what a tree pass costs."""
         self.plain_passes = LinearFit([step, 0.0, 0.0], forget=0.99)
         """Passes without trees only: what plain batching costs."""
         self.tau = Ema(PRIOR_TAU, alpha=0.05, prior=PRIOR_ROUNDS)
@@ -104,12 +108,22 @@ class SpeculationGate:
     def observe_pass(self, cost: BatchStats, alone_s: float, wall_s: float | None = None,
                      trees: int = 0) -> None:
         """A pass's time with the cores to itself, and as it ran (default: the same);
-        ``trees``: the rows that verified a tree."""
-        self.passes.update([1.0, cost.new_tokens, cost.cached_x_new, trees], alone_s)
+        ``trees``: the rows that verified a tree. A pass with trees teaches the tree fit,
+        one without the plain fit, so neither forgets what it knows while the other kind
+        of pass runs."""
         if not trees:
             self.plain_passes.update([1.0, cost.new_tokens, cost.cached_x_new], alone_s)
-        if trees and wall_s is not None and alone_s > 0:
+            return
+        self.passes.update([1.0, cost.new_tokens, cost.cached_x_new, trees], alone_s)
+        if wall_s is not None and alone_s > 0:
             self.slowdown.update(max(wall_s / alone_s, 1.0))
+
+    def anchor(self) -> None:
+        """Make what the fits know now their priors: where later passes stop telling a
+        fit's terms apart (a long spell of one-row passes, the passes that told them
+        forgotten), the fit falls back to these, not to its first guess."""
+        for fit in (self.passes, self.plain_passes):
+            fit.prior = list(fit.weights)
 
     def observe_batch(self, rows: int, now: float | None = None) -> None:
         """Requests decoding from ``now`` (``time.monotonic()``) on."""

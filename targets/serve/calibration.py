@@ -1,0 +1,72 @@
+"""Passes timed when a serving target starts, so that its gate knows what plain batching
+and trees cost on this CPU before the first request.
+
+A fit of live passes knows only the batches the load has run, and its split of a pass into
+a fixed cost and a cost per row or per fed token is its prior until passes of several
+widths have run. ``calibrate`` runs a few batched passes over throwaway sessions, at 1, 2
+and 4 rows, plain and with trees of two sizes, at two cache lengths, and gives them to the
+gate, whose fits then fall back to what they tell where later passes stop telling their
+terms apart (``SpeculationGate.anchor``): 19 passes, one to five seconds on a 2-core CPU,
+once per process."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from starhub.cores import CoreClock
+from starhub.wire.tree import DraftTree
+from targets.engine import BatchStats, VerifyEngine
+from targets.serve.gate import SpeculationGate
+
+ROWS = (1, 2, 4)
+TREE_NODES = (0, 4, 10)
+"""0: a plain pass; the others: tree sizes around the hub's (its default is 10 nodes)."""
+LENGTHS = (144, 48)
+"""Cache lengths of the throwaway sessions, alike within a pass (rows of unlike lengths pay
+for padding, which no fit term prices) and apart between the two groups, so that what
+attention to the cache costs is told from what a fed token costs."""
+
+
+def throwaway_tree(nodes: int, vocab: int) -> DraftTree:
+    """A tree of ``nodes`` guesses, two at the root and two under each node after: a pass
+    pays for its fed tokens and their mask, whatever the tokens are."""
+    parents = np.array([-1 if i < 2 else (i - 2) // 2 for i in range(nodes)], np.int32)
+    return DraftTree(np.array([(31 * i + 7) % vocab for i in range(nodes)], np.int32), parents)
+
+
+def calibrate(engine: VerifyEngine, gate: SpeculationGate, clock: CoreClock,
+              vocab: int) -> dict[tuple[int, int], float]:
+    """Time a pass of each shape (rows, tree nodes) over each group of throwaway sessions,
+    after one untimed pass (a process's first passes run slow), and feed them to
+    ``gate``. Returns the seconds alone of the last group's passes by (rows, tree nodes),
+    for the log."""
+    groups, sid = [], 0
+    for length in LENGTHS:
+        group = []
+        for _ in range(max(ROWS)):
+            sid -= 1  # requests are numbered from 1
+            engine.open(sid, [(7 * sid + j) % vocab for j in range(length)])
+            group.append(sid)
+        groups.append(group)
+    plan = [(group, rows, nodes) for group in groups for rows in ROWS for nodes in TREE_NODES]
+    timed: dict[tuple[int, int], float] = {}
+    try:
+        _timed_pass(engine, clock, vocab, *plan[-1])
+        for group, rows, nodes in plan:
+            cost, timed[rows, nodes] = _timed_pass(engine, clock, vocab, group, rows, nodes)
+            gate.observe_pass(cost, timed[rows, nodes], trees=rows if nodes else 0)
+    finally:
+        for group in groups:
+            for s in group:
+                engine.close(s)
+    gate.anchor()
+    return timed
+
+
+def _timed_pass(engine: VerifyEngine, clock: CoreClock, vocab: int, group: list[int],
+                rows: int, nodes: int) -> tuple[BatchStats, float]:
+    batch = [(s, throwaway_tree(nodes, vocab)) for s in group[:rows]]
+    cost = engine.cost(batch)
+    clock.start()
+    engine.verify(batch)
+    return cost, clock.lap()[1]

@@ -1,0 +1,31 @@
+"""``targets.serve.calibration``: a serving target times batched passes over throwaway
+sessions at start, so that its gate prices plain batching and trees from passes of several
+widths before the first request."""
+
+from __future__ import annotations
+
+from starhub.cores import CoreClock
+from targets.engine import VerifyEngine
+from targets.serve.calibration import ROWS, TREE_NODES, calibrate, throwaway_tree
+from targets.serve.gate import SpeculationGate
+
+
+def test_calibration_feeds_both_fits_every_width_and_leaves_no_session(tiny_model):
+    model, _ = tiny_model
+    engine = VerifyEngine(model)
+    gate = SpeculationGate(step_s=0.01)
+    timed = calibrate(engine, gate, CoreClock(), model.config.vocab_size)
+    assert set(timed) == {(rows, nodes) for rows in ROWS for nodes in TREE_NODES}
+    assert all(seconds > 0 for seconds in timed.values())
+    assert gate.plain_passes.samples == 2 * len(ROWS)
+    assert gate.passes.samples == 2 * len(ROWS) * (len(TREE_NODES) - 1)
+    assert gate.plain_passes.prior == gate.plain_passes.weights, "the fits are anchored"
+    assert len(engine) == 0
+
+
+def test_a_throwaway_tree_is_a_valid_tree_of_the_size_asked():
+    for nodes in TREE_NODES:
+        tree = throwaway_tree(nodes, vocab=50)
+        assert len(tree) == nodes
+        assert all(-1 <= p < i for i, p in enumerate(tree.parents.tolist()))
+        assert all(0 <= t < 50 for t in tree.tokens.tolist())
