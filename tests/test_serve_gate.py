@@ -284,16 +284,23 @@ def test_a_few_rounds_move_the_gates_tau_as_far_as_their_mean():
     assert abs(gate.tau.get(0.0) - 3.0) < 0.01
 
 
+def tree_passes(gate: SpeculationGate, tree_row_s: float) -> None:
+    """Tree passes at 1, 2 and 4 rows of 4- and 10-node trees, caches of 100: 60 ms, plus
+    2 ms a fed token and ``tree_row_s`` a tree row."""
+    for rows in (1, 2, 4):
+        for nodes in (4, 10):
+            fed = rows * (nodes + 1)
+            gate.observe_pass(BatchStats(rows, fed, rows * 100, fed * 100),
+                              0.06 + 0.002 * fed + tree_row_s * rows, trees=rows)
+
+
 def test_a_spell_of_plain_passes_does_not_move_what_trees_add_to_a_pass():
     """A server whose requests all went plain still prices what trees add to a pass by
     the tree passes it ran: plain passes, whose fed tokens are all roots, teach the plain
     fit only (a plain row costing 8 ms would price a tree node at 8 ms)."""
     gate = SpeculationGate(step_s=0.06)
-    for rows in (1, 2, 4):
-        for nodes in (4, 10):
-            fed = rows * (nodes + 1)
-            gate.observe_pass(BatchStats(rows, fed, rows * 100, fed * 100),
-                              0.06 + 0.002 * fed + 0.01 * rows, trees=rows)
+    tree_passes(gate, tree_row_s=0.01)
+
     def added() -> float:
         return gate.tree_pass_s([100] * 5) - gate.plain_pass_s([100] * 5)
 
@@ -336,11 +343,7 @@ def test_a_tree_among_many_plain_rows_is_priced_with_them_as_plain_passes_cost()
     nine plain rows is priced as their plain pass plus what its tree adds, so the cost
     the tree fit never saw counts on both sides and the tree is no gain."""
     gate = SpeculationGate(step_s=0.06)
-    for rows in (1, 2, 4):
-        for nodes in (4, 10):
-            fed = rows * (nodes + 1)
-            gate.observe_pass(BatchStats(rows, fed, rows * 100, fed * 100),
-                              0.06 + 0.002 * fed + 0.004 * rows, trees=rows)
+    tree_passes(gate, tree_row_s=0.004)
     for rows in (8, 9, 10):
         for _ in range(30):
             gate.observe_pass(BatchStats(rows, rows, rows * 300, rows * 300),
