@@ -8,19 +8,19 @@ then passes them; on a host where the hub drafts on the target's own cores it do
 sooner, since both the round trip and our passes then carry the hub's compute.
 
 ``SpeculationGate`` learns the three things that decide it from this target's own passes:
-a tree pass's time as ``c0 + c1·fed + c2·sum(cached·fed) + c3·trees`` (fed tokens, the
-attention they pay against the caches, and what a tree row costs beyond its tokens: its
-mask and the scattered attention) and a plain pass's (below), τ and the tree size of the
-rounds verified here, and the round trip. Where the hub shares our cores, the fits are of
-each pass's time alone (its CPU time, ``starhub.cores``) and tree passes carry the
-slowdown measured on them (wall over alone): the hub's compute is charged to the trees,
-not to plain batching. A request that is
-about to open its hub session asks it ``pays``; where plain batching would serve the
-batch faster, the request and every other in the batch decode on their own, still
-batched, and the hub drafts nothing for them. Rows already decoding plain cannot take up
-trees mid-stream, so a request joining them is judged as the mix it would make: its tree
-slows their pass and gives them nothing. Until rounds have been measured it assumes
-trees pay, so that they get measured.
+what a pass costs (a plain pass's time, and what trees add to it: a fit of tree passes,
+``c0 + c1·fed + c2·sum(cached·fed) + c3·trees``, prices each tree node's fed token, the
+attention it pays against its cache, and what a tree row costs beyond its tokens: its
+mask and the scattered attention), τ and the tree size of the rounds verified here, and
+the round trip. Where the hub shares our cores, the fits are of each pass's time alone
+(its CPU time, ``starhub.cores``) and tree passes carry the slowdown measured on them
+(wall over alone): the hub's compute is charged to the trees, not to plain batching. A
+request that is about to open its hub session asks it ``pays``; where plain batching
+would serve the batch faster, the request and every other in the batch decode on their
+own, still batched, and the hub drafts nothing for them. Rows already decoding plain
+cannot take up trees mid-stream, so a request joining them is judged as the mix it would
+make: its tree slows their pass and gives them nothing. Until rounds have been measured
+it assumes trees pay, so that they get measured.
 
 Plain passes are fitted on their own (``c0 + c1·rows + c2·sum(cached)``), and tree passes
 on theirs. Each fit forgets as it goes and learns only from its own kind of pass, so a
@@ -141,7 +141,7 @@ class SpeculationGate:
 
     def plain_pass_s(self, cached: Sequence[int]) -> float:
         """A plain pass over sessions of these cache lengths: one token fed each; by the
-        joint fit until a plain pass has run."""
+        tree fit (no trees) until a plain pass has run."""
         if not self.plain_passes.samples:
             return max(self.passes.predict([1.0, len(cached), sum(cached), 0.0]), 0.0)
         return max(self.plain_passes.predict([1.0, len(cached), sum(cached)]), 0.0)
