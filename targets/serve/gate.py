@@ -154,10 +154,15 @@ class SpeculationGate:
         unlike cache lengths padded to the longest) the same on both sides of a verdict:
         priced by one fit and not the other, it made a tree among many plain rows look
         like a gain (a newcomer beside nine plain rows judged 57.5 tok/s against 43.2)."""
-        w = self.passes.weights
-        nodes = self.nodes.get(PRIOR_NODES)
-        added = sum(nodes * max(w[1] + w[2] * c, 0.0) + max(w[3], 0.0) for c in cached)
+        nodes, row = self.nodes.get(PRIOR_NODES), max(self.passes.weights[3], 0.0)
+        added = sum(nodes * self._node_alone_s(c) + row for c in cached)
         return self.plain_pass_s([*cached, *plain]) + added
+
+    def _node_alone_s(self, cached: int) -> float:
+        """The tree fit's cost of a fed token and of its attention, for a session holding
+        ``cached`` tokens, with the cores to itself."""
+        w = self.passes.weights
+        return max(w[1] + w[2] * cached, 0.0)
 
     def rates(self, cached: list[int], plain: Sequence[int] = ()) -> tuple[float, float]:
         """(tokens/s with trees for the sessions of ``cached`` beside the ``plain`` rows,
@@ -185,8 +190,7 @@ class SpeculationGate:
         """What one more tree node of a session holding ``cached`` tokens adds to a pass
         as passes run here (beside the hub where it shares our cores): the fit's cost of
         a fed token and of its attention; 0 until passes have told it."""
-        w = self.passes.weights
-        return max(w[1] + w[2] * cached, 0.0) * self.slowdown.get(1.0)
+        return self._node_alone_s(cached) * self.slowdown.get(1.0)
 
     def floor(self, cached: int, tok_s: float) -> float:
         """The least draft path probability worth a node in the next tree of a session
