@@ -152,9 +152,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--draft-process")
     load.add_argument("--hub-load", action="store_true")
     load.add_argument("--repeat", type=POSITIVE.arg, default=1, metavar="R",
-                      help="run every row R times, all rows and then all again, and show "
-                           "each row's median run (r_q_runs lists them all): on a shared "
-                           "machine a single run can be far off (default 1)")
+                      help="--hub-load and --serve: run every row R times, all rows and then "
+                           "all again, and show each row's median run (by r_q, or by "
+                           "output_tok_s for --serve; r_q_runs and output_tok_s_runs list "
+                           "them all): on a shared machine a single run can be far off "
+                           "(default 1)")
     load.add_argument("--record-prompts", type=POSITIVE.arg, default=8,
                       help="prompts of --prompts to record and replay")
     load.add_argument("--replay-cache", default=None,
@@ -324,8 +326,7 @@ def serve_doc(args: argparse.Namespace) -> dict:
     from bench.serve import ServeConfig, run_serve
 
     others = [flag for flag, on in (("--hub-load", args.hub_load), ("--emulate", args.emulate),
-                                    ("--topology edge", args.topology == "edge"),
-                                    ("--repeat", args.repeat != 1)) if on]
+                                    ("--topology edge", args.topology == "edge")) if on]
     if others:
         raise ValueError(f"--serve cannot be combined with {' or '.join(others)}")
     ns = parse_targets(args.targets or str(SERVE_TARGETS))
@@ -346,7 +347,8 @@ def serve_doc(args: argparse.Namespace) -> dict:
                       max_new_tokens=args.max_new_tokens or 64, threads=args.threads,
                       hub_threads=args.hub_threads, hub_args=hub_args, seed=args.seed,
                       max_concurrency=args.max_concurrency, speculate=args.speculate,
-                      dtype=args.dtype, linear=args.linear, log_dir=args.log_dir)
+                      dtype=args.dtype, linear=args.linear, repeat=args.repeat,
+                      log_dir=args.log_dir)
     return run_serve(cfg, progress=not args.no_progress)
 
 
@@ -354,7 +356,7 @@ def main(args: argparse.Namespace) -> int:
     if args.serve:
         return write(args, serve_doc(args))
     if args.repeat != 1 and not args.hub_load:
-        raise ValueError("--repeat applies to --hub-load only")
+        raise ValueError("--repeat applies to --hub-load and --serve only")
     if args.topology == "edge" or (args.emulate and not args.hub_load):
         given = [flag for flag, value in (("--batch", args.batch), ("--predraft", args.predraft),
                                           ("--lookup", args.lookup), ("--prune", args.prune),

@@ -22,6 +22,7 @@ from bench.emulate_spec import EmulateSpec
 from bench.replay import Recording, ensure_recording
 from bench.replay_targets import measure
 from bench.run import StarConfig, StarVariant, hub_flags, machine_info, on_off, variants
+from bench.runs import median_run
 from starhub.client.connection import HubClient
 from starhub.hub.metrics import DRAFT_KEYS, derive
 from starhub.launch import spawn_hub
@@ -142,15 +143,6 @@ def run_point(cfg: HubLoadConfig, n: int, variant: StarVariant, log_dir: str,
     return load_row(cfg, n, variant, c0, c1, replay, drafter), recording
 
 
-def median_run(runs: list[dict]) -> dict:
-    """The run with the median ``r_q`` (the lower one of an even count), with every run's
-    ``r_q`` beside it: on a shared machine one run of a row can be far off the others."""
-    if len(runs) == 1:
-        return runs[0]
-    ranked = sorted(runs, key=lambda row: row.get("r_q") or 0.0)
-    return {**ranked[(len(runs) - 1) // 2], "r_q_runs": [row.get("r_q") for row in runs]}
-
-
 def run_hub_load(cfg: HubLoadConfig, progress: bool = True) -> dict:
     """Rows for every N and combination of control values, in that order. With
     ``repeat`` > 1 all rows run, then all again, so that a machine's slow spell falls on
@@ -167,7 +159,7 @@ def run_hub_load(cfg: HubLoadConfig, progress: bool = True) -> dict:
         for (n, variant), done in zip(points, runs, strict=True):
             row, recording = run_point(cfg, n, variant, log_dir, recording, progress, run)
             done.append(row)
-    rows = [median_run(done) for done in runs]
+    rows = [median_run(done, "r_q") for done in runs]
     meta = asdict(recording.meta) if recording is not None else {}
     config = {k: v for k, v in asdict(cfg).items() if k not in ("log_dir", "predraft")}
     config.update(mode="hub-load", predraft=[on_off(p) for p in cfg.predraft],

@@ -163,6 +163,12 @@ def plot_serve(doc: dict, out: str | Path) -> None:
             return [x for x, _ in pts], [y for _, y in pts]
 
         left.plot(*series("output_tok_s"), "o-", color=color, label=f"{mode} output tok/s")
+        spread = [(r["rate"], min(r["output_tok_s_runs"]), max(r["output_tok_s_runs"]))
+                  for r in rows if r.get("output_tok_s_runs")]
+        if spread:  # with --repeat: every run of the row, the line through its median
+            left.vlines([x for x, _, _ in spread], [lo for _, lo, _ in spread],
+                        [hi for _, _, hi in spread], color=color, alpha=0.5,
+                        label=f"{mode}: range of the runs")
         right.plot(*series("tpot_p99_ms"), "s-", color=color, label=f"{mode} TPOT p99")
         lat.plot(*series("ttft_p99_ms"), "^:", color=color, label=f"{mode} TTFT p99")
     left.set_xlabel("offered rate (requests/s, all servers)")

@@ -135,7 +135,13 @@ def with_tree_columns(cols: list, rows: list[dict]) -> list:
 def columns(doc: dict) -> list[tuple[str, object, str]]:
     emulated = doc["config"].get("mode") == "emulated"
     if doc["config"].get("mode") == "serve":
-        return SERVE_COLUMNS
+        cols = SERVE_COLUMNS
+        for after, key, fmt in (("tok_s_vs_plain", "tok_s_vs_plain_runs", "{:.2f}"),
+                                ("output_tok_s", "output_tok_s_runs", "{:.1f}")):
+            if any(key in row for row in doc["rows"]):
+                at = [c[1] for c in cols].index(after) + 1
+                cols = cols[:at] + [(key.replace("_runs", " runs"), key, fmt)] + cols[at:]
+        return cols
     if doc["config"].get("topology") == "edge":
         return EDGE_COLUMNS + (EDGE_EMULATED_EXTRA if emulated else EDGE_REAL_EXTRA)
     if doc["config"].get("mode") == "hub-load":

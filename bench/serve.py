@@ -4,8 +4,10 @@ request rate, every greedy output checked against the other mode's and ``generat
 
 Both fleets start once and stay up for the whole run; the rates run in turn, each rate
 once per mode (the mode that goes first alternates from rate to rate, so slow drift of a
-shared host falls on both). The hub's figures for a row are its counters over that row's
-window, as ``--hub-load`` reads them."""
+shared host falls on both). With ``--repeat R`` every rate runs R times, all rates and then
+all again, the first mode alternating from run to run too; a row then shows its median run.
+The hub's figures for a row are its counters over that row's window, as ``--hub-load``
+reads them."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import msgspec
 from bench.baselines import hf_generate
 from bench.defaults import DEFAULT_PROMPTS
 from bench.run import machine_info
+from bench.runs import median_run
 from bench.serve_checks import scrape
 from bench.serve_load import (
     Arrival,
@@ -68,6 +71,11 @@ SERVE_NOTES = {
     "lossless": "every output's token ids equal the plain rows' for the same prompt (greedy), "
                 f"and generate()'s for up to {GENERATE_SAMPLE} distinct prompts",
     "tok_s_vs_plain": "output_tok_s over the plain row's at the same rate",
+    "output_tok_s_runs": "with --repeat: output_tok_s of every run of the row, in the order "
+                         "they ran; the row's other figures are from its median run, but "
+                         "requests, completed, failed and lossless, which cover every run",
+    "tok_s_vs_plain_runs": "with --repeat: each run's output_tok_s over the plain run's at the "
+                           "same rate and repeat, which ran just before or after it",
     "tpot_p50_vs_plain": "the plain row's tpot_p50_ms over this row's (above 1: faster)",
     "max_send_lag_ms": "how late the load generator sent a request after its scheduled "
                        "arrival (it shares the cores with the servers)",
@@ -100,6 +108,8 @@ class ServeConfig:
     """The star servers' ``--speculate``."""
     dtype: str = "auto"
     linear: str = "auto"
+    repeat: int = 1
+    """Runs of every row; each row shows its median run."""
     log_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -111,6 +121,8 @@ class ServeConfig:
             raise ValueError("--requests must be at least 1")
         if self.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be at least 1")
+        if self.repeat < 1:
+            raise ValueError("--repeat must be at least 1")
 
 
 class Fleet:
@@ -282,20 +294,46 @@ def generate_references(cfg: ServeConfig, outcomes: list[list[Outcome]],
     return {r.id: r.output_ids for r in runs}
 
 
+def merge_runs(runs: list[dict]) -> list[dict]:
+    """One row per (rate, mode) from the runs of each: its median run by output tok/s, with
+    every run's request counts and losslessness, so that no run's failure or mismatch is
+    lost with the runs the median leaves out."""
+    groups: dict[tuple[float, str], list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["rate"], run["mode"]), []).append(run)
+    rows = []
+    for group in groups.values():
+        row = median_run(group, "output_tok_s")
+        if len(group) > 1:
+            row = {**row, **{key: sum(run[key] for run in group)
+                             for key in ("requests", "completed", "failed")},
+                   "lossless": all(run["lossless"] for run in group),
+                   "lossless_compared": sum(run["lossless_compared"] for run in group),
+                   "lossless_mismatches": sorted({i for run in group
+                                                  for i in run["lossless_mismatches"]})}
+        rows.append(row)
+    return rows
+
+
 def add_ratios(rows: list[dict]) -> None:
-    """Each row against the plain row at its rate."""
+    """Each row against the plain row at its rate (and, with repeated runs, each run
+    against the plain run of the same repeat)."""
     plain = {r["rate"]: r for r in rows if r["mode"] == "plain"}
     for row in rows:
         base = plain.get(row["rate"])
         row["tok_s_vs_plain"] = (row["output_tok_s"] / base["output_tok_s"]
                                  if base and base["output_tok_s"] else None)
+        if base and "output_tok_s_runs" in row:
+            row["tok_s_vs_plain_runs"] = [
+                mine / theirs if theirs else None for mine, theirs in
+                zip(row["output_tok_s_runs"], base["output_tok_s_runs"], strict=True)]
         row["tpot_p50_vs_plain"] = (base["tpot_p50_ms"] / row["tpot_p50_ms"]
                                     if base and base["tpot_p50_ms"] and row["tpot_p50_ms"]
                                     else None)
 
 
 def run_serve(cfg: ServeConfig, progress: bool = True) -> dict:
-    """Both fleets, every rate in both modes, then the lossless check."""
+    """Both fleets, every rate in both modes (``repeat`` times), then the lossless check."""
     prompts = read_prompts(cfg.prompts)
     if not prompts:
         raise ValueError(f"--prompts: {cfg.prompts} holds no prompts")
@@ -319,16 +357,20 @@ def run_serve(cfg: ServeConfig, progress: bool = True) -> dict:
         for fleet in (star, plain):
             warm_up(fleet, model, convs, WARMUP_TOKENS)
         hub_threads = (star.hub_stats() or {}).get("threads")
-        for k, rate in enumerate(cfg.rates):
-            schedule = poisson_schedule(rate, cfg.requests, cfg.targets, len(convs), cfg.seed)
-            for fleet in (star, plain) if k % 2 == 0 else (plain, star):
-                say(f"{fleet.mode} at {rate:g} requests/s: {cfg.requests} requests "
-                    f"(~{schedule[-1].at_s:.0f}s of arrivals)")
-                row, outs = measure(fleet, model, rate, schedule, convs, cfg)
-                rows.append(row)
-                outcomes.append(outs)
+        for run in range(cfg.repeat):
+            of = f" (run {run + 1} of {cfg.repeat})" if cfg.repeat > 1 else ""
+            for k, rate in enumerate(cfg.rates):
+                schedule = poisson_schedule(rate, cfg.requests, cfg.targets, len(convs),
+                                            cfg.seed)
+                for fleet in (star, plain) if (k + run) % 2 == 0 else (plain, star):
+                    say(f"{fleet.mode} at {rate:g} requests/s{of}: {cfg.requests} requests "
+                        f"(~{schedule[-1].at_s:.0f}s of arrivals)")
+                    row, outs = measure(fleet, model, rate, schedule, convs, cfg)
+                    rows.append(row)
+                    outcomes.append(outs)
     say(f"generate() for up to {GENERATE_SAMPLE} prompts")
     check_lossless(rows, outcomes, generate_references(cfg, outcomes, threads))
+    rows = merge_runs(rows)
     rows.sort(key=lambda r: (r["rate"], MODES.index(r["mode"])))
     add_ratios(rows)
     config = {k: v for k, v in asdict(cfg).items() if k != "log_dir"}

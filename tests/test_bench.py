@@ -226,6 +226,33 @@ def test_serve_table_and_plot(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_repeated_serve_rows_keep_the_median_run_and_every_run_failure(tmp_path):
+    from bench.plot import plot_serve
+    from bench.serve import add_ratios, merge_runs
+
+    def run(mode, tok_s, lossless=True, failed=0):
+        return {"mode": mode, "targets": 2, "rate": 1.0, "output_tok_s": tok_s,
+                "tpot_p50_ms": 1e3 / tok_s, "requests": 4, "completed": 4 - failed,
+                "failed": failed, "lossless": lossless, "lossless_compared": 4 - failed,
+                "lossless_mismatches": [] if lossless else [2]}
+
+    runs = [run("star", 30.0), run("plain", 25.0), run("plain", 20.0, failed=1),
+            run("star", 18.0, lossless=False), run("star", 24.0), run("plain", 22.0)]
+    star, plain = merge_runs(runs)
+    assert star["output_tok_s"] == 24.0 and star["tpot_p50_ms"] == 1e3 / 24.0, \
+        "figures come from the median run"
+    assert star["output_tok_s_runs"] == [30.0, 18.0, 24.0]
+    assert star["lossless"] is False and star["lossless_mismatches"] == [2], \
+        "a mismatch in a run the median leaves out still counts"
+    assert plain["failed"] == 1 and plain["requests"] == 12 and plain["completed"] == 11
+    add_ratios([star, plain])
+    assert star["tok_s_vs_plain"] == pytest.approx(24.0 / 22.0)
+    assert star["tok_s_vs_plain_runs"] == pytest.approx([30 / 25, 18 / 20, 24 / 22])
+    assert "30.0/18.0/24.0" in text_table(serve_doc([star, plain]))
+    plot_serve(serve_doc([star, plain]), tmp_path / "serve.png")
+    assert merge_runs(runs[:2])[0] is runs[0], "a single run is its row"
+
+
 @pytest.mark.parametrize("argv, error", [
     (["--targets", "1,2"], "one N"),
     (["--rate", "1,0"], "--rate"),
@@ -252,7 +279,8 @@ def test_serve_bench_end_to_end(tiny_dir, tmp_path):
         "--max-new-tokens", "8", "--model", str(tiny_dir), "--drafter", "ngram",
         "--depth", "3", "--threads", "1", "--prompts", str(prompts), "--json", str(out),
         "--plot", str(tmp_path / "serve.png"), "--log-dir", str(tmp_path / "logs"),
-        "--speculate", "always", "--no-progress"])  # n-gram trees on a random model never pay
+        "--speculate", "always", "--repeat", "2",
+        "--no-progress"])  # n-gram trees on a random model never pay
     assert main(args) == 0
     doc = json.loads(out.read_text())
     assert doc["config"]["mode"] == "serve" and doc["machine"]["isa"]
@@ -262,13 +290,15 @@ def test_serve_bench_end_to_end(tiny_dir, tmp_path):
         for key in ("output_tok_s", "request_throughput", "ttft_p50_ms", "ttft_p99_ms",
                     "tpot_p50_ms", "tpot_p99_ms", "mean_verify_batch"):
             assert row[key] is not None and row[key] > 0, key
-        assert row["completed"] == 3 and row["failed"] == 0
-        assert row["lossless"] is True and row["lossless_compared"] == 3
+        assert row["completed"] == 6 and row["failed"] == 0, "both runs count"
+        assert row["lossless"] is True and row["lossless_compared"] == 6
+        assert len(row["output_tok_s_runs"]) == 2
         assert row["threads"]["servers"] == 1
         assert [r["tokens"] > 0 and r["error"] is None for r in row["per_request"]] == [True] * 3
     star, plain = doc["rows"]
     assert star["tau"] is not None and star["hub_rounds"] > 0 and star["threads"]["hub"] == 1
     assert plain["tau"] is None and plain["hub_load"] is None
+    assert len(star["tok_s_vs_plain_runs"]) == 2
     assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
 
 

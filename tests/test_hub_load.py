@@ -11,10 +11,11 @@ import pytest
 from bench import replay
 from bench.cli import main as bench_main
 from bench.cli import tree_options
-from bench.hub_load import median_run, parse_t_v
+from bench.hub_load import parse_t_v
 from bench.replay import ensure_recording
 from bench.report import markdown_table, text_table
 from bench.run import BenchConfig, StarVariant, hub_flags, variants
+from bench.runs import median_run
 from starhub.cli.main import build_parser
 from starhub.wire.tree import accepted_path
 
@@ -110,16 +111,16 @@ def test_batch_and_predraft_refused_where_they_mean_nothing():
 
 def test_repeated_rows_keep_the_median_run_and_list_every_run():
     runs = [{"mode": "hub-load", "r_q": r_q, "t_s_ms": r_q / 100} for r_q in (130.0, 90.0, 110.0)]
-    row = median_run(runs)
+    row = median_run(runs, "r_q")
     assert row["r_q"] == 110.0 and row["t_s_ms"] == 1.1, "figures come from one run"
     assert row["r_q_runs"] == [130.0, 90.0, 110.0]
-    assert median_run(runs[:2])["r_q"] == 90.0, "an even count keeps the lower median"
-    assert "r_q_runs" not in median_run(runs[:1])
+    assert median_run(runs[:2], "r_q")["r_q"] == 90.0, "an even count keeps the lower median"
+    assert "r_q_runs" not in median_run(runs[:1], "r_q")
     doc = {"machine": {}, "config": {"mode": "hub-load", "drafter": "eagle", "hub_threads": 1,
                                      "warmup_s": 1.0, "duration_s": 3.0, "t_v": None},
            "rows": [row]}
     assert "130.0/90.0/110.0" in text_table(doc)
-    with pytest.raises(ValueError, match="--repeat applies to --hub-load only"):
+    with pytest.raises(ValueError, match="--repeat applies to --hub-load and --serve only"):
         bench_main(build_parser().parse_args(["bench", "--repeat", "3"]))
 
 
