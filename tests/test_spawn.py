@@ -86,8 +86,13 @@ def test_a_spawned_server_dies_with_a_parent_killed_outright(tiny_dir):
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's parent-death signal")
 def test_the_demos_hub_and_targets_die_with_a_demo_killed_outright(tmp_path):
+    # one short prompt: the demo's generate() baseline, which runs before the hub and the
+    # target start, is over in seconds; the test kills the demo once the target is up
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text('{"id": "p0", "prompt": "Write a haiku about the sea."}\n')
     demo = subprocess.Popen([sys.executable, "-m", "starhub", "demo", "--targets", "1",
-                             "--max-new-tokens", "512", "--drafter", "ngram"],
+                             "--prompts", str(prompts), "--max-new-tokens", "64",
+                             "--drafter", "ngram"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     try:
         deadline = time.monotonic() + 300
