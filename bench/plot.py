@@ -153,7 +153,7 @@ def plot_serve(doc: dict, out: str | Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     lat = right.twinx()
-    for mode, color in (("star", "tab:blue"), ("plain", "tab:orange")):
+    for mode, color, nudge in (("star", "tab:blue", -0.015), ("plain", "tab:orange", 0.015)):
         rows = sorted((r for r in doc["rows"] if r["mode"] == mode), key=lambda r: r["rate"])
         if not rows:
             continue
@@ -166,9 +166,9 @@ def plot_serve(doc: dict, out: str | Path) -> None:
         spread = [(r["rate"], min(r["output_tok_s_runs"]), max(r["output_tok_s_runs"]))
                   for r in rows if r.get("output_tok_s_runs")]
         if spread:  # with --repeat: every run of the row, the line through its median
-            left.vlines([x for x, _, _ in spread], [lo for _, lo, _ in spread],
-                        [hi for _, _, hi in spread], color=color, alpha=0.5,
-                        label=f"{mode}: range of the runs")
+            left.vlines([x * (1 + nudge) for x, _, _ in spread], [lo for _, lo, _ in spread],
+                        [hi for _, _, hi in spread], color=color, linewidth=3, alpha=0.45,
+                        label=f"{mode}: range of its runs")
         right.plot(*series("tpot_p99_ms"), "s-", color=color, label=f"{mode} TPOT p99")
         lat.plot(*series("ttft_p99_ms"), "^:", color=color, label=f"{mode} TTFT p99")
     left.set_xlabel("offered rate (requests/s, all servers)")
