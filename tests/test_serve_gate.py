@@ -203,21 +203,6 @@ def test_a_tree_among_rows_already_decoding_plain_is_judged_as_that_mix():
     assert not gate.pays([300], plain=[300, 300]), "one tree beside two plain rows would not"
 
 
-def test_a_newcomer_beside_plain_rows_about_to_end_is_judged_by_the_batch_of_trees_after():
-    """Plain rows end; the newcomer and the requests after it then decode with trees. A
-    newcomer beside plain rows with a few tokens left is judged mostly as that batch of
-    trees, which pays; beside plain rows that will outlast it, as the mix, which does not
-    (left alone, one plain verdict kept a server plain while arrivals overlapped)."""
-    gate = SpeculationGate(step_s=0.04)
-    feed(gate, per_token_s=0.001, round_trip_s=0.02)
-    assert not gate.pays([300], plain=[300, 300], overlap=1.0)
-    assert gate.pays([300], plain=[300, 300], overlap=0.1)
-    mix, plain = gate.rates([300], plain=[300, 300])
-    blended = gate.verdict([300], plain=[300, 300], overlap=0.5)
-    assert mix < blended.tree_tok_s < gate.rates([300] * 3)[0]
-    assert blended.plain_tok_s == plain
-
-
 def test_requests_still_prefilling_count_in_the_batch_a_new_request_joins():
     gate = SpeculationGate(step_s=0.04)
     feed(gate, per_token_s=0.003)

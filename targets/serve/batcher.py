@@ -500,8 +500,7 @@ class Batcher:
             self._features_off(slot)
             return
         hub, alone = self._cached_split()
-        decision = self.gate.verdict(hub, len(self._new), plain=alone,
-                                     overlap=self._plain_overlap(slot))
+        decision = self.gate.verdict(hub, len(self._new), plain=alone)
         self._log_verdict(decision, len(alone))
         if not decision.trees:
             # the whole batch goes plain: a tree among plain rows would slow every row's
@@ -521,13 +520,6 @@ class Batcher:
                             tokens=torch.tensor([*req.prompt, first], dtype=torch.int32),
                             features=self._half(feats))
         self._send(slot, slot.opening)
-
-    def _plain_overlap(self, slot: Slot) -> float:
-        """The share of ``slot``'s tokens that the requests decoding plain may still be
-        decoding beside it: the most tokens any of them has left (it may stop sooner)."""
-        left = max((s.req.max_tokens - s.produced for s in self._slots.values()
-                    if s.decoding and s.client is None and s is not slot), default=0)
-        return min(left / max(slot.req.max_tokens - slot.produced, 1), 1.0)
 
     def _log_verdict(self, decision: Decision, plain_rows: int) -> None:
         """The gate's verdict on a batch, at INFO when it differs from its last verdict on

@@ -18,12 +18,9 @@ the round trip. Where the hub shares our cores, the fits are of each pass's time
 request that is about to open its hub session asks it ``pays``; where plain batching
 would serve the batch faster, the request and every other in the batch decode on their
 own, still batched, and the hub drafts nothing for them. Rows already decoding plain
-cannot take up trees mid-stream, so a request joining them is judged over its life: as
-the mix it would make while they still decode (its tree slows their pass and gives them
-nothing), then as the batch of trees it leaves once they end, where later requests join
-its trees. Judged as the mix alone, a server whose requests went plain once kept every
-later one plain while arrivals overlapped, at loads where trees paid. Until rounds have
-been measured it assumes trees pay, so that they get measured.
+cannot take up trees mid-stream, so a request joining them is judged as the mix it would
+make: its tree slows their pass and gives them nothing. Until rounds have been measured
+it assumes trees pay, so that they get measured.
 
 Plain passes are fitted on their own (``c0 + c1·rows + c2·sum(cached)``), and tree passes
 on theirs. Each fit forgets as it goes and learns only from its own kind of pass, so a
@@ -205,30 +202,23 @@ class SpeculationGate:
         return min(self.node_s(cached) * tok_s, 1.0)
 
     def pays(self, cached: list[int], queued: int = 0, now: float | None = None,
-             plain: Sequence[int] = (), overlap: float = 1.0) -> bool:
+             plain: Sequence[int] = ()) -> bool:
         """Whether the request about to open its hub session should: always when it would
         decode alone; otherwise when trees for the sessions of ``cached`` (beside the
         ``plain`` rows, which cannot take up trees mid-stream) beat plain batching by the
         margin, in the batch it will decode in: this one with the ``queued`` requests
         still prefilling, or the recent average where that is larger (arrivals go on at
         the rate that built it, and a request that opened its hub session in a lull would
-        then hold trees in a full batch); the rows the average adds would use trees.
-        ``overlap``: the share of the request's decoding the plain rows will still be
-        decoding beside it; the rest is judged as the same batch, all with trees."""
-        return self.verdict(cached, queued, now, plain, overlap).trees
+        then hold trees in a full batch); the rows the average adds would use trees."""
+        return self.verdict(cached, queued, now, plain).trees
 
     def verdict(self, cached: list[int], queued: int = 0, now: float | None = None,
-                plain: Sequence[int] = (), overlap: float = 1.0) -> Decision:
-        """``pays``, with the rows, tree and plain tokens/s it was judged at (the tree
-        rate averaged over the request's life, the mix's for ``overlap`` of it)."""
+                plain: Sequence[int] = ()) -> Decision:
+        """``pays``, with the rows, tree and plain tokens/s it was judged at."""
         recent = self.batch.get(1.0, time.monotonic() if now is None else now)
         rows = max(len(cached) + len(plain) + queued, round(recent))
         known = [*cached, *plain]
         mean = sum(known) / len(known) if known else 0.0
-        filler = [round(mean)] * (rows - len(known))
-        tree, plain_rate = self.rates(cached + filler, plain)
-        if plain:
-            share = min(max(overlap, 0.0), 1.0)
-            tree = share * tree + (1 - share) * self.rates([*known, *filler])[0]
+        tree, plain_rate = self.rates(cached + [round(mean)] * (rows - len(known)), plain)
         lone = rows == 1
         return Decision(lone or tree >= self.margin * plain_rate, lone, rows, tree, plain_rate)
