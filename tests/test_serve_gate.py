@@ -96,6 +96,15 @@ def test_the_floor_advised_prices_a_node_at_what_it_holds_the_whole_batch_back()
     assert dear.floor(300, 1e4) == 1.0
 
 
+def stats_of(sink):
+    """A request's tokens and its last event's ``GenerationStats``."""
+    tokens, event = [], sink.get(timeout=60)
+    while not event.done:
+        tokens += event.tokens
+        event = sink.get(timeout=60)
+    return tokens + event.tokens, event.stats
+
+
 def test_a_batch_where_plain_pays_decodes_without_the_hub_and_equal_to_generate(tiny_model):
     import queue
 
@@ -114,13 +123,51 @@ def test_a_batch_where_plain_pays_decodes_without_the_hub_and_equal_to_generate(
             batcher.submit(Request(prompt=ids, max_tokens=12, sink=sink.put))
         batcher.start()
         try:
-            outs = [tokens_of(sink) for sink in sinks]
-            assert batcher.stats.gated == len(prompts) and batcher.stats.rounds == 0
+            (first, first_stats), (second, _) = [stats_of(sink) for sink in sinks]
+            assert batcher.stats.gated == len(prompts)
+            assert first_stats.rounds == 0, "the first request never decoded alone"
         finally:
             batcher.stop()
-    for ids, got in zip(prompts, outs, strict=True):
+    for ids, got in zip(prompts, (first, second), strict=True):
         ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
         assert got == ref[0, len(ids):].tolist()
+
+
+def test_a_request_sent_plain_takes_up_trees_once_left_alone(tiny_model, tiny_dir):
+    """Plain batching wins for two requests; once the short one ends, the long one opens a
+    hub session mid-stream, carrying every token and feature row it decoded plain (an
+    EAGLE-3 head checks both), and its output is still the target's own."""
+    import queue
+
+    import torch
+
+    from starhub.drafters.eagle import EagleDrafter
+    from starhub.drafters.eagle_head import EAGLE3
+    from targets.serve.batcher import Batcher, Request
+    from tests.conftest import HubThread
+    from tests.test_eagle_drafter import random_head
+
+    model, tokenizer = tiny_model
+    hub = HubThread(EagleDrafter(random_head(tiny_dir, EAGLE3, None).eval()))
+    try:
+        batcher = Batcher(model, tokenizer, hub.address)
+        feed(batcher.gate, per_token_s=0.01, round_trip_s=0.5)
+        long, short = queue.SimpleQueue(), queue.SimpleQueue()
+        batcher.submit(Request(prompt=[5, 6, 7, 8, 9], max_tokens=40, sink=long.put))
+        batcher.submit(Request(prompt=[11, 12, 13], max_tokens=4, sink=short.put))
+        batcher.start()
+        try:
+            stats_of(short)
+            got, stats = stats_of(long)
+            assert batcher.stats.gated == 2, "both began plain"
+            assert stats.rounds > 0 and stats.note == "", "then it verified hub trees"
+            assert hub.hub.metrics.sessions_opened == 1
+        finally:
+            batcher.stop()
+    finally:
+        hub.stop()
+    ref = model.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=40, do_sample=False)
+    assert got == ref[0, 5:].tolist()
 
 
 def test_a_lone_request_uses_the_hub_where_the_rates_say_plain(tiny_model):
@@ -195,8 +242,9 @@ def test_what_a_tree_row_costs_beyond_its_tokens_counts_against_trees():
 
 
 def test_a_tree_among_rows_already_decoding_plain_is_judged_as_that_mix():
-    """Rows sent plain cannot take up trees mid-stream: a newcomer's tree would slow their
-    pass and add nothing to them, so it must pay for the mix, not for a batch of trees."""
+    """Rows that cannot take up trees (they began while no hub was there): a newcomer's
+    tree would slow their pass and add nothing to them, so it must pay for the mix, not
+    for a batch of trees."""
     gate = SpeculationGate(step_s=0.04)
     feed(gate, per_token_s=0.001, round_trip_s=0.02)
     assert gate.pays([300] * 3), "three requests with trees would beat plain"

@@ -6,7 +6,9 @@ One engine thread owns the model, the engine and the hub connection. Each turn o
 1. takes in new requests and drops cancelled ones (their hub session is CLOSEd at once);
 2. prefills one chunk of the oldest new prompt; a finished prefill emits the first token
    and OPENs the request's hub session, so a long prompt never holds the others up for
-   more than one chunk;
+   more than one chunk; where plain batching serves the batch faster (``gate``), the
+   batch decodes plain instead, and its requests open hub sessions again, carrying what
+   they decoded meanwhile, once trees pay for the batch (a request left alone, say);
 3. reads the hub's replies: a PROPOSE gives a request its tree (or a number of plain steps);
    an ERROR, or a hub past its deadline, sends the request on alone;
 4. verifies, in one forward pass, every request that has something to verify: a hub tree,
@@ -124,6 +126,14 @@ class Slot:
     plain_tokens: list[int] = field(default_factory=list)
     plain_feats: list[torch.Tensor] = field(default_factory=list)
     plain_started: float = 0.0
+    output: list[int] = field(default_factory=list)
+    """The tokens emitted so far."""
+    history: list[torch.Tensor] | None = None
+    """The features of every token fed so far (the prompt's, then each pass's), while the
+    hub may draft for the request: with them it can open a hub session again mid-stream
+    after decoding plain (``Batcher._judge``). None once no hub can (it was lost, or the
+    request began without one). They grow with the request, as its cache does, by a few
+    hidden states a token against the cache's two per layer."""
 
     @property
     def ready(self) -> bool:
@@ -287,12 +297,13 @@ class Batcher:
         if self.link is not None and self.link.client is not None:
             self.link.failed(reason)
         for slot in self._slots.values():
-            if slot.client is not None:
+            if slot.client is not None or slot.history is not None:
                 self._alone(slot, reason, close=False)
 
-    def _alone(self, slot: Slot, reason: str, close: bool = True) -> None:
+    def _alone(self, slot: Slot, reason: str, close: bool = True, keep: bool = False) -> None:
         """The request decodes on its own from here; its hub session is closed if it had
-        one and the connection still stands."""
+        one and the connection still stands. ``keep``: it keeps its features, so that it
+        can open a hub session again (``_judge``); otherwise it never uses the hub again."""
         if slot.client is not None and close and slot.tag:
             with contextlib.suppress(HubUnavailable):
                 slot.client.send(Close(tag=slot.tag))
@@ -302,12 +313,14 @@ class Batcher:
             slot.plain_left = 0
         slot.client, slot.tag, slot.tree, slot.waiting_since = None, 0, None, None
         slot.opening = None
-        self._features_off(slot)
+        if not keep:
+            self._features_off(slot)
         slot.plain_tokens, slot.plain_feats = [], []
 
     def _features_off(self, slot: Slot) -> None:
         """No hub reads this request's features any more: its passes stop keeping them
         (a prefill still under way too: it checks before each chunk)."""
+        slot.history = None
         target = self.engine.sessions.get(slot.req.rid)
         if target is not None:
             target.feature_layers = []
@@ -431,6 +444,8 @@ class Batcher:
         self._read_hub(client, 0)
         self._overdue()
         self._prefill_one(client)
+        if client is not None:
+            self._judge(client)
         work = [s for s in self._slots.values() if s.ready]
         waiting = [s for s in self._slots.values() if s.waiting_since is not None]
         if work and waiting:
@@ -493,32 +508,54 @@ class Batcher:
         self._busy_s += time.perf_counter() - start
         self._new.popleft()
         slot.prefill, slot.decoding = None, True
-        if self._emit(slot, [first]) or slot.client is None:
+        opened_on, slot.client = slot.client, None
+        if opened_on is not None:
+            slot.history = [] if feats is None else [feats]
+        if self._emit(slot, [first]) or opened_on is None:
             return
-        if slot.client is not self.link.client:  # dropped or replaced while prefilling
-            slot.client = None
+        if opened_on is not self.link.client:  # dropped or replaced while prefilling
             self._features_off(slot)
             return
-        hub, alone = self._cached_split()
-        decision = self.gate.verdict(hub, len(self._new), plain=alone)
-        self._log_verdict(decision, len(alone))
-        if not decision.trees:
-            # the whole batch goes plain: a tree among plain rows would slow every row's
-            # pass and hold its own request back for the hub's round trip
-            for other in self._slots.values():
-                if other.client is not None or other is slot:
-                    self._alone(other, "plain batching serves this batch faster")
-                    self.stats.gated += 1
+        self._judge(opened_on, newcomer=slot)
+
+    def _judge(self, client: HubClient, newcomer: Slot | None = None) -> None:
+        """Trees or plain for the batch (``SpeculationGate.verdict``), every row that can
+        use the hub judged as using it. A newcomer (its prefill just done) is judged with
+        the batch it joins: where plain pays, the whole batch decodes plain, since a tree
+        among plain rows would slow every row's pass and hold its own request back for the
+        hub's round trip. Between arrivals the batch only shrinks or stays, so a batch
+        decoding plain is judged again each turn, and where trees now pay (a request left
+        alone, say) its requests open hub sessions with what they decoded meanwhile."""
+        using, parked, alone = self._split()
+        if not parked or client.sock.closed:
             return
-        slot.ref = next(self._refs)
+        cached = self.engine.cached
+        decision = self.gate.verdict([cached(s.req.rid) for s in using + parked],
+                                     len(self._new), plain=[cached(s.req.rid) for s in alone])
+        if newcomer is None and not decision.trees:
+            return
+        self._log_verdict(decision, len(alone))
+        if decision.trees:
+            for slot in parked:
+                self._open(slot, client)
+            return
+        for slot in using:
+            self._alone(slot, "plain batching serves this batch faster", keep=True)
+        self.stats.gated += len(using) + 1
+
+    def _open(self, slot: Slot, client: HubClient) -> None:
+        """OPEN the request's hub session with everything it has decoded so far."""
+        req = slot.req
+        slot.client, slot.ref = client, next(self._refs)
         slot.waiting_since, slot.busy_mark = time.perf_counter(), self._busy_s
         slot.cohort = -1
         self._check_sharing()
         slot.opening = Open(prompt_len=len(req.prompt), temperature=req.sampling.temperature,
                             top_p=req.sampling.top_p, seed=req.seed, step_ms=1e3 * self.step_s,
                             ref=slot.ref, shares_cores=self.clock.shared, batched=True,
-                            tokens=torch.tensor([*req.prompt, first], dtype=torch.int32),
-                            features=self._half(feats))
+                            tokens=torch.tensor([*req.prompt, *slot.output], dtype=torch.int32),
+                            features=self._half(torch.cat(slot.history)) if slot.history
+                            else None)
         self._send(slot, slot.opening)
 
     def _log_verdict(self, decision: Decision, plain_rows: int) -> None:
@@ -582,6 +619,8 @@ class Batcher:
         step_s, tok_s = self._commit_rates() if commits else (0.0, 0.0)  # only COMMITs report them
         for slot, tree, verdict in zip(work, trees, verdicts, strict=True):
             slot.stats.verify_s += took
+            if slot.history is not None and verdict.features is not None:
+                slot.history.append(verdict.features)
             if slot.tree is not None:
                 self._after_tree(slot, tree, verdict, took, step_s, tok_s)
             elif slot.plain_left:
@@ -643,13 +682,15 @@ class Batcher:
                      "shares" if shared else "does not share",
                      "by CPU time as well" if shared else "by the wall clock")
 
-    def _cached_split(self) -> tuple[list[int], list[int]]:
-        """The cache lengths of the requests decoding: (those using the hub, those plain)."""
-        hub, alone = [], []
+    def _split(self) -> tuple[list[Slot], list[Slot], list[Slot]]:
+        """The requests decoding: (those using the hub, those decoding plain that can open
+        a hub session, those that cannot)."""
+        using, parked, alone = [], [], []
         for s in self._slots.values():
             if s.decoding:
-                (hub if s.client is not None else alone).append(self.engine.cached(s.req.rid))
-        return hub, alone
+                (using if s.client is not None else parked if s.history is not None
+                 else alone).append(s)
+        return using, parked, alone
 
     def _commit_rates(self) -> tuple[float, float]:
         """What this pass's COMMITs report, from one read of the batch:
@@ -659,7 +700,9 @@ class Batcher:
           as this batch;
         - the tokens a second this batch commits with trees for the requests using the
           hub (beside those decoding plain), by the gate's model, which sets the floor."""
-        hub, alone = self._cached_split()
+        using, parked, alone = self._split()
+        hub = [self.engine.cached(s.req.rid) for s in using]
+        alone = [self.engine.cached(s.req.rid) for s in parked + alone]
         step_s = self.gate.plain_pass_s(hub + alone) or self.step_s
         return step_s, self.gate.rates(hub, alone)[0]
 
@@ -680,6 +723,7 @@ class Batcher:
                                                                    for t in tokens)
         tokens = clip_output(tokens, req.max_tokens - slot.produced, self.eos)
         slot.produced += len(tokens)
+        slot.output.extend(tokens)
         self.stats.tokens += len(tokens)
         if tokens and not ends:
             req.sink(Event(tokens=tokens))
