@@ -242,9 +242,9 @@ def test_what_a_tree_row_costs_beyond_its_tokens_counts_against_trees():
 
 
 def test_a_tree_among_rows_already_decoding_plain_is_judged_as_that_mix():
-    """Rows that cannot take up trees (they began while no hub was there): a newcomer's
-    tree would slow their pass and add nothing to them, so it must pay for the mix, not
-    for a batch of trees."""
+    """Rows sent plain take up trees again only once one is left alone: a newcomer's tree
+    would slow their pass and add nothing to them, so it must pay for the mix, not for a
+    batch of trees."""
     gate = SpeculationGate(step_s=0.04)
     feed(gate, per_token_s=0.001, round_trip_s=0.02)
     assert gate.pays([300] * 3), "three requests with trees would beat plain"

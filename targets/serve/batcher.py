@@ -7,8 +7,8 @@ One engine thread owns the model, the engine and the hub connection. Each turn o
 2. prefills one chunk of the oldest new prompt; a finished prefill emits the first token
    and OPENs the request's hub session, so a long prompt never holds the others up for
    more than one chunk; where plain batching serves the batch faster (``gate``), the
-   batch decodes plain instead, and its requests open hub sessions again, carrying what
-   they decoded meanwhile, once trees pay for the batch (a request left alone, say);
+   batch decodes plain instead, and a request left alone opens its hub session then,
+   carrying what it decoded meanwhile;
 3. reads the hub's replies: a PROPOSE gives a request its tree (or a number of plain steps);
    an ERROR, or a hub past its deadline, sends the request on alone;
 4. verifies, in one forward pass, every request that has something to verify: a hub tree,
@@ -129,11 +129,12 @@ class Slot:
     output: list[int] = field(default_factory=list)
     """The tokens emitted so far."""
     history: list[torch.Tensor] | None = None
-    """The features of every token fed so far (the prompt's, then each pass's), while the
-    hub may draft for the request: with them it can open a hub session again mid-stream
-    after decoding plain (``Batcher._judge``). None once no hub can (it was lost, or the
-    request began without one). They grow with the request, as its cache does, by a few
-    hidden states a token against the cache's two per layer."""
+    """The features of every token fed so far (the prompt's, then each pass's), as sent to
+    the hub, while it may draft for the request: with them the request can open a hub
+    session mid-stream after decoding plain (``Batcher._rejoin_alone``). None once no
+    hub can (it was lost, or the request began without one). They grow with the request, as
+    its cache does, by the drafter's hidden states a token (on the embedded model, 1 KiB
+    where the cache takes 23 to 46)."""
 
     @property
     def ready(self) -> bool:
@@ -303,7 +304,8 @@ class Batcher:
     def _alone(self, slot: Slot, reason: str, close: bool = True, keep: bool = False) -> None:
         """The request decodes on its own from here; its hub session is closed if it had
         one and the connection still stands. ``keep``: it keeps its features, so that it
-        can open a hub session again (``_judge``); otherwise it never uses the hub again."""
+        can open a hub session again (``_rejoin_alone``); otherwise it never uses the hub
+        again."""
         if slot.client is not None and close and slot.tag:
             with contextlib.suppress(HubUnavailable):
                 slot.client.send(Close(tag=slot.tag))
@@ -445,7 +447,7 @@ class Batcher:
         self._overdue()
         self._prefill_one(client)
         if client is not None:
-            self._judge(client)
+            self._rejoin_alone(client)
         work = [s for s in self._slots.values() if s.ready]
         waiting = [s for s in self._slots.values() if s.waiting_since is not None]
         if work and waiting:
@@ -510,38 +512,46 @@ class Batcher:
         slot.prefill, slot.decoding = None, True
         opened_on, slot.client = slot.client, None
         if opened_on is not None:
-            slot.history = [] if feats is None else [feats]
+            slot.history = [] if feats is None else [self._half(feats)]
         if self._emit(slot, [first]) or opened_on is None:
             return
-        if opened_on is not self.link.client:  # dropped or replaced while prefilling
-            self._features_off(slot)
+        if opened_on is not self.link.client or opened_on.sock.closed:
+            self._features_off(slot)  # dropped or replaced while prefilling
             return
-        self._judge(opened_on, newcomer=slot)
+        self._judge(opened_on, slot)
 
-    def _judge(self, client: HubClient, newcomer: Slot | None = None) -> None:
-        """Trees or plain for the batch (``SpeculationGate.verdict``), every row that can
-        use the hub judged as using it. A newcomer (its prefill just done) is judged with
-        the batch it joins: where plain pays, the whole batch decodes plain, since a tree
-        among plain rows would slow every row's pass and hold its own request back for the
-        hub's round trip. Between arrivals the batch only shrinks or stays, so a batch
-        decoding plain is judged again each turn, and where trees now pay (a request left
-        alone, say) its requests open hub sessions with what they decoded meanwhile."""
+    def _judge(self, client: HubClient, newcomer: Slot) -> None:
+        """Trees or plain for the batch a newcomer (its prefill just done) joins
+        (``SpeculationGate.verdict``): the newcomer and the requests using the hub as
+        using it, the requests decoding plain as plain rows beside them. Where plain pays,
+        the whole batch decodes plain, since a tree among plain rows would slow every
+        row's pass and hold its own request back for the hub's round trip."""
         using, parked, alone = self._split()
-        if not parked or client.sock.closed:
-            return
         cached = self.engine.cached
-        decision = self.gate.verdict([cached(s.req.rid) for s in using + parked],
-                                     len(self._new), plain=[cached(s.req.rid) for s in alone])
-        if newcomer is None and not decision.trees:
-            return
-        self._log_verdict(decision, len(alone))
+        plain = [cached(s.req.rid) for s in parked + alone if s is not newcomer]
+        decision = self.gate.verdict([cached(s.req.rid) for s in using + [newcomer]],
+                                     len(self._new), plain=plain)
+        self._log_verdict(decision, len(plain))
         if decision.trees:
-            for slot in parked:
-                self._open(slot, client)
+            self._open(newcomer, client)
             return
         for slot in using:
             self._alone(slot, "plain batching serves this batch faster", keep=True)
         self.stats.gated += len(using) + 1
+
+    def _rejoin_alone(self, client: HubClient) -> None:
+        """A request decoding plain that is left alone, nothing queued behind it, takes up
+        the hub mid-stream with what it decoded meanwhile: alone it slows no other row
+        (a lone newcomer always uses the hub), and the hub's control plane judges its
+        rounds. Batches of more rows stay plain until a newcomer's verdict: their
+        requests switching back and forth as the gate's estimates move would stall for
+        the hub's answers each time."""
+        if self._new or len(self._slots) != 1 or client.sock.closed:
+            return
+        slot = next(iter(self._slots.values()))
+        if slot.decoding and slot.client is None and slot.history is not None:
+            log.debug("%s: request %d, left alone, takes up the hub", self.name, slot.req.rid)
+            self._open(slot, client)
 
     def _open(self, slot: Slot, client: HubClient) -> None:
         """OPEN the request's hub session with everything it has decoded so far."""
@@ -554,8 +564,7 @@ class Batcher:
                             top_p=req.sampling.top_p, seed=req.seed, step_ms=1e3 * self.step_s,
                             ref=slot.ref, shares_cores=self.clock.shared, batched=True,
                             tokens=torch.tensor([*req.prompt, *slot.output], dtype=torch.int32),
-                            features=self._half(torch.cat(slot.history)) if slot.history
-                            else None)
+                            features=torch.cat(slot.history) if slot.history else None)
         self._send(slot, slot.opening)
 
     def _log_verdict(self, decision: Decision, plain_rows: int) -> None:
@@ -620,7 +629,7 @@ class Batcher:
         for slot, tree, verdict in zip(work, trees, verdicts, strict=True):
             slot.stats.verify_s += took
             if slot.history is not None and verdict.features is not None:
-                slot.history.append(verdict.features)
+                slot.history.append(self._half(verdict.features))
             if slot.tree is not None:
                 self._after_tree(slot, tree, verdict, took, step_s, tok_s)
             elif slot.plain_left:

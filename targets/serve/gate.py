@@ -17,12 +17,10 @@ the round trip. Where the hub shares our cores, the fits are of each pass's time
 (wall over alone): the hub's compute is charged to the trees, not to plain batching. A
 request that is about to open its hub session asks it ``pays``; where plain batching
 would serve the batch faster, the request and every other in the batch decode on their
-own, still batched, and the hub drafts nothing for them. The batch is judged again as it
-shrinks, and once trees pay (a request left alone, say) its requests open hub sessions
-mid-stream with what they decoded plain. Rows that began while no hub was there cannot
-take up trees, so a request joining them is judged as the mix it would make: its tree
-slows their pass and gives them nothing. Until rounds have been measured it assumes
-trees pay, so that they get measured.
+own, still batched, and the hub drafts nothing for them. Rows decoding plain take up
+trees again only once one is left alone (``Batcher._rejoin_alone``), so a request joining
+them is judged as the mix it would make: its tree slows their pass and gives them
+nothing. Until rounds have been measured it assumes trees pay, so that they get measured.
 
 Plain passes are fitted on their own (``c0 + c1·rows + c2·sum(cached)``), and tree passes
 on theirs. Each fit forgets as it goes and learns only from its own kind of pass, so a
@@ -207,8 +205,8 @@ class SpeculationGate:
              plain: Sequence[int] = ()) -> bool:
         """Whether the request about to open its hub session should: always when it would
         decode alone; otherwise when trees for the sessions of ``cached`` (beside the
-        ``plain`` rows, which began without a hub and cannot take up trees) beat plain
-        batching by the margin, in the batch it will decode in: this one with the
+        ``plain`` rows, which do not take up trees mid-stream) beat plain batching by the
+        margin, in the batch it will decode in: this one with the
         ``queued`` requests still prefilling, or the recent average where that is larger
         (arrivals go on at the rate that built it, and a request that opened its hub
         session in a lull would then hold trees in a full batch); the rows the average
