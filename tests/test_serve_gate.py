@@ -200,6 +200,45 @@ def test_a_lone_request_uses_the_hub_where_the_rates_say_plain(tiny_model):
     assert got == ref[0, len(ids):].tolist()
 
 
+def test_a_request_sent_plain_after_hub_rounds_takes_them_up_again_once_left_alone(
+        tiny_model, tiny_dir):
+    """A request using the hub is sent plain by a newcomer's verdict, then, left alone,
+    opens a second hub session, whose rounds count from their own start."""
+    import queue
+
+    import torch
+
+    from starhub.drafters.eagle import EagleDrafter
+    from starhub.drafters.eagle_head import EAGLE3
+    from targets.serve.batcher import Batcher, Request
+    from tests.conftest import HubThread
+    from tests.test_eagle_drafter import random_head
+
+    model, tokenizer = tiny_model
+    hub = HubThread(EagleDrafter(random_head(tiny_dir, EAGLE3, None).eval()))
+    try:
+        batcher = Batcher(model, tokenizer, hub.address)
+        feed(batcher.gate, per_token_s=0.05, round_trip_s=0.5)  # two rows: plain
+        long, short = queue.SimpleQueue(), queue.SimpleQueue()
+        batcher.start()
+        try:
+            batcher.submit(Request(prompt=[5, 6, 7, 8, 9], max_tokens=60, sink=long.put))
+            got = long.get(timeout=60).tokens + long.get(timeout=60).tokens  # a hub round
+            batcher.submit(Request(prompt=[11, 12, 13], max_tokens=4, sink=short.put))
+            stats_of(short)
+            rounds = batcher.stats.rounds
+            rest, _ = stats_of(long)
+            assert batcher.stats.gated == 2, "the newcomer sent both plain"
+            assert hub.hub.metrics.sessions_opened == 2
+            assert batcher.stats.rounds > rounds, "no tree verified after it was left alone"
+        finally:
+            batcher.stop()
+    finally:
+        hub.stop()
+    ref = model.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=60, do_sample=False)
+    assert got + rest == ref[0, 5:].tolist()
+
+
 def test_a_request_arriving_in_a_lull_is_judged_by_the_batch_recent_load_builds():
     gate = SpeculationGate(step_s=0.04)
     feed(gate, per_token_s=0.003)

@@ -554,9 +554,11 @@ class Batcher:
             self._open(slot, client)
 
     def _open(self, slot: Slot, client: HubClient) -> None:
-        """OPEN the request's hub session with everything it has decoded so far."""
+        """OPEN the request's hub session with everything it has decoded so far. A session
+        it had before was closed: the new one's rounds count from the start again."""
         req = slot.req
         slot.client, slot.ref = client, next(self._refs)
+        slot.seq, slot.reopened = -1, False
         slot.waiting_since, slot.busy_mark = time.perf_counter(), self._busy_s
         slot.cohort = -1
         self._check_sharing()
