@@ -497,7 +497,7 @@ class Batcher:
             layers = list(self.link.card.feature_layers) if client is not None else []
             slot.prefill = self.engine.open_chunks(req.rid, req.prompt, self.prefill_chunk,
                                                    req.sampling, req.seed, layers)
-            slot.client = client
+            slot.client, slot.history = client, [] if client is not None else None
         self.stats.prefill_chunks += 1
         try:
             next(slot.prefill)
@@ -510,11 +510,11 @@ class Batcher:
         self._busy_s += time.perf_counter() - start
         self._new.popleft()
         slot.prefill, slot.decoding = None, True
+        if slot.history is not None and feats is not None:
+            slot.history.append(self._half(feats))
         opened_on, slot.client = slot.client, None
-        if opened_on is not None:
-            slot.history = [] if feats is None else [self._half(feats)]
         if self._emit(slot, [first]) or opened_on is None:
-            return
+            return  # no hub, or sent plain with the batch while it prefilled
         if opened_on is not self.link.client or opened_on.sock.closed:
             self._features_off(slot)  # dropped or replaced while prefilling
             return
@@ -524,8 +524,9 @@ class Batcher:
         """Trees or plain for the batch a newcomer (its prefill just done) joins
         (``SpeculationGate.verdict``): the newcomer and the requests using the hub as
         using it, the requests decoding plain as plain rows beside them. Where plain pays,
-        the whole batch decodes plain, since a tree among plain rows would slow every
-        row's pass and hold its own request back for the hub's round trip."""
+        the whole batch decodes plain, the requests still prefilling too (the verdict
+        counted them), since a tree among plain rows would slow every row's pass and hold
+        its own request back for the hub's round trip."""
         using, parked, alone = self._split()
         cached = self.engine.cached
         plain = [cached(s.req.rid) for s in parked + alone if s is not newcomer]
@@ -535,9 +536,10 @@ class Batcher:
         if decision.trees:
             self._open(newcomer, client)
             return
-        for slot in using:
+        prefilling = [s for s in self._new if s.client is not None]
+        for slot in using + prefilling:
             self._alone(slot, "plain batching serves this batch faster", keep=True)
-        self.stats.gated += len(using) + 1
+        self.stats.gated += len(using) + len(prefilling) + 1
 
     def _rejoin_alone(self, client: HubClient) -> None:
         """A request decoding plain that is left alone, nothing queued behind it, takes up
