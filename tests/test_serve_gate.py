@@ -3,6 +3,8 @@ serve its batch faster than plain batching, judged from the passes it measured."
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from targets.engine import BatchStats
@@ -32,14 +34,34 @@ def rounds(gate: SpeculationGate, round_trip_s: float, count: int = 50) -> None:
         gate.observe_round_trip(round_trip_s)
 
 
-def tokens_of(sink) -> list[int]:
-    """A request's tokens, read from its events until the last."""
-    tokens = []
-    event = sink.get(timeout=60)
+def stats_of(sink):
+    """A request's tokens, read from its events until the last, and that event's
+    ``GenerationStats``."""
+    tokens, event = [], sink.get(timeout=60)
     while not event.done:
         tokens += event.tokens
         event = sink.get(timeout=60)
-    return tokens + event.tokens
+    return tokens + event.tokens, event.stats
+
+
+def tokens_of(sink) -> list[int]:
+    return stats_of(sink)[0]
+
+
+@contextlib.contextmanager
+def eagle3_hub(tiny_dir):
+    """A hub in this process whose drafter, a random EAGLE-3 head over the tiny model,
+    checks the width and the rows of every feature it is sent."""
+    from starhub.drafters.eagle import EagleDrafter
+    from starhub.drafters.eagle_head import EAGLE3
+    from tests.conftest import HubThread
+    from tests.test_eagle_drafter import random_head
+
+    hub = HubThread(EagleDrafter(random_head(tiny_dir, EAGLE3, None).eval()))
+    try:
+        yield hub
+    finally:
+        hub.stop()
 
 
 def test_before_any_round_is_measured_trees_are_tried():
@@ -96,15 +118,6 @@ def test_the_floor_advised_prices_a_node_at_what_it_holds_the_whole_batch_back()
     assert dear.floor(300, 1e4) == 1.0
 
 
-def stats_of(sink):
-    """A request's tokens and its last event's ``GenerationStats``."""
-    tokens, event = [], sink.get(timeout=60)
-    while not event.done:
-        tokens += event.tokens
-        event = sink.get(timeout=60)
-    return tokens + event.tokens, event.stats
-
-
 def test_a_batch_where_plain_pays_decodes_without_the_hub_and_equal_to_generate(tiny_model):
     import queue
 
@@ -141,15 +154,10 @@ def test_a_request_sent_plain_takes_up_trees_once_left_alone(tiny_model, tiny_di
 
     import torch
 
-    from starhub.drafters.eagle import EagleDrafter
-    from starhub.drafters.eagle_head import EAGLE3
     from targets.serve.batcher import Batcher, Request
-    from tests.conftest import HubThread
-    from tests.test_eagle_drafter import random_head
 
     model, tokenizer = tiny_model
-    hub = HubThread(EagleDrafter(random_head(tiny_dir, EAGLE3, None).eval()))
-    try:
+    with eagle3_hub(tiny_dir) as hub:
         batcher = Batcher(model, tokenizer, hub.address)
         feed(batcher.gate, per_token_s=0.01, round_trip_s=0.5)
         long, short = queue.SimpleQueue(), queue.SimpleQueue()
@@ -164,8 +172,6 @@ def test_a_request_sent_plain_takes_up_trees_once_left_alone(tiny_model, tiny_di
             assert hub.hub.metrics.sessions_opened == 1
         finally:
             batcher.stop()
-    finally:
-        hub.stop()
     ref = model.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=40, do_sample=False)
     assert got == ref[0, 5:].tolist()
 
@@ -208,15 +214,10 @@ def test_a_request_sent_plain_after_hub_rounds_takes_them_up_again_once_left_alo
 
     import torch
 
-    from starhub.drafters.eagle import EagleDrafter
-    from starhub.drafters.eagle_head import EAGLE3
     from targets.serve.batcher import Batcher, Request
-    from tests.conftest import HubThread
-    from tests.test_eagle_drafter import random_head
 
     model, tokenizer = tiny_model
-    hub = HubThread(EagleDrafter(random_head(tiny_dir, EAGLE3, None).eval()))
-    try:
+    with eagle3_hub(tiny_dir) as hub:
         batcher = Batcher(model, tokenizer, hub.address)
         feed(batcher.gate, per_token_s=0.05, round_trip_s=0.5)  # two rows: plain
         long, short = queue.SimpleQueue(), queue.SimpleQueue()
@@ -233,8 +234,6 @@ def test_a_request_sent_plain_after_hub_rounds_takes_them_up_again_once_left_alo
             assert batcher.stats.rounds > rounds, "no tree verified after it was left alone"
         finally:
             batcher.stop()
-    finally:
-        hub.stop()
     ref = model.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=60, do_sample=False)
     assert got + rest == ref[0, 5:].tolist()
 

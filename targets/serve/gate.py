@@ -206,11 +206,10 @@ class SpeculationGate:
         """Whether the request about to open its hub session should: always when it would
         decode alone; otherwise when trees for the sessions of ``cached`` (beside the
         ``plain`` rows, which do not take up trees mid-stream) beat plain batching by the
-        margin, in the batch it will decode in: this one with the
-        ``queued`` requests still prefilling, or the recent average where that is larger
-        (arrivals go on at the rate that built it, and a request that opened its hub
-        session in a lull would then hold trees in a full batch); the rows the average
-        adds would use trees."""
+        margin, in the batch it will decode in: this one with the ``queued`` requests
+        still prefilling, or the recent average where that is larger (arrivals go on at
+        the rate that built it, and a request that opened its hub session in a lull would
+        then hold trees in a full batch); the rows the average adds would use trees."""
         return self.verdict(cached, queued, now, plain).trees
 
     def verdict(self, cached: list[int], queued: int = 0, now: float | None = None,
