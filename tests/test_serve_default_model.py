@@ -108,7 +108,7 @@ def test_eight_concurrent_streams_equal_generate_in_shared_passes(stack, expecte
     url, hub_metrics = stack
     api = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     before = scrape(url + "/metrics")
-    errors = hub_errors(hub_metrics)
+    errors = hub_errors(hub_metrics, ignore=("NO_CARD",))
     results: dict[str, list[int]] = {}
 
     def ask(prompt: str) -> None:
@@ -127,8 +127,10 @@ def test_eight_concurrent_streams_equal_generate_in_shared_passes(stack, expecte
     assert rows / passes > 2, f"mean verify batch {rows / passes:.2f}"
     # where plain batching serves the batch faster, requests that joined it sent those
     # using the hub on alone, closing their sessions: each once, and none the hub had not
-    # opened (either would earn an ERROR)
-    assert hub_errors(hub_metrics) == errors
+    # opened (either would earn an ERROR). The last request left alone takes the hub up
+    # again, and if the batch decoded plain for longer than the hub keeps an idle
+    # server's slot, its OPEN earns NO_CARD and the server greets the hub again
+    assert hub_errors(hub_metrics, ignore=("NO_CARD",)) == errors
 
 
 def test_a_serving_requests_trees_keep_only_the_nodes_its_server_says_pay(expected):
