@@ -105,7 +105,6 @@ class Slot:
     req: Request
     stats: GenerationStats
     prefill: Generator | None = None
-    produced: int = 0
     decoding: bool = False
     client: HubClient | None = None
     """The connection its hub session lives on (None: it decodes alone)."""
@@ -127,7 +126,7 @@ class Slot:
     plain_feats: list[torch.Tensor] = field(default_factory=list)
     plain_started: float = 0.0
     output: list[int] = field(default_factory=list)
-    """The tokens emitted so far."""
+    """The tokens emitted so far (a mid-stream OPEN carries them)."""
     history: list[torch.Tensor] | None = None
     """The features of every token fed so far (the prompt's, then each pass's), as sent to
     the hub, while it may draft for the request: with them the request can open a hub
@@ -135,6 +134,10 @@ class Slot:
     hub can (it was lost, or the request began without one). They grow with the request, as
     its cache does, by the drafter's hidden states a token (on the embedded model, 1 KiB
     where the cache takes 23 to 46)."""
+
+    @property
+    def produced(self) -> int:
+        return len(self.output)
 
     @property
     def ready(self) -> bool:
@@ -735,7 +738,6 @@ class Batcher:
         ends = slot.produced + len(tokens) >= req.max_tokens or any(t in self.eos
                                                                    for t in tokens)
         tokens = clip_output(tokens, req.max_tokens - slot.produced, self.eos)
-        slot.produced += len(tokens)
         slot.output.extend(tokens)
         self.stats.tokens += len(tokens)
         if tokens and not ends:
