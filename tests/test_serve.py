@@ -269,3 +269,19 @@ def test_an_engine_that_fails_fails_every_request_and_refuses_new_ones(tiny_mode
         assert events.get(timeout=5).done == "error"
     finally:
         batcher.stop()
+
+
+def test_a_request_in_flight_equals_itself_only_and_prints_without_its_features():
+    """Releasing a request looks it up among those still prefilling; a lookup that compared
+    or printed its features (a tensor a token) stalled the engine for 200 ms a request."""
+    from collections import deque
+
+    from targets.generate import GenerationStats
+    from targets.serve.batcher import Request, Slot
+
+    req = Request(prompt=[1, 2, 3], max_tokens=8)
+    one = Slot(req=req, stats=GenerationStats(), history=[torch.zeros(1, 8)])
+    other = Slot(req=req, stats=GenerationStats(), history=[torch.ones(1, 8)])
+    long = Slot(req=req, stats=GenerationStats(), history=[torch.ones(1, 8)] * 512)
+    assert one == one and one != other and other not in deque([one])
+    assert len(repr(long)) == len(repr(other)) and "tensor" not in repr(long)

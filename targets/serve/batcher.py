@@ -98,9 +98,10 @@ class Request:
     rid: int = 0
 
 
-@dataclass
+@dataclass(eq=False)
 class Slot:
-    """A request in flight."""
+    """A request in flight: equal to itself only. Its repr leaves out its tensors (a
+    history's repr takes milliseconds a token)."""
 
     req: Request
     stats: GenerationStats
@@ -117,17 +118,17 @@ class Slot:
     """The engine's busy seconds (``Batcher._busy_s``) when it sent that."""
     cohort: int = 0
     """The pass whose COMMIT it waits on: the hub drafts a pass's trees together."""
-    opening: Open | None = None
+    opening: Open | None = field(default=None, repr=False)
     """Its OPEN, until the hub answers it: sent again (once) if the hub had forgotten us."""
     reopened: bool = False
-    tree: DraftTree | None = None
+    tree: DraftTree | None = field(default=None, repr=False)
     plain_left: int = 0
     plain_tokens: list[int] = field(default_factory=list)
-    plain_feats: list[torch.Tensor] = field(default_factory=list)
+    plain_feats: list[torch.Tensor] = field(repr=False, default_factory=list)
     plain_started: float = 0.0
     output: list[int] = field(default_factory=list)
     """The tokens emitted so far (a mid-stream OPEN carries them)."""
-    history: list[torch.Tensor] | None = None
+    history: list[torch.Tensor] | None = field(default=None, repr=False)
     """The features of every token fed so far (the prompt's, then each pass's), as sent to
     the hub, while it may draft for the request: with them the request can open a hub
     session mid-stream after decoding plain (``Batcher._rejoin_alone``). None once no
@@ -766,7 +767,7 @@ class Batcher:
                 slot.client.send(Close(tag=slot.tag))
         slot.client = None
         self._slots.pop(slot.req.rid, None)
-        with contextlib.suppress(ValueError):
+        if slot in self._new:
             self._new.remove(slot)
         self.engine.close(slot.req.rid)
 
