@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import queue
 import threading
 import urllib.parse
+from collections import deque
 
 import pytest
 import torch
@@ -14,7 +16,8 @@ from openai import OpenAI
 from serving import free_port, health, hub_errors, post, scrape, wait_until
 
 from starhub.launch.spawn import spawn_hub, spawn_serve
-from targets.generate import SpeculativeGenerator
+from targets.generate import GenerationStats, SpeculativeGenerator
+from targets.serve.batcher import Batcher, Request, Slot
 
 PROMPTS = ["the quick brown fox", "one two three four five", "hello world, again",
            "a b c d e f g", "numbers: 1 2 3", "lorem ipsum dolor"]
@@ -245,10 +248,6 @@ def test_ids_committed_past_a_stop_string_are_not_counted(tokenizer):
 
 
 def test_an_engine_that_fails_fails_every_request_and_refuses_new_ones(tiny_model):
-    import queue as queues
-
-    from targets.serve.batcher import Batcher, Request
-
     model, tokenizer = tiny_model
     batcher = Batcher(model, tokenizer)
 
@@ -256,7 +255,7 @@ def test_an_engine_that_fails_fails_every_request_and_refuses_new_ones(tiny_mode
         raise MemoryError("out of memory in a pass")
 
     batcher.engine.verify = broken  # a fault inside a forward pass
-    events: queues.SimpleQueue = queues.SimpleQueue()
+    events: queue.SimpleQueue = queue.SimpleQueue()
     batcher.start()
     try:
         batcher.submit(Request(prompt=[1, 2, 3], max_tokens=8, sink=events.put))
@@ -274,11 +273,6 @@ def test_an_engine_that_fails_fails_every_request_and_refuses_new_ones(tiny_mode
 def test_a_request_in_flight_equals_itself_only_and_prints_without_its_features():
     """Releasing a request looks it up among those still prefilling; a lookup that compared
     or printed its features (a tensor a token) stalled the engine for 200 ms a request."""
-    from collections import deque
-
-    from targets.generate import GenerationStats
-    from targets.serve.batcher import Request, Slot
-
     req = Request(prompt=[1, 2, 3], max_tokens=8)
     one = Slot(req=req, stats=GenerationStats(), history=[torch.zeros(1, 8)])
     other = Slot(req=req, stats=GenerationStats(), history=[torch.ones(1, 8)])
