@@ -636,8 +636,9 @@ class Batcher:
         step_s, tok_s = self._commit_rates() if commits else (0.0, 0.0)  # only COMMITs report them
         for slot, tree, verdict in zip(work, trees, verdicts, strict=True):
             slot.stats.verify_s += took
+            verdict.features = self._half(verdict.features)  # as the hub reads them
             if slot.history is not None and verdict.features is not None:
-                slot.history.append(self._half(verdict.features))
+                slot.history.append(verdict.features)
             if slot.tree is not None:
                 self._after_tree(slot, tree, verdict, took, step_s, tok_s)
             elif slot.plain_left:
@@ -657,7 +658,7 @@ class Batcher:
         commit = Commit(tag=slot.tag, seq=slot.seq, accepted=accepted, verify_ms=1e3 * took,
                         step_ms=1e3 * step_s, floor=self._floor(slot, tok_s),
                         tokens=torch.tensor(verdict.tokens, dtype=torch.int32),
-                        features=self._half(verdict.features))
+                        features=verdict.features)
         if self._emit(slot, verdict.tokens):
             return
         self._commit(slot, commit)
@@ -682,7 +683,7 @@ class Batcher:
         commit = Commit(tag=slot.tag, seq=slot.seq, accepted=0, verify_ms=1e3 * took,
                         step_ms=1e3 * step_s, floor=self._floor(slot, tok_s),
                         tokens=torch.tensor(slot.plain_tokens, dtype=torch.int32),
-                        features=self._half(feats))
+                        features=feats)
         slot.plain_tokens, slot.plain_feats = [], []
         self._commit(slot, commit)
 
