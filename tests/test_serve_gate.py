@@ -436,3 +436,25 @@ def test_a_tree_among_many_plain_rows_is_priced_with_them_as_plain_passes_cost()
                               0.06 + 0.008 * rows + 0.06)
     rounds(gate, round_trip_s=0.02)
     assert not gate.pays([300], plain=[300] * 9)
+
+
+def test_a_request_left_alone_takes_up_the_hub_only_with_enough_tokens_left_to_win_back_its_open():
+    """Opening a hub session mid-stream costs the wait for its first tree; each token then
+    decoded by trees instead of plain steps saves the difference of their times. Before
+    that wait is measured a request left alone always takes up the hub; after, only with
+    enough tokens left. Where the gate's rates say trees lose alone, the hub judges."""
+    gate = SpeculationGate(step_s=0.04)
+    feed(gate, per_token_s=0.003)
+    tree, plain = gate.rates([300])
+    saved = 1 / plain - 1 / tree
+    assert saved > 0, "alone, trees pay on this machine"
+    assert gate.rejoin_pays(300, left=1), "the wait is not yet measured"
+    gate.observe_open_wait(0.1)
+    needed = 0.1 / saved
+    assert not gate.rejoin_pays(300, left=int(needed * 0.9))
+    assert gate.rejoin_pays(300, left=int(needed * 1.1) + 1)
+    slow = SpeculationGate(step_s=0.04)
+    feed(slow, per_token_s=0.003, round_trip_s=0.5)
+    slow.observe_open_wait(0.1)
+    assert slow.rates([300])[0] < slow.rates([300])[1]
+    assert slow.rejoin_pays(300, left=1), "the gate cannot price it: the hub judges"

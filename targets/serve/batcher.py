@@ -384,6 +384,8 @@ class Batcher:
                 # what it kept the engine from doing: the passes it ran for other requests
                 # meanwhile were not lost
                 self.gate.observe_round_trip(max(took - (self._busy_s - slot.busy_mark), 0.0))
+            elif slot.opening is not None and slot.produced > 1 and not msg.plain:
+                self.gate.observe_open_wait(took)  # a mid-stream OPEN (``_rejoin_alone``)
         slot.tag, slot.seq, slot.waiting_since, slot.opening = msg.tag, msg.seq, None, None
         if msg.plain:
             slot.plain_left, slot.plain_started = msg.plain, time.perf_counter()
@@ -556,6 +558,9 @@ class Batcher:
             return
         slot = next(iter(self._slots.values()))
         if slot.decoding and slot.client is None and slot.history is not None:
+            left = slot.req.max_tokens - slot.produced
+            if not self.gate.rejoin_pays(self.engine.cached(slot.req.rid), left):
+                return
             log.debug("%s: request %d, left alone, takes up the hub", self.name, slot.req.rid)
             self._open(slot, client)
 

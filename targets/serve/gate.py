@@ -97,6 +97,9 @@ class SpeculationGate:
         self.round_trip = Ema(0.0, alpha=0.1, prior=0)
         """Zero until measured (trees pay until they are measured); the first measurement
         replaces it."""
+        self.open_wait = Ema(0.0, alpha=0.2, prior=0)
+        """From a mid-stream OPEN sent to its first tree: the hub's prefill of the whole
+        context and its first draft. Zero until measured."""
         self.batch = TimeAverage(BATCH_WINDOW_S)
         """Requests decoding, averaged over the last few seconds; a spell with none
         counts as one, the request that will end it."""
@@ -138,6 +141,24 @@ class SpeculationGate:
         """From a COMMIT (or OPEN) sent to the next tree received, less the passes the
         engine ran for other requests meanwhile: the time the round trip cost."""
         self.round_trip.update(seconds)
+
+    def observe_open_wait(self, seconds: float) -> None:
+        """A mid-stream OPEN's wait for its first tree (``open_wait``)."""
+        self.open_wait.update(seconds)
+
+    def rejoin_pays(self, cached: int, left: int) -> bool:
+        """Whether a request decoding plain, left alone with at most ``left`` tokens to go
+        and ``cached`` in its cache, wins back the wait for its first tree if it opens a
+        hub session now: each token it then decodes by trees instead of plain steps saves
+        the difference of their times, as ``rates`` prices one row. At the end of a busy
+        spell a request left alone with a token or three to go took longer through the hub
+        (its OPEN, then a tree pass) than by the plain steps it had left. Where these rates
+        say trees do not pay alone, the gate cannot price the gain and leaves the request
+        to the hub's judgment, as it does a lone newcomer (``verdict``)."""
+        tree, plain = self.rates([cached])
+        if tree <= plain:
+            return True
+        return left * (1 / plain - 1 / tree) > self.open_wait.get(0.0)
 
     def plain_pass_s(self, cached: Sequence[int]) -> float:
         """A plain pass over sessions of these cache lengths: one token fed each; by the
