@@ -18,7 +18,8 @@ the round trip. Where the hub shares our cores, the fits are of each pass's time
 request that is about to open its hub session asks it ``pays``; where plain batching
 would serve the batch faster, the request and every other in the batch decode on their
 own, still batched, and the hub drafts nothing for them. Rows decoding plain take up
-trees again only once one is left alone (``Batcher._rejoin_alone``), so a request joining
+trees again only once one is left alone (``Batcher._rejoin_alone``), with enough tokens
+to go to win back the wait for its first tree (``rejoin_pays``), so a request joining
 them is judged as the mix it would make: its tree slows their pass and gives them
 nothing. Until rounds have been measured it assumes trees pay, so that they get measured.
 
