@@ -239,8 +239,8 @@ class Hub(Server):
         one, take the lowest CPU priority. Drafting then runs on the cycles a target
         leaves while it waits for its trees, and no longer preempts the passes of a target
         decoding plain beside it. At 2 requests/s over two servers on 2 cores (Intel Xeon),
-        the server whose requests all decoded plain ran its 2- to 4-row passes 3 to 5%
-        slower than a server without a hub (median pass, two runs), and 0.3 to 2% slower
+        the server whose requests all decoded plain ran its 2- to 4-row passes 4 to 5%
+        slower than a server without a hub (median pass, one run), and 0.3 to 2.3% slower
         with the hub at nice 19 (two runs)."""
         self._yielded = True
         done = yield_cores()
