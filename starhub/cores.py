@@ -96,26 +96,6 @@ class CoreClock:
         return wall, min(wall, time.thread_time() - self._cpu)
 
 
-NICE = 19
-"""The nice value a hub takes once a target computes on its cores (``yield_cores``)."""
-
-
-def yield_cores(pid: int | None = None) -> bool:
-    """Give every thread of process ``pid`` (None: this one) the lowest CPU priority,
-    ``NICE``: it then runs on the cycles the other processes of the host leave, and never
-    preempts one. Linux keeps a nice value per thread, so each thread is set; threads
-    started later inherit it. False where it could not be done (another OS, a process
-    gone); a thread already nicer keeps its value."""
-    tasks = Path(f"/proc/{pid if pid else 'self'}/task")
-    try:
-        tids = [int(t) for t in os.listdir(tasks)]
-        for tid in tids:
-            os.setpriority(os.PRIO_PROCESS, tid, max(NICE, os.getpriority(os.PRIO_PROCESS, tid)))
-    except (OSError, AttributeError):  # not Linux, or the process is gone
-        return False
-    return True
-
-
 def add_shared_cores_arg(parser) -> None:
     """``--shared-cores`` of a target process (``starhub target``, ``starhub serve``)."""
     parser.add_argument(

@@ -61,9 +61,7 @@ def tiny_model(tiny_dir):
 
 
 class HubThread:
-    """A real Hub on an ephemeral loopback port, run in a background event loop. It keeps
-    its CPU priority (``yield_cores`` off by default): in this process, lowering it would
-    lower the whole test run's, and every process the tests start after."""
+    """A real Hub on an ephemeral loopback port, run in a background event loop."""
 
     def __init__(self, drafter, **config):
         import asyncio
@@ -73,7 +71,7 @@ class HubThread:
         self.loop = asyncio.new_event_loop()
         self.hub = Hub.__new__(Hub)
         self._started = threading.Event()
-        self._config = HubConfig(bind="tcp://127.0.0.1:0", **{"yield_cores": False, **config})
+        self._config = HubConfig(bind="tcp://127.0.0.1:0", **config)
         self._drafter = drafter
         self.task = None
         self.thread = threading.Thread(target=self._run, daemon=True)

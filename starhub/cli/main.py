@@ -129,12 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
                           "tree for the likeliest outcomes of its round, so a matching COMMIT "
                           "gets its PROPOSE at once (greedy sessions; output never changes). "
                           "Off by default: with the shipped head too few guesses hit to pay")
-    hub.add_argument("--yield-cores", type=on_off_arg, default=True, metavar="on|off",
-                     help="on (default): once a target that computes on this host's CPU "
-                          "cores opens a session, the hub and its drafting process run at "
-                          "the lowest CPU priority (nice 19), so that drafting takes the "
-                          "cycles the targets leave while they wait for trees and never "
-                          "holds up a target's pass; off: keep the priority it started with")
     hub.add_argument("--lookup", type=on_off_arg, default=DEFAULT_LOOKUP, metavar="on|off",
                      help="on (default): graft onto each greedy session's tree what followed "
                           "the latest earlier occurrence of its last 2-4 tokens (prompt "
@@ -291,7 +285,7 @@ def cmd_hub(args: argparse.Namespace) -> int:
                        metrics_port=args.metrics_port, threads=threads,
                        limits=limits_from_args(args), security=secure,
                        batch=args.batch, predraft=args.predraft,
-                       yield_cores=args.yield_cores, lookup=args.lookup, prune=args.prune)
+                       lookup=args.lookup, prune=args.prune)
     hub = Hub(drafter, config)
     logging.getLogger("starhub.hub").info("torch threads=%d, drafter weights %s", threads,
                                           getattr(drafter, "dtype", "none"))

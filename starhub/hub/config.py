@@ -53,9 +53,6 @@ class HubConfig:
     predraft: bool = DEFAULT_PREDRAFT
     """``--predraft``: while a proposal is out and nothing waits, draft the session's next
     tree for its likeliest outcomes, so a matching COMMIT is answered at once."""
-    yield_cores: bool = True
-    """``--yield-cores``: once a target computes on this host's cores, the hub runs at the
-    lowest CPU priority (``starhub.cores.yield_cores``)."""
     lookup: bool = DEFAULT_LOOKUP
     """``--lookup``: graft a prompt-lookup branch onto each greedy session's tree."""
     prune: bool = DEFAULT_PRUNE

@@ -21,10 +21,9 @@ import msgspec
 import torch
 
 from starhub.control.plane import AUTO, Controller
-from starhub.cores import NICE, cpu_ids, host_id, yield_cores
+from starhub.cores import cpu_ids, host_id
 from starhub.drafters.base import DraftContext, Drafter, TreeShape
 from starhub.hub.config import HubConfig
-from starhub.hub.drafting_process import RemoteDrafter
 from starhub.hub.metrics import HubMetrics, PrometheusCollector, serve_prometheus
 from starhub.hub.sessions import DraftSession, TargetPeer
 from starhub.hub.worker import DraftWorker, Request
@@ -84,8 +83,6 @@ class Hub(Server):
         self.accepting = True
         """False once shutting down (``starhub.hub.shutdown``): no new targets or sessions."""
         self._last_log = time.monotonic()
-        self._yielded = not self.config.yield_cores
-        """Whether the hub has lowered its CPU priority (or was told not to)."""
 
     async def serve(self) -> None:
         sock, release = self.bind(self.config.bind, self.config.security)
@@ -229,29 +226,8 @@ class Hub(Server):
                                  self.held_bytes(msg))
         self.control.open(session.tag, identity, msg.step_ms / 1e3, msg.shares_cores,
                           msg.batched)
-        if msg.shares_cores and not self._yielded:
-            self._yield_cores()
         self.metrics.sessions_opened += 1
         self.enqueue(identity, session, msg.ref)
-
-    def _yield_cores(self) -> None:
-        """A target computes on our cores: the hub, and its drafting process where it has
-        one, take the lowest CPU priority. Drafting then runs on the cycles a target
-        leaves while it waits for its trees, and no longer preempts the passes of a target
-        decoding plain beside it. At 2 requests/s over two servers on 2 cores (Intel Xeon),
-        the server whose requests all decoded plain ran its 2- to 4-row passes 4 to 5%
-        slower than a server without a hub (median pass, one run), and 0.3 to 2.3% slower
-        with the hub at nice 19 (two runs)."""
-        self._yielded = True
-        done = yield_cores()
-        if isinstance(self.drafter, RemoteDrafter) and self.drafter.pid:
-            done = yield_cores(self.drafter.pid) and done
-        if done:
-            log.info("a target computes on this host's cores: the hub runs at nice %d from "
-                     "now on, drafting on the cycles its targets leave", NICE)
-        else:
-            log.info("a target computes on this host's cores, but the hub could not lower "
-                     "its CPU priority")
 
     def handle_commit(self, identity: bytes, msg: Commit) -> None:
         peer = self.table.peer(identity, msg, "TARGET_CARD")
