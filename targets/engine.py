@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from starhub.wire.tree import DraftTree, ancestor_mask, depths
 from targets.acceptance import Sampling
@@ -235,18 +236,50 @@ def _padded(model: PreTrainedModel, targets: list[TargetModel], trees: list[Draf
         mask[b, 0, n:, base + n - 1] = True  # padding rows: one visible entry, finite softmax
     cache = DynamicCache(config=model.config)
     for layer, per_row in enumerate(zip(*(t.cache.layers for t in targets), strict=True)):
-        keys = _stack_padded([row.keys for row in per_row], base)
-        values = _stack_padded([row.values for row in per_row], base)
-        cache.update(keys, values, layer)
+        cache.layers[layer] = RoomLayer(_stack_padded([row.keys for row in per_row], base, width),
+                                        _stack_padded([row.values for row in per_row], base, width),
+                                        base)
     return ids, positions, mask, cache, [(b, 0) for b in range(rows)]
 
 
-def _stack_padded(parts: list[torch.Tensor], base: int) -> torch.Tensor:
+def _stack_padded(parts: list[torch.Tensor], base: int, room: int) -> torch.Tensor:
+    """The sessions' caches, a batch row each, right-padded with zeros to ``base`` entries,
+    then ``room`` entries left for the pass's new ones."""
     first = parts[0]
-    out = first.new_zeros((len(parts), first.shape[1], base, first.shape[3]))
+    out = first.new_empty((len(parts), first.shape[1], base + room, first.shape[3]))
     for b, part in enumerate(parts):
         out[b, :, :part.shape[2]] = part[0]
+        out[b, :, part.shape[2]:base] = 0  # masked, but a value times a zero weight must be 0
     return out
+
+
+class RoomLayer(DynamicLayer):
+    """A batched pass's cache layer: its ``length`` entries at the front of buffers with room
+    for the pass's new ones, which the forward pass writes in place. ``DynamicLayer``
+    would concatenate them, copying the whole batch cache once more in every layer; once
+    the room is filled the keys and values are these buffers whole, the very tensors the
+    concatenation would have made."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        super().__init__()
+        self.buffers = (keys, values)
+        self.length = length
+        self.keys, self.values = keys[..., :length, :], values[..., :length, :]
+        self.device = keys.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.buffers
+        end = self.length + key_states.shape[-2]
+        if end > keys.shape[-2]:
+            raise ValueError(f"a pass fed {end - self.length} tokens into a cache with room "
+                             f"for {keys.shape[-2] - self.length}")
+        keys[..., self.length:end, :] = key_states
+        values[..., self.length:end, :] = value_states
+        self.length = end
+        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
+        return self.keys, self.values
 
 
 def _packed(model: PreTrainedModel, targets: list[TargetModel], trees: list[DraftTree],
@@ -271,9 +304,19 @@ def _packed(model: PreTrainedModel, targets: list[TargetModel], trees: list[Draf
         feed_at += n
     cache = DynamicCache(config=model.config)
     for layer, per_row in enumerate(zip(*(t.cache.layers for t in targets), strict=True)):
-        cache.update(torch.cat([row.keys for row in per_row], 2),
-                     torch.cat([row.values for row in per_row], 2), layer)
+        cache.layers[layer] = RoomLayer(_end_to_end([row.keys for row in per_row], fed),
+                                        _end_to_end([row.values for row in per_row], fed),
+                                        total)
     return ids, positions, mask, cache, spans
+
+
+def _end_to_end(parts: list[torch.Tensor], room: int) -> torch.Tensor:
+    """The sessions' caches end to end in one row, then ``room`` entries for new ones."""
+    first = parts[0]
+    total = sum(part.shape[2] for part in parts)
+    out = first.new_empty((1, first.shape[1], total + room, first.shape[3]))
+    torch.cat(parts, 2, out=out[:, :, :total])
+    return out
 
 
 def _packing_pays(config, cached: list[int], fed: list[int]) -> bool:

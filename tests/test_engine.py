@@ -11,7 +11,7 @@ import torch
 from starhub.drafters.base import DraftContext, TreeShape
 from starhub.drafters.model import ModelDrafter
 from targets.acceptance import Sampling
-from targets.engine import VerifyEngine
+from targets.engine import RoomLayer, VerifyEngine
 from targets.verify import TargetModel
 
 PROMPTS = [[1, 5, 9, 14, 3], list(range(20, 43)), [7, 7, 8]]
@@ -166,3 +166,20 @@ def test_an_empty_tree_in_a_batch_is_one_plain_step(tiny_model):
         for _ in range(4):
             verdicts = engine.verify([(sid, EMPTY_TREE) for sid in range(3)])
             assert [v.tokens for v in verdicts] == [[t.step()] for t in singles]
+
+
+def test_a_batched_pass_writes_its_new_entries_into_the_room_left_for_them():
+    """The forward pass appends to a batched pass's cache in place: the keys and values it
+    attends to are the buffers the caches were copied into, not a concatenated copy; a
+    pass that feeds more than the room left is refused."""
+    keys, values = torch.zeros(2, 3, 7, 4), torch.zeros(2, 3, 7, 4)
+    layer = RoomLayer(keys, values, length=5)
+    assert layer.get_seq_length() == 5
+    new_keys, new_values = torch.ones(2, 3, 2, 4), torch.full((2, 3, 2, 4), 2.0)
+    got_keys, got_values = layer.update(new_keys, new_values)
+    assert got_keys.data_ptr() == keys.data_ptr() and got_keys.shape == keys.shape
+    assert got_keys.is_contiguous() and got_values.is_contiguous()
+    assert torch.equal(keys[:, :, 5:], new_keys) and torch.equal(values[:, :, 5:], new_values)
+    assert layer.get_seq_length() == 7
+    with pytest.raises(ValueError, match="room"):
+        layer.update(new_keys, new_values)
