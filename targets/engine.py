@@ -263,7 +263,6 @@ class RoomLayer(DynamicLayer):
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
         super().__init__()
         self.buffers = (keys, values)
-        self.length = length
         self.keys, self.values = keys[..., :length, :], values[..., :length, :]
         self.device = keys.device
         self.is_initialized = True
@@ -271,13 +270,13 @@ class RoomLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.buffers
-        end = self.length + key_states.shape[-2]
+        start = self.keys.shape[-2]
+        end = start + key_states.shape[-2]
         if end > keys.shape[-2]:
-            raise ValueError(f"a pass fed {end - self.length} tokens into a cache with room "
-                             f"for {keys.shape[-2] - self.length}")
-        keys[..., self.length:end, :] = key_states
-        values[..., self.length:end, :] = value_states
-        self.length = end
+            raise ValueError(f"a pass fed {end - start} tokens into a cache with room "
+                             f"for {keys.shape[-2] - start}")
+        keys[..., start:end, :] = key_states
+        values[..., start:end, :] = value_states
         self.keys, self.values = keys[..., :end, :], values[..., :end, :]
         return self.keys, self.values
 
