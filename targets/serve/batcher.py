@@ -384,8 +384,8 @@ class Batcher:
                 # what it kept the engine from doing: the passes it ran for other requests
                 # meanwhile were not lost
                 self.gate.observe_round_trip(max(took - (self._busy_s - slot.busy_mark), 0.0))
-            elif slot.opening is not None and slot.produced > 1 and not msg.plain:
-                self.gate.observe_open_wait(took)  # a mid-stream OPEN (``_rejoin_alone``)
+            elif not msg.plain and slot.produced > 1:  # a mid-stream OPEN (``_rejoin_alone``)
+                self.gate.observe_open_wait(took)
         slot.tag, slot.seq, slot.waiting_since, slot.opening = msg.tag, msg.seq, None, None
         if msg.plain:
             slot.plain_left, slot.plain_started = msg.plain, time.perf_counter()
@@ -549,11 +549,12 @@ class Batcher:
 
     def _rejoin_alone(self, client: HubClient) -> None:
         """A request decoding plain that is left alone, nothing queued behind it, takes up
-        the hub mid-stream with what it decoded meanwhile: alone it slows no other row
-        (a lone newcomer always uses the hub), and the hub's control plane judges its
-        rounds. Batches of more rows stay plain until a newcomer's verdict: their
-        requests switching back and forth as the gate's estimates move would stall for
-        the hub's answers each time."""
+        the hub mid-stream with what it decoded meanwhile, where it has tokens enough to
+        go to win back the wait for its first tree (``SpeculationGate.rejoin_pays``):
+        alone it slows no other row (a lone newcomer always uses the hub), and the hub's
+        control plane judges its rounds. Batches of more rows stay plain until a
+        newcomer's verdict: their requests switching back and forth as the gate's
+        estimates move would stall for the hub's answers each time."""
         if self._new or len(self._slots) != 1 or client.sock.closed:
             return
         slot = next(iter(self._slots.values()))
