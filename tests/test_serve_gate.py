@@ -8,7 +8,7 @@ import contextlib
 import pytest
 
 from targets.engine import BatchStats
-from targets.serve.gate import SpeculationGate
+from targets.serve.gate import COALESCE, PRIOR_TAU, SpeculationGate
 
 
 def feed(gate: SpeculationGate, per_token_s: float, base_s: float = 0.04,
@@ -176,6 +176,40 @@ def test_a_request_sent_plain_takes_up_trees_once_left_alone(tiny_model, tiny_di
     assert got == ref[0, 5:].tolist()
 
 
+def test_a_request_decodes_on_while_the_hub_drafts_its_first_tree_and_commits_what_it_decoded(
+        tiny_model, tiny_dir):
+    """A request that opens its hub session does not wait for the hub's first tree: it
+    goes on decoding plain, and the tree, drafted for where it was, is settled by the
+    tokens it decoded since (or its nodes below them verified). The hub accepts every such
+    COMMIT (an EAGLE-3 head checks each feature row), and the output is the target's own."""
+    import queue
+
+    import torch
+
+    from targets.serve.batcher import Batcher, Request
+
+    model, tokenizer = tiny_model
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [3, 1, 4, 1, 5, 9]]
+    with eagle3_hub(tiny_dir) as hub:
+        batcher = Batcher(model, tokenizer, hub.address)
+        batcher.start()
+        try:
+            got = []
+            for ids in prompts:  # one at a time: each OPEN's first pass runs at once
+                sink: queue.SimpleQueue = queue.SimpleQueue()
+                batcher.submit(Request(prompt=ids, max_tokens=24, sink=sink.put))
+                tokens, stats = stats_of(sink)
+                assert stats.rounds > 0 and stats.note == "", "it verified hub trees"
+                got.append(tokens)
+            assert batcher.stats.caught_up >= len(prompts)
+            assert not hub.hub.metrics.errors, "the hub refused a COMMIT"
+        finally:
+            batcher.stop()
+    for ids, tokens in zip(prompts, got, strict=True):
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+        assert tokens == ref[0, len(ids):].tolist()
+
+
 def test_a_lone_request_uses_the_hub_where_the_rates_say_plain(tiny_model):
     """Alone, a request slows no other row, and the hub judges its rounds from its own
     acceptance: it opens its hub session even where the gate's averages (a slow hub
@@ -280,9 +314,9 @@ def test_what_a_tree_row_costs_beyond_its_tokens_counts_against_trees():
 
 
 def test_a_tree_among_rows_already_decoding_plain_is_judged_as_that_mix():
-    """Rows sent plain take up trees again only once one is left alone: a newcomer's tree
-    would slow their pass and add nothing to them, so it must pay for the mix, not for a
-    batch of trees."""
+    """Rows that cannot use the hub (it was lost while they decoded) stay plain: a
+    newcomer's tree would slow their pass and add nothing to them, so it must pay for the
+    mix, not for a batch of trees."""
     gate = SpeculationGate(step_s=0.04)
     feed(gate, per_token_s=0.001, round_trip_s=0.02)
     assert gate.pays([300] * 3), "three requests with trees would beat plain"
@@ -336,6 +370,20 @@ def test_a_spell_of_tree_passes_does_not_move_what_plain_batching_costs():
         "the tree passes' fit would misprice plain rows"
 
 
+def test_a_batch_left_by_a_request_is_judged_at_its_size_not_the_recent_average():
+    """A newcomer is judged at the recent batch where that is larger (arrivals go on);
+    the rows a departing request leaves are judged as they are, so two rows left after a
+    spell of four can take up trees that pay at two."""
+    gate = SpeculationGate(step_s=0.04)
+    feed(gate, per_token_s=0.002)
+    for t in range(50):
+        gate.observe_batch(4, now=0.1 * t)
+    arriving = gate.verdict([300, 300], now=5.0)
+    leaving = gate.verdict([300, 300], now=5.0, current=True)
+    assert (arriving.rows, leaving.rows) == (4, 2)
+    assert leaving.tree_tok_s > leaving.plain_tok_s
+
+
 def test_a_lone_request_opens_its_hub_session_whatever_the_rates_say():
     gate = SpeculationGate(step_s=0.04)
     feed(gate, per_token_s=0.0001, round_trip_s=0.2)
@@ -351,8 +399,13 @@ def test_a_tree_beside_plain_rows_waits_for_the_plain_passes_begun_while_it_was_
     gate = SpeculationGate(step_s=0.04)
     feed(gate, per_token_s=0.0005, round_trip_s=0.02)
     assert gate.pays([300, 300]), "two rows with trees pay"
-    tree, plain = gate.rates([300], plain=[300])
-    assert tree < 1.10 * plain and not gate.pays([300], plain=[300])
+    tree, _ = gate.rates([300], plain=[300])
+    plain_s = gate.plain_pass_s([300])
+    assert 0.02 > COALESCE * plain_s and 0.02 < plain_s, "the tree comes back mid-pass"
+    cycle = gate.tree_pass_s([300], [300]) * gate.slowdown.get(1.0) + plain_s
+    assert tree == pytest.approx((gate.tau.get(PRIOR_TAU) + 2) / cycle), \
+        "the plain row steps twice while the tree waits a whole pass"
+    assert tree < 0.8 * gate.rates([300, 300])[0]
 
 
 def test_a_few_rounds_move_the_gates_tau_as_far_as_their_mean():
@@ -438,21 +491,21 @@ def test_a_tree_among_many_plain_rows_is_priced_with_them_as_plain_passes_cost()
     assert not gate.pays([300], plain=[300] * 9)
 
 
-def test_a_request_left_alone_takes_up_the_hub_only_with_enough_tokens_left_to_win_back_its_open():
-    """Opening a hub session mid-stream costs the wait for its first tree; each token then
-    decoded by trees instead of plain steps saves the difference of their times. Before
-    that wait is measured a request left alone always takes up the hub; after, only with
-    enough tokens left. Where the gate's rates say trees lose alone, the hub judges."""
+def test_a_request_left_alone_takes_up_the_hub_only_with_tokens_left_for_trees_once_they_come():
+    """A request opening its hub session mid-stream decodes plain until its first tree
+    comes: it opens only where tokens would be left for trees by then, more than the
+    plain steps the measured wait holds. Before that wait is measured a request left alone
+    always takes up the hub. Where the gate's rates say trees lose alone, the hub judges."""
     gate = SpeculationGate(step_s=0.04)
     feed(gate, per_token_s=0.003)
     tree, plain = gate.rates([300])
-    saved = 1 / plain - 1 / tree
-    assert saved > 0, "alone, trees pay on this machine"
-    assert gate.rejoin_pays(300, left=1), "the wait is not yet measured"
-    gate.observe_open_wait(0.1)
-    needed = 0.1 / saved
-    assert not gate.rejoin_pays(300, left=int(needed * 0.9))
-    assert gate.rejoin_pays(300, left=int(needed * 1.1) + 1)
+    assert tree > plain, "alone, trees pay on this machine"
+    assert gate.rejoin_pays(300, left=2), "the wait is not yet measured"
+    gate.observe_open_wait(0.3)
+    during = 0.3 * plain
+    assert during > 3
+    assert not gate.rejoin_pays(300, left=int(during))
+    assert gate.rejoin_pays(300, left=int(during) + 2)
     slow = SpeculationGate(step_s=0.04)
     feed(slow, per_token_s=0.003, round_trip_s=0.5)
     slow.observe_open_wait(0.1)

@@ -9,7 +9,15 @@ from starhub.drafters.growing import (
     sample_without_replacement,
     top_k,
 )
-from starhub.wire.tree import DraftTree, accepted_path, ancestor_mask, children, depths, graft
+from starhub.wire.tree import (
+    DraftTree,
+    accepted_path,
+    ancestor_mask,
+    children,
+    depths,
+    graft,
+    subtree,
+)
 
 
 def random_expand(vocab: int, seed: int = 0):
@@ -150,6 +158,22 @@ def test_graft_adds_only_the_nodes_a_path_of_the_tree_lacks():
     with pytest.raises(ValueError, match="greedy"):
         graft(DraftTree(tree.tokens, tree.parents, np.zeros((4, 1), np.int32),
                         np.ones((4, 1), np.float32)), [1])
+
+
+def test_a_subtree_keeps_the_nodes_below_a_node_rooted_there():
+    # root -> 5 -> 6 -> 9, 5 -> 8; root -> 7 -> 4
+    tree = DraftTree(np.array([5, 7, 6, 4, 8, 9], np.int32),
+                     np.array([-1, -1, 0, 1, 0, 2], np.int32),
+                     np.zeros((7, 1), np.int32), np.ones((7, 1), np.float32))
+    below = subtree(tree, 0)
+    assert below.tokens.tolist() == [6, 8, 9]
+    assert below.parents.tolist() == [-1, -1, 0]
+    assert below.dist_ids is None
+    assert accepted_path(below.tokens, below.parents, [6, 9]) == [0, 2]
+    whole = subtree(tree, -1)
+    assert whole.tokens.tolist() == tree.tokens.tolist()
+    assert whole.parents.tolist() == tree.parents.tolist()
+    assert len(subtree(tree, 3)) == 0  # a leaf has nothing below it
 
 
 @pytest.mark.parametrize("rows,width,k", [(1, 6144, 4), (24, 6144, 4), (5, 49152, 10),

@@ -99,6 +99,20 @@ def children(parents: np.ndarray) -> list[list[int]]:
     return out
 
 
+def subtree(tree: DraftTree, node: int) -> DraftTree:
+    """The nodes below ``node`` (-1: the root), as a tree whose root is ``node``: what is
+    left to verify once a path to it is known to be the target's own. Draft distributions
+    are left out (verification does not read them: ``targets.acceptance``)."""
+    keep, index = [], {node: -1}
+    for i, p in enumerate(np.asarray(tree.parents).tolist()):
+        if p in index:
+            index[i] = len(keep)
+            keep.append(i)
+    parents = [index[int(tree.parents[i])] for i in keep]
+    return DraftTree(np.asarray(tree.tokens)[keep].astype(np.int32),
+                     np.asarray(parents, np.int32))
+
+
 def chain_tree(tokens: Sequence[int]) -> DraftTree:
     n = len(tokens)
     return DraftTree(np.asarray(tokens, np.int32), np.arange(-1, n - 1, dtype=np.int32))

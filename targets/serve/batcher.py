@@ -7,10 +7,13 @@ One engine thread owns the model, the engine and the hub connection. Each turn o
 2. prefills one chunk of the oldest new prompt; a finished prefill emits the first token
    and OPENs the request's hub session, so a long prompt never holds the others up for
    more than one chunk; where plain batching serves the batch faster (``gate``), the
-   batch decodes plain instead, and a request left alone opens its hub session then,
-   carrying what it decoded meanwhile;
-3. reads the hub's replies: a PROPOSE gives a request its tree (or a number of plain steps);
-   an ERROR, or a hub past its deadline, sends the request on alone;
+   batch decodes plain instead, and its requests open hub sessions when a later verdict
+   says trees (a newcomer's, or one on the rows a finished request leaves), carrying what
+   they decoded meanwhile. A request decodes plain from its OPEN until its first tree
+   comes, never idle for the hub;
+3. reads the hub's replies: a PROPOSE gives a request its tree (or a number of plain steps),
+   or, where it decoded on meanwhile, is settled by the tokens it decoded since
+   (``_catch_up``); an ERROR, or a hub past its deadline, sends the request on alone;
 4. verifies, in one forward pass, every request that has something to verify: a hub tree,
    or a plain step (an empty tree) when the hub said plain or there is no hub. A request
    joins or leaves between passes, and a pass never waits for a batch to fill, only,
@@ -54,7 +57,7 @@ from starhub.wire.messages import (
     Open,
     Propose,
 )
-from starhub.wire.tree import DraftTree
+from starhub.wire.tree import DraftTree, accepted_path, subtree
 from targets.acceptance import Sampling
 from targets.engine import VerifyEngine
 from targets.generate import (
@@ -126,12 +129,18 @@ class Slot:
     plain_tokens: list[int] = field(default_factory=list)
     plain_feats: list[torch.Tensor] = field(repr=False, default_factory=list)
     plain_started: float = 0.0
+    ahead: bool = False
+    """It decodes plain while its hub session catches up: from its OPEN until the hub's
+    proposals reach what it decoded meanwhile, which ``plain_tokens`` and ``plain_feats``
+    hold (``Batcher._catch_up``). A request never idles for the hub's prefill."""
+    lag: Propose | None = field(default=None, repr=False)
+    """The hub's proposal for where the request was, while it is ``ahead``."""
     output: list[int] = field(default_factory=list)
     """The tokens emitted so far (a mid-stream OPEN carries them)."""
     history: list[torch.Tensor] | None = field(default=None, repr=False)
     """The features of every token fed so far (the prompt's, then each pass's), as sent to
     the hub, while it may draft for the request: with them the request can open a hub
-    session mid-stream after decoding plain (``Batcher._rejoin_alone``). None once no
+    session mid-stream after decoding plain (``Batcher._take_up_trees``). None once no
     hub can (it was lost, or the request began without one). They grow with the request, as
     its cache does, by the drafter's hidden states a token (on the embedded model, 1 KiB
     where the cache takes 23 to 46)."""
@@ -145,7 +154,8 @@ class Slot:
         """Has something to verify in the next pass."""
         if not self.decoding:
             return False
-        return self.client is None or self.tree is not None or self.plain_left > 0
+        return (self.client is None or self.tree is not None or self.plain_left > 0
+                or self.ahead)
 
 
 @dataclass
@@ -161,6 +171,9 @@ class BatcherStats:
     committed: int = 0
     """Tokens those rounds produced, bonus included: ``committed / rounds`` is τ."""
     plain_steps: int = 0
+    caught_up: int = 0
+    """Hub proposals that came after their request had decoded on (``Batcher._catch_up``):
+    the tokens it decoded settled them, or the nodes below those were verified."""
     gated: int = 0
     """Requests sent on alone because plain batching served their batch faster."""
     tokens: int = 0
@@ -212,6 +225,7 @@ class Batcher:
         self._rids = itertools.count(1)
         self._pass_s = 0.05
         self._pass_no = 0
+        self._rows_seen = 0
         self._busy_s = 0.0
         """Seconds the engine thread has spent in passes and prefill chunks."""
         self.failed = ""
@@ -308,7 +322,7 @@ class Batcher:
     def _alone(self, slot: Slot, reason: str, close: bool = True, keep: bool = False) -> None:
         """The request decodes on its own from here; its hub session is closed if it had
         one and the connection still stands. ``keep``: it keeps its features, so that it
-        can open a hub session again (``_rejoin_alone``); otherwise it never uses the hub
+        can open a hub session again (``_take_up_trees``); otherwise it never uses the hub
         again."""
         if slot.client is not None and close and slot.tag:
             with contextlib.suppress(HubUnavailable):
@@ -318,7 +332,7 @@ class Batcher:
         if slot.plain_left:  # the hub's plain round: finish it as plain steps
             slot.plain_left = 0
         slot.client, slot.tag, slot.tree, slot.waiting_since = None, 0, None, None
-        slot.opening = None
+        slot.opening, slot.ahead, slot.lag = None, False, None
         if not keep:
             self._features_off(slot)
         slot.plain_tokens, slot.plain_feats = [], []
@@ -384,10 +398,13 @@ class Batcher:
                 # what it kept the engine from doing: the passes it ran for other requests
                 # meanwhile were not lost
                 self.gate.observe_round_trip(max(took - (self._busy_s - slot.busy_mark), 0.0))
-            elif not msg.plain and slot.produced > 1:  # a mid-stream OPEN (``_rejoin_alone``)
+            elif not msg.plain and slot.produced > 1:  # a mid-stream OPEN (``_take_up_trees``)
                 self.gate.observe_open_wait(took)
         slot.tag, slot.seq, slot.waiting_since, slot.opening = msg.tag, msg.seq, None, None
-        if msg.plain:
+        if slot.ahead:
+            slot.lag = msg
+            self._catch_up(slot)
+        elif msg.plain:
             slot.plain_left, slot.plain_started = msg.plain, time.perf_counter()
         else:
             slot.tree = DraftTree(msg.tokens, msg.parents, msg.dist_ids, msg.dist_probs)
@@ -453,7 +470,7 @@ class Batcher:
         self._overdue()
         self._prefill_one(client)
         if client is not None:
-            self._rejoin_alone(client)
+            self._take_up_trees(client)
         work = [s for s in self._slots.values() if s.ready]
         waiting = [s for s in self._slots.values() if s.waiting_since is not None]
         if work and waiting:
@@ -528,42 +545,57 @@ class Batcher:
 
     def _judge(self, client: HubClient, newcomer: Slot) -> None:
         """Trees or plain for the batch a newcomer (its prefill just done) joins
-        (``SpeculationGate.verdict``): the newcomer and the requests using the hub as
-        using it, the requests decoding plain as plain rows beside them. Where plain pays,
-        the whole batch decodes plain, the requests still prefilling too (the verdict
-        counted them), since a tree among plain rows would slow every row's pass and hold
-        its own request back for the hub's round trip."""
+        (``SpeculationGate.verdict``): every request that can use the hub as using it,
+        those that cannot as plain rows beside them. Where trees pay, the newcomer and the
+        requests decoding plain open hub sessions (each decodes on until its first tree
+        comes, ``_catch_up``), but for those with too few tokens left to see a tree. Where
+        plain pays, the whole batch decodes plain, the requests still prefilling too (the
+        verdict counted them), since a tree among plain rows would slow every row's pass
+        and hold its own request back for the hub's round trip."""
         using, parked, alone = self._split()
+        parked = [s for s in parked if s is not newcomer]
         cached = self.engine.cached
-        plain = [cached(s.req.rid) for s in parked + alone if s is not newcomer]
-        decision = self.gate.verdict([cached(s.req.rid) for s in using + [newcomer]],
-                                     len(self._new), plain=plain)
-        self._log_verdict(decision, len(plain))
+        decision = self.gate.verdict([cached(s.req.rid) for s in using + parked + [newcomer]],
+                                     len(self._new), plain=[cached(s.req.rid) for s in alone])
+        self._log_verdict(decision, len(alone))
         if decision.trees:
             self._open(newcomer, client)
+            for slot in parked:
+                if self.gate.rejoin_pays(cached(slot.req.rid),
+                                         slot.req.max_tokens - slot.produced):
+                    self._open(slot, client)
             return
         prefilling = [s for s in self._new if s.client is not None]
         for slot in using + prefilling:
             self._alone(slot, "plain batching serves this batch faster", keep=True)
         self.stats.gated += len(using) + len(prefilling) + 1
 
-    def _rejoin_alone(self, client: HubClient) -> None:
-        """A request decoding plain that is left alone, nothing queued behind it, takes up
-        the hub mid-stream with what it decoded meanwhile, where it has tokens enough to
-        go to win back the wait for its first tree (``SpeculationGate.rejoin_pays``):
-        alone it slows no other row (a lone newcomer always uses the hub), and the hub's
-        control plane judges its rounds. Batches of more rows stay plain until a
-        newcomer's verdict: their requests switching back and forth as the gate's
-        estimates move would stall for the hub's answers each time."""
-        if self._new or len(self._slots) != 1 or client.sock.closed:
+    def _take_up_trees(self, client: HubClient) -> None:
+        """When a request leaves, nothing queued, the requests decoding plain are judged
+        again at the batch left (``SpeculationGate.verdict`` at today's batch, not the
+        recent average: the arrivals that built it have not come): where trees pay they
+        take up the hub mid-stream with what they decoded meanwhile, each with tokens
+        enough to go for trees once its first comes (``SpeculationGate.rejoin_pays``).
+        One left alone always does (a lone newcomer always uses the hub), and the hub's
+        control plane judges its rounds. Rows using the hub are not sent plain here: a
+        batch that shrinks only gains from its trees."""
+        rows = sum(s.decoding for s in self._slots.values())
+        shrank, self._rows_seen = rows < self._rows_seen, rows
+        if self._new or not shrank or client.sock.closed:
             return
-        slot = next(iter(self._slots.values()))
-        if slot.decoding and slot.client is None and slot.history is not None:
-            left = slot.req.max_tokens - slot.produced
-            if not self.gate.rejoin_pays(self.engine.cached(slot.req.rid), left):
-                return
-            log.debug("%s: request %d, left alone, takes up the hub", self.name, slot.req.rid)
-            self._open(slot, client)
+        using, parked, alone = self._split()
+        if not parked:
+            return
+        cached = self.engine.cached
+        decision = self.gate.verdict([cached(s.req.rid) for s in using + parked],
+                                     plain=[cached(s.req.rid) for s in alone], current=True)
+        if not decision.trees:
+            return
+        for slot in parked:
+            if self.gate.rejoin_pays(cached(slot.req.rid), slot.req.max_tokens - slot.produced):
+                log.debug("%s: request %d takes up the hub at %d rows", self.name,
+                          slot.req.rid, decision.rows)
+                self._open(slot, client)
 
     def _open(self, slot: Slot, client: HubClient) -> None:
         """OPEN the request's hub session with everything it has decoded so far. A session
@@ -572,7 +604,8 @@ class Batcher:
         slot.client, slot.ref = client, next(self._refs)
         slot.seq, slot.reopened = -1, False
         slot.waiting_since, slot.busy_mark = time.perf_counter(), self._busy_s
-        slot.cohort = -1
+        slot.cohort, slot.ahead, slot.lag = -1, True, None
+        slot.plain_tokens, slot.plain_feats = [], []
         self._check_sharing()
         slot.opening = Open(prompt_len=len(req.prompt), temperature=req.sampling.temperature,
                             top_p=req.sampling.top_p, seed=req.seed, step_ms=1e3 * self.step_s,
@@ -649,25 +682,97 @@ class Batcher:
                 self._after_tree(slot, tree, verdict, took, step_s, tok_s)
             elif slot.plain_left:
                 self._after_plain_step(slot, verdict, step_s, tok_s)
+            elif slot.ahead:
+                self._ahead_step(slot, verdict)
             else:
                 self.stats.plain_steps += 1
                 self._emit(slot, verdict.tokens)
 
     def _after_tree(self, slot: Slot, tree: DraftTree, verdict: Verdict, took: float,
                     step_s: float, tok_s: float) -> None:
+        """A verified tree; one that was the rest of a proposal below the tokens the
+        request decoded ahead of it (``_catch_up``) COMMITs those tokens first."""
         slot.tree = None
-        accepted = len(verdict.path)
-        count_round(slot.stats, accepted, len(tree))
-        self.gate.observe_round(len(tree), len(verdict.tokens))
+        ahead, feats = slot.plain_tokens, slot.plain_feats
+        nodes = len(slot.lag.tokens) if slot.lag is not None else len(tree)
+        slot.plain_tokens, slot.plain_feats, slot.lag = [], [], None
+        tokens = ahead + verdict.tokens
+        accepted = len(ahead) + len(verdict.path)
+        count_round(slot.stats, accepted, nodes)
+        self.gate.observe_round(nodes, len(tokens))
         self.stats.rounds += 1
-        self.stats.committed += len(verdict.tokens)
+        self.stats.committed += len(tokens)
+        if verdict.features is not None:
+            feats = [*feats, verdict.features]
         commit = Commit(tag=slot.tag, seq=slot.seq, accepted=accepted, verify_ms=1e3 * took,
                         step_ms=1e3 * step_s, floor=self._floor(slot, tok_s),
-                        tokens=torch.tensor(verdict.tokens, dtype=torch.int32),
-                        features=verdict.features)
+                        tokens=torch.tensor(tokens, dtype=torch.int32),
+                        features=torch.cat(feats) if feats else None)
         if self._emit(slot, verdict.tokens):
             return
         self._commit(slot, commit)
+
+    def _ahead_step(self, slot: Slot, verdict: Verdict) -> None:
+        """A plain step of a request decoding ahead of its hub session; the hub's proposal,
+        if one is waiting for a token more (``_catch_up``), is walked again."""
+        self.stats.plain_steps += 1
+        slot.plain_tokens.extend(verdict.tokens)
+        if verdict.features is not None:
+            slot.plain_feats.append(verdict.features)
+        if self._emit(slot, verdict.tokens):
+            return
+        if slot.lag is not None:
+            self._catch_up(slot)
+
+    def _catch_up(self, slot: Slot) -> None:
+        """The hub's proposal (``slot.lag``) is for where the request was when it OPENed or
+        last COMMITted; since then it decoded ``plain_tokens`` on its own. Its tokens are the
+        same however it gets them (``targets.acceptance``), so those tokens walk the
+        proposal as verifying it would:
+
+        - a plain round of k steps: the first k are its tokens (fewer: it goes on as one);
+        - a tree that they leave: the nodes they follow are accepted and the first token
+          off the tree is the bonus;
+        - a tree with a path holding all of them: the next pass verifies the nodes below
+          (a path that ends in a leaf waits for one more plain step).
+
+        What a walk settles is COMMITted at once; the request decodes ahead while tokens
+        the hub does not know remain, and waits for its next proposal as usual once none
+        do."""
+        msg, done = slot.lag, slot.plain_tokens
+        if done:
+            self.stats.caught_up += 1
+        if msg.plain:
+            if len(done) < msg.plain:
+                slot.plain_left, slot.plain_started = msg.plain - len(done), time.perf_counter()
+                slot.ahead, slot.lag = False, None
+            else:
+                self._commit_walked(slot, 0, msg.plain)
+            return
+        path = accepted_path(msg.tokens, msg.parents, done)
+        if len(path) < len(done):
+            count_round(slot.stats, len(path), len(msg.tokens))
+            self.gate.observe_round(len(msg.tokens), len(path) + 1)
+            self.stats.rounds += 1
+            self.stats.committed += len(path) + 1
+            self._commit_walked(slot, len(path), len(path) + 1)
+            return
+        below = subtree(DraftTree(msg.tokens, msg.parents), path[-1] if path else -1)
+        if len(below):
+            slot.tree, slot.ahead = below, False
+
+    def _commit_walked(self, slot: Slot, accepted: int, n: int) -> None:
+        """COMMIT the first ``n`` tokens the request decoded ahead, ``accepted`` of them
+        nodes of the hub's proposal."""
+        tokens, feats = slot.plain_tokens[:n], slot.plain_feats[:n]
+        del slot.plain_tokens[:n], slot.plain_feats[:n]
+        slot.lag, slot.ahead = None, bool(slot.plain_tokens)
+        step_s, tok_s = self._commit_rates()
+        self._commit(slot, Commit(
+            tag=slot.tag, seq=slot.seq, accepted=accepted, verify_ms=1e3 * self._pass_s,
+            step_ms=1e3 * step_s, floor=self._floor(slot, tok_s),
+            tokens=torch.tensor(tokens, dtype=torch.int32),
+            features=torch.cat(feats) if feats else None))
 
     def _after_plain_step(self, slot: Slot, verdict: Verdict, step_s: float,
                           tok_s: float) -> None:

@@ -18,10 +18,14 @@ the round trip. Where the hub shares our cores, the fits are of each pass's time
 request that is about to open its hub session asks it ``pays``; where plain batching
 would serve the batch faster, the request and every other in the batch decode on their
 own, still batched, and the hub drafts nothing for them. Rows decoding plain take up
-trees again only once one is left alone (``Batcher._rejoin_alone``), with enough tokens
-to go to win back the wait for its first tree (``rejoin_pays``), so a request joining
-them is judged as the mix it would make: its tree slows their pass and gives them
-nothing. Until rounds have been measured it assumes trees pay, so that they get measured.
+trees again with the next newcomer whose verdict says trees, or when a request leaves and
+the verdict on the rows left (at their number, not the recent average) says trees
+(``Batcher._take_up_trees``), each with tokens enough to go for trees once its first comes
+(``rejoin_pays``): a request that opens its hub session decodes plain until then
+(``Batcher._catch_up``), so the hub's prefill of its context costs it no wait. Rows that
+cannot use the hub (it was lost meanwhile) are priced as plain rows beside the trees: a
+tree slows their pass and gives them nothing. Until rounds have been measured it assumes
+trees pay, so that they get measured.
 
 Plain passes are fitted on their own (``c0 + c1·rows + c2·sum(cached)``), and tree passes
 on theirs. Each fit forgets as it goes and learns only from its own kind of pass, so a
@@ -54,11 +58,15 @@ from starhub.control.estimators import Ema, TimeAverage
 from starhub.fit import LinearFit
 from targets.engine import BatchStats
 
-MARGIN = 1.10
-"""Trees must beat plain batching by this factor. On a shared CPU the gate's estimates of
-one batch's rates move by about ±10% from one request to the next, and a wrong "trees"
-costs more than a wrong "plain": the hub's prefill, tree passes for the whole batch, and
-the hub's compute on our cores; a wrong "plain" forgoes a gain smaller than the noise."""
+MARGIN = 1.00
+"""Trees must beat plain batching by this factor: 1, trees wherever the estimates put them
+ahead. A request that opens its hub session decodes plain until its first tree comes,
+and rows decoding plain take trees up again whenever a verdict says they pay, so a wrong
+"plain" costs a spell without trees and a wrong "trees" the hub's prefill and a spell of
+tree passes, neither a stall. Below capacity trees also shrink the batch they are judged
+at (requests leave sooner), which a verdict at today's batch does not credit them with.
+At 1.10 the serving bench's rate-2 row read 1.00× and 0.99× of plain on the Xeon's
+default path where 1.00 read 1.04× and 1.03× (``docs/benchmarks.md``)."""
 BATCH_WINDOW_S = 5.0
 """The recent batch size averages the rows decoding over about this long: long enough
 to see the load that arrivals build, short enough that a lull after a burst lets a lone
@@ -148,18 +156,17 @@ class SpeculationGate:
         self.open_wait.update(seconds)
 
     def rejoin_pays(self, cached: int, left: int) -> bool:
-        """Whether a request decoding plain, left alone with at most ``left`` tokens to go
-        and ``cached`` in its cache, wins back the wait for its first tree if it opens a
-        hub session now: each token it then decodes by trees instead of plain steps saves
-        the difference of their times, as ``rates`` prices one row. At the end of a busy
-        spell a request left alone with a token or three to go took longer through the hub
-        (its OPEN, then a tree pass) than by the plain steps it had left. Where these rates
+        """Whether a request decoding plain, with at most ``left`` tokens to go and
+        ``cached`` in its cache, should open a hub session now that trees pay. It goes on decoding
+        plain until its first tree comes (``Batcher._catch_up``), so the wait costs it
+        nothing; it opens where tokens would be left for trees by then: more than the wait
+        (``open_wait``) holds plain steps, as ``rates`` prices one row. Where these rates
         say trees do not pay alone, the gate cannot price the gain and leaves the request
         to the hub's judgment, as it does a lone newcomer (``verdict``)."""
         tree, plain = self.rates([cached])
         if tree <= plain:
             return True
-        return left * (1 / plain - 1 / tree) > self.open_wait.get(0.0)
+        return left > self.open_wait.get(0.0) * plain + 1
 
     def plain_pass_s(self, cached: Sequence[int]) -> float:
         """A plain pass over sessions of these cache lengths: one token fed each; by the
@@ -227,17 +234,19 @@ class SpeculationGate:
              plain: Sequence[int] = ()) -> bool:
         """Whether the request about to open its hub session should: always when it would
         decode alone; otherwise when trees for the sessions of ``cached`` (beside the
-        ``plain`` rows, which do not take up trees mid-stream) beat plain batching by the
-        margin, in the batch it will decode in: this one with the ``queued`` requests
-        still prefilling, or the recent average where that is larger (arrivals go on at
-        the rate that built it, and a request that opened its hub session in a lull would
-        then hold trees in a full batch); the rows the average adds would use trees."""
+        ``plain`` rows, which cannot use the hub) beat plain batching by the margin, in
+        the batch it will decode in: this one with the ``queued`` requests still
+        prefilling, or the recent average where that is larger (arrivals go on at the rate
+        that built it, and a request that opened its hub session in a lull would then hold
+        trees in a full batch); the rows the average adds would use trees."""
         return self.verdict(cached, queued, now, plain).trees
 
     def verdict(self, cached: list[int], queued: int = 0, now: float | None = None,
-                plain: Sequence[int] = ()) -> Decision:
-        """``pays``, with the rows, tree and plain tokens/s it was judged at."""
-        recent = self.batch.get(1.0, time.monotonic() if now is None else now)
+                plain: Sequence[int] = (), current: bool = False) -> Decision:
+        """``pays``, with the rows, tree and plain tokens/s it was judged at; ``current``:
+        at today's batch alone, not the recent average."""
+        recent = 1.0 if current else self.batch.get(1.0, time.monotonic() if now is None
+                                                     else now)
         rows = max(len(cached) + len(plain) + queued, round(recent))
         known = [*cached, *plain]
         mean = sum(known) / len(known) if known else 0.0
