@@ -715,14 +715,17 @@ class Batcher:
     def _ahead_step(self, slot: Slot, verdict: Verdict) -> None:
         """A plain step of a request decoding ahead of its hub session; the hub's proposal,
         if one is waiting for a token more (``_catch_up``), is walked again."""
+        if not self._keep_decoded(slot, verdict) and slot.lag is not None:
+            self._catch_up(slot)
+
+    def _keep_decoded(self, slot: Slot, verdict: Verdict) -> bool:
+        """A plain step whose token and feature row wait in ``plain_tokens`` and
+        ``plain_feats`` for a COMMIT; True when it ends the request."""
         self.stats.plain_steps += 1
         slot.plain_tokens.extend(verdict.tokens)
         if verdict.features is not None:
             slot.plain_feats.append(verdict.features)
-        if self._emit(slot, verdict.tokens):
-            return
-        if slot.lag is not None:
-            self._catch_up(slot)
+        return self._emit(slot, verdict.tokens)
 
     def _catch_up(self, slot: Slot) -> None:
         """The hub's proposal (``slot.lag``) is for where the request was when it OPENed or
@@ -742,34 +745,36 @@ class Batcher:
         msg, done = slot.lag, slot.plain_tokens
         if done:
             self.stats.caught_up += 1
+        if msg.plain and len(done) < msg.plain:
+            slot.plain_left, slot.plain_started = msg.plain - len(done), time.perf_counter()
+            slot.ahead, slot.lag = False, None
+            return
         if msg.plain:
-            if len(done) < msg.plain:
-                slot.plain_left, slot.plain_started = msg.plain - len(done), time.perf_counter()
-                slot.ahead, slot.lag = False, None
-            else:
-                self._commit_walked(slot, 0, msg.plain)
-            return
-        path = accepted_path(msg.tokens, msg.parents, done)
-        if len(path) < len(done):
-            count_round(slot.stats, len(path), len(msg.tokens))
-            self.gate.observe_round(len(msg.tokens), len(path) + 1)
+            accepted, n = 0, msg.plain
+        else:
+            path = accepted_path(msg.tokens, msg.parents, done)
+            if len(path) == len(done):
+                below = subtree(DraftTree(msg.tokens, msg.parents), path[-1] if path else -1)
+                if len(below):
+                    slot.tree, slot.ahead = below, False
+                return
+            accepted, n = len(path), len(path) + 1
+            count_round(slot.stats, accepted, len(msg.tokens))
+            self.gate.observe_round(len(msg.tokens), n)
             self.stats.rounds += 1
-            self.stats.committed += len(path) + 1
-            self._commit_walked(slot, len(path), len(path) + 1)
-            return
-        below = subtree(DraftTree(msg.tokens, msg.parents), path[-1] if path else -1)
-        if len(below):
-            slot.tree, slot.ahead = below, False
+            self.stats.committed += n
+        slot.lag, slot.ahead = None, len(done) > n
+        self._commit_decoded(slot, accepted, n, self._pass_s, *self._commit_rates())
 
-    def _commit_walked(self, slot: Slot, accepted: int, n: int) -> None:
-        """COMMIT the first ``n`` tokens the request decoded ahead, ``accepted`` of them
-        nodes of the hub's proposal."""
+    def _commit_decoded(self, slot: Slot, accepted: int, n: int, verify_s: float,
+                        step_s: float, tok_s: float) -> None:
+        """COMMIT the first ``n`` tokens the request decoded on its own (``plain_tokens``),
+        ``accepted`` of them nodes of the hub's proposal (0 after a plain round), with the
+        time they took (``verify_s``) and the rates of ``_commit_rates``."""
         tokens, feats = slot.plain_tokens[:n], slot.plain_feats[:n]
         del slot.plain_tokens[:n], slot.plain_feats[:n]
-        slot.lag, slot.ahead = None, bool(slot.plain_tokens)
-        step_s, tok_s = self._commit_rates()
         self._commit(slot, Commit(
-            tag=slot.tag, seq=slot.seq, accepted=accepted, verify_ms=1e3 * self._pass_s,
+            tag=slot.tag, seq=slot.seq, accepted=accepted, verify_ms=1e3 * verify_s,
             step_ms=1e3 * step_s, floor=self._floor(slot, tok_s),
             tokens=torch.tensor(tokens, dtype=torch.int32),
             features=torch.cat(feats) if feats else None))
@@ -779,24 +784,14 @@ class Batcher:
         """One of the plain steps the hub asked for; the last one COMMITs them all.
         ``step_s``, ``tok_s``: this pass's ``_commit_rates``, the step the hub must beat
         and the batch's rate that sets the floor advised for the next tree."""
-        self.stats.plain_steps += 1
         slot.plain_left -= 1
-        slot.plain_tokens.extend(verdict.tokens)
-        if verdict.features is not None:
-            slot.plain_feats.append(verdict.features)
-        if self._emit(slot, verdict.tokens) or slot.plain_left:
+        if self._keep_decoded(slot, verdict) or slot.plain_left:
             return
         took = time.perf_counter() - slot.plain_started
         slot.stats.plain_rounds += 1
         slot.stats.plain_tokens += len(slot.plain_tokens)
         slot.stats.plain_s += took
-        feats = torch.cat(slot.plain_feats) if slot.plain_feats else None
-        commit = Commit(tag=slot.tag, seq=slot.seq, accepted=0, verify_ms=1e3 * took,
-                        step_ms=1e3 * step_s, floor=self._floor(slot, tok_s),
-                        tokens=torch.tensor(slot.plain_tokens, dtype=torch.int32),
-                        features=feats)
-        slot.plain_tokens, slot.plain_feats = [], []
-        self._commit(slot, commit)
+        self._commit_decoded(slot, 0, len(slot.plain_tokens), took, step_s, tok_s)
 
     def _check_sharing(self) -> None:
         """Whether the hub we are connected to computes on our cores, read from its card
