@@ -103,14 +103,14 @@ def subtree(tree: DraftTree, node: int) -> DraftTree:
     """The nodes below ``node`` (-1: the root), as a tree whose root is ``node``: what is
     left to verify once a path to it is known to be the target's own. Draft distributions
     are left out (verification does not read them: ``targets.acceptance``)."""
+    parents = np.asarray(tree.parents).tolist()
     keep, index = [], {node: -1}
-    for i, p in enumerate(np.asarray(tree.parents).tolist()):
+    for i, p in enumerate(parents):
         if p in index:
             index[i] = len(keep)
             keep.append(i)
-    parents = [index[int(tree.parents[i])] for i in keep]
     return DraftTree(np.asarray(tree.tokens)[keep].astype(np.int32),
-                     np.asarray(parents, np.int32))
+                     np.asarray([index[parents[i]] for i in keep], np.int32))
 
 
 def chain_tree(tokens: Sequence[int]) -> DraftTree:

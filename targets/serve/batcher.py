@@ -560,10 +560,7 @@ class Batcher:
         self._log_verdict(decision, len(alone))
         if decision.trees:
             self._open(newcomer, client)
-            for slot in parked:
-                if self.gate.rejoin_pays(cached(slot.req.rid),
-                                         slot.req.max_tokens - slot.produced):
-                    self._open(slot, client)
+            self._take_up(parked, client, decision.rows)
             return
         prefilling = [s for s in self._new if s.client is not None]
         for slot in using + prefilling:
@@ -589,12 +586,18 @@ class Batcher:
         cached = self.engine.cached
         decision = self.gate.verdict([cached(s.req.rid) for s in using + parked],
                                      plain=[cached(s.req.rid) for s in alone], current=True)
-        if not decision.trees:
-            return
+        if decision.trees:
+            self._take_up(parked, client, decision.rows)
+
+    def _take_up(self, parked: list[Slot], client: HubClient, rows: int) -> None:
+        """Requests decoding plain open hub sessions, in a batch of ``rows`` where trees
+        pay, but for those with too few tokens left to see a tree
+        (``SpeculationGate.rejoin_pays``)."""
         for slot in parked:
-            if self.gate.rejoin_pays(cached(slot.req.rid), slot.req.max_tokens - slot.produced):
+            if self.gate.rejoin_pays(self.engine.cached(slot.req.rid),
+                                     slot.req.max_tokens - slot.produced):
                 log.debug("%s: request %d takes up the hub at %d rows", self.name,
-                          slot.req.rid, decision.rows)
+                          slot.req.rid, rows)
                 self._open(slot, client)
 
     def _open(self, slot: Slot, client: HubClient) -> None:
@@ -698,10 +701,7 @@ class Batcher:
         slot.plain_tokens, slot.plain_feats, slot.lag = [], [], None
         tokens = ahead + verdict.tokens
         accepted = len(ahead) + len(verdict.path)
-        count_round(slot.stats, accepted, nodes)
-        self.gate.observe_round(nodes, len(tokens))
-        self.stats.rounds += 1
-        self.stats.committed += len(tokens)
+        self._count_round(slot, accepted, nodes)
         if verdict.features is not None:
             feats = [*feats, verdict.features]
         commit = Commit(tag=slot.tag, seq=slot.seq, accepted=accepted, verify_ms=1e3 * took,
@@ -711,6 +711,14 @@ class Batcher:
         if self._emit(slot, verdict.tokens):
             return
         self._commit(slot, commit)
+
+    def _count_round(self, slot: Slot, accepted: int, nodes: int) -> None:
+        """A hub tree of ``nodes`` settled, ``accepted`` of them kept (and a bonus token),
+        on the request's figures, the gate's and the server's."""
+        count_round(slot.stats, accepted, nodes)
+        self.gate.observe_round(nodes, accepted + 1)
+        self.stats.rounds += 1
+        self.stats.committed += accepted + 1
 
     def _ahead_step(self, slot: Slot, verdict: Verdict) -> None:
         """A plain step of a request decoding ahead of its hub session; the hub's proposal,
@@ -759,10 +767,7 @@ class Batcher:
                     slot.tree, slot.ahead = below, False
                 return
             accepted, n = len(path), len(path) + 1
-            count_round(slot.stats, accepted, len(msg.tokens))
-            self.gate.observe_round(len(msg.tokens), n)
-            self.stats.rounds += 1
-            self.stats.committed += n
+            self._count_round(slot, accepted, len(msg.tokens))
         slot.lag, slot.ahead = None, len(done) > n
         self._commit_decoded(slot, accepted, n, self._pass_s, *self._commit_rates())
 
