@@ -7,7 +7,9 @@ import http.client
 import json
 import queue
 import threading
+import urllib.error
 import urllib.parse
+import urllib.request
 from collections import deque
 
 import pytest
@@ -60,6 +62,9 @@ def test_models_and_health_name_the_served_model(stack):
     ({"prompt": [1, 2, 10 ** 9]}, 400, "prompt"),
     ({"prompt": "x", "logprobs": 3}, 400, None),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, None),
+    ({"prompt": "x", "logit_bias": {"50": 100}}, 400, "logit_bias"),
+    ({"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"prompt": "x", "model": "nope"}, 404, "model"),
     ({}, 400, "model"),
 ])
@@ -71,6 +76,34 @@ def test_bad_requests_get_an_openai_error_naming_the_field(stack, body, status, 
     assert set(reply["error"]) == {"message", "type", "param", "code"}
     if param is not None:
         assert reply["error"]["param"] == param or param in reply["error"]["message"]
+
+
+@pytest.mark.parametrize("extra,status", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, 200),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400),
+    ({"response_format": {"type": "text"}, "user": "u1"}, 200),
+])
+def test_a_chat_request_asking_for_tool_calls_or_json_is_refused_not_answered_in_free_text(
+        stack, extra, status):
+    url, _, name = stack
+    code, reply, _ = post(url, "/v1/chat/completions",
+                          {"model": name, "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": 2, **extra})
+    assert code == status, reply
+    if status == 400:
+        assert next(iter(extra)) in reply["error"]["message"]
+
+
+def test_an_unknown_path_or_method_gets_the_openai_error_shape(stack):
+    url, _, _ = stack
+    code, reply, _ = post(url, "/v1/embeddings", {"input": "x"})
+    assert code == 404 and "/v1/embeddings" in reply["error"]["message"]
+    request = urllib.request.Request(url + "/v1/completions", method="GET")
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=30)
+    assert caught.value.code == 405 and caught.value.headers["Allow"] == "POST"
+    assert set(json.loads(caught.value.read())["error"]) == {"message", "type", "param", "code"}
 
 
 def test_a_body_that_is_not_json_is_a_400(stack):

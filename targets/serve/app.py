@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from starhub.models.prompts import encode_prompt
 from targets.acceptance import Sampling
@@ -66,12 +67,21 @@ class OpenAIServer:
         app = FastAPI(title="starhub serve", version="1",
                       description="OpenAI-compatible speculative decoding target")
         app.add_exception_handler(OpenAIError, self._on_error)
+        app.add_exception_handler(StarletteHTTPException, self._on_http_error)
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
         app.get("/v1/models")(self.models)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
         return app
+
+    async def _on_http_error(self, request: Request, exc: StarletteHTTPException
+                             ) -> JSONResponse:
+        """An unknown path or a wrong method, in the OpenAI error shape like every other;
+        counted under one label, so that no client can add metric series by path."""
+        self.metrics.requests.labels("other", str(exc.status_code)).inc()
+        error = OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
     async def _on_error(self, request: Request, exc: OpenAIError) -> JSONResponse:
         self.metrics.requests.labels(request.url.path, str(exc.status)).inc()

@@ -1,8 +1,11 @@
 """The OpenAI API's request bodies and error shape, as far as a serving target speaks them.
 
 Requests are validated here, before anything reaches the model: a field this server cannot
-honour losslessly (``n`` > 1, logprobs, penalties, ``echo``) is a 400 that names it, not a
-silent change of meaning. Unknown fields are ignored, as OpenAI-compatible servers do.
+honour (``n`` > 1, logprobs, penalties and ``logit_bias``, ``echo``, ``best_of``, a
+``response_format`` other than text, tools the model may call) is a 400 that names it, not a
+silent change of meaning: a client that asked for JSON or for tool calls would otherwise
+take free text for an answer. Fields that change nothing the server returns (``user``,
+``metadata``, ...) and unknown ones are ignored, as OpenAI-compatible servers do.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ class OpenAIError(Exception):
     """An error answered in the OpenAI shape: ``{"error": {message, type, param, code}}``."""
 
     TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
-             413: "invalid_request_error",
+             405: "invalid_request_error", 413: "invalid_request_error",
              429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
@@ -54,6 +57,8 @@ class SamplingRequest(BaseModel):
     logprobs: bool | int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
     return_token_ids: bool = False
     """Extension: the prompt's and the output's token ids in the response."""
 
@@ -66,6 +71,12 @@ class SamplingRequest(BaseModel):
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty/frequency_penalty: not supported (they would "
                              "change the target's distribution); leave them at 0")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported (it would change the target's "
+                             "distribution)")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format: only text (this server does not constrain "
+                             "output to JSON)")
         stops = self.stops
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop: up to 4 non-empty strings")
@@ -89,6 +100,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -102,6 +114,9 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("echo: not supported by this server")
         if self.suffix:
             raise ValueError("suffix: not supported by this server")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of: this server returns one sequence per request; "
+                             "best_of must be 1")
         return self
 
 
@@ -125,6 +140,19 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    functions: list[dict] | None = None
+
+    @model_validator(mode="after")
+    def _no_tool_calls(self):
+        if self.top_logprobs:
+            raise ValueError("top_logprobs: not supported by this server")
+        if (self.tools and self.tool_choice != "none") or self.functions:
+            raise ValueError("tools: this server does not call tools; send no tools (or "
+                             "tool_choice 'none')")
+        return self
 
     @property
     def limit(self) -> int | None:
