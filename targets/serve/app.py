@@ -77,8 +77,10 @@ class OpenAIServer:
 
     async def _on_http_error(self, request: Request, exc: StarletteHTTPException
                              ) -> JSONResponse:
-        """An unknown path or a wrong method, in the OpenAI error shape like every other;
-        counted under one label, so that no client can add metric series by path."""
+        """What the framework refuses before our handlers run (an unknown path, a wrong
+        method), in the OpenAI error shape like every other; counted under one label, so
+        that no client can add metric series by path. Our own errors are ``OpenAIError``s,
+        counted by route."""
         self.metrics.requests.labels("other", str(exc.status_code)).inc()
         error = OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
         return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
@@ -151,10 +153,13 @@ class OpenAIServer:
             body = schema.model_validate(raw)
         except ValidationError as exc:
             err = exc.errors()[0]
-            param = ".".join(str(p) for p in err["loc"]) or None
             message = err["msg"].removeprefix("Value error, ")
-            raise OpenAIError(400, f"{param}: {message}" if param else message,
-                              param) from None
+            param = ".".join(str(p) for p in err["loc"]) or None
+            if param is None:  # a check across fields starts its message with the field
+                named, sep, _ = message.partition(":")
+                param = named if sep and named in schema.model_fields else None
+                raise OpenAIError(400, message, param) from None
+            raise OpenAIError(400, f"{param}: {message}", param) from None
         if body.model != self.model_name:
             raise OpenAIError(404, f"the model '{body.model}' does not exist; this server "
                               f"serves '{self.model_name}'", "model", "model_not_found")

@@ -2,10 +2,10 @@
 
 Requests are validated here, before anything reaches the model: a field this server cannot
 honour (``n`` > 1, logprobs, penalties and ``logit_bias``, ``echo``, ``best_of``, a
-``response_format`` other than text, tools the model may call) is a 400 that names it, not a
-silent change of meaning: a client that asked for JSON or for tool calls would otherwise
-take free text for an answer. Fields that change nothing the server returns (``user``,
-``metadata``, ...) and unknown ones are ignored, as OpenAI-compatible servers do.
+``response_format`` other than text, tool or function calls) is a 400 whose ``param``
+names it, not a silent change of meaning: a client that asked for JSON or for tool calls
+would otherwise take free text for an answer. Fields that change nothing the server returns
+(``user``, ``metadata``, ...) and unknown ones are ignored, as OpenAI-compatible servers do.
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ class SamplingRequest(BaseModel):
         if self.logprobs not in (None, False, 0):
             raise ValueError("logprobs: not supported by this server")
         if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty/frequency_penalty: not supported (they would "
-                             "change the target's distribution); leave them at 0")
+            field = "presence_penalty" if self.presence_penalty else "frequency_penalty"
+            raise ValueError(f"{field}: not supported (penalties would change the target's "
+                             f"distribution); leave it at 0")
         if self.logit_bias:
             raise ValueError("logit_bias: not supported (it would change the target's "
                              "distribution)")
@@ -145,13 +146,18 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict | None = None
     functions: list[dict] | None = None
 
+    function_call: str | dict | None = None
+
     @model_validator(mode="after")
     def _no_tool_calls(self):
         if self.top_logprobs:
             raise ValueError("top_logprobs: not supported by this server")
-        if (self.tools and self.tool_choice != "none") or self.functions:
-            raise ValueError("tools: this server does not call tools; send no tools (or "
-                             "tool_choice 'none')")
+        for field, tools, choice in (("tools", self.tools, self.tool_choice),
+                                     ("functions", self.functions, self.function_call)):
+            if (tools and choice != "none") or choice not in (None, "none", "auto"):
+                raise ValueError(f"{field}: this server does not call tools; send none, or "
+                                 f"{'tool_choice' if field == 'tools' else 'function_call'} "
+                                 f"'none'")
         return self
 
     @property
