@@ -145,19 +145,18 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     functions: list[dict] | None = None
-
     function_call: str | dict | None = None
 
     @model_validator(mode="after")
     def _no_tool_calls(self):
         if self.top_logprobs:
             raise ValueError("top_logprobs: not supported by this server")
-        for field, tools, choice in (("tools", self.tools, self.tool_choice),
-                                     ("functions", self.functions, self.function_call)):
+        for field, tools, chooser, choice in (
+                ("tools", self.tools, "tool_choice", self.tool_choice),
+                ("functions", self.functions, "function_call", self.function_call)):
             if (tools and choice != "none") or choice not in (None, "none", "auto"):
                 raise ValueError(f"{field}: this server does not call tools; send none, or "
-                                 f"{'tool_choice' if field == 'tools' else 'function_call'} "
-                                 f"'none'")
+                                 f"{chooser} 'none'")
         return self
 
     @property
