@@ -155,11 +155,12 @@ class OpenAIServer:
             err = exc.errors()[0]
             message = err["msg"].removeprefix("Value error, ")
             param = ".".join(str(p) for p in err["loc"]) or None
-            if param is None:  # a check across fields starts its message with the field
+            if param is not None:
+                message = f"{param}: {message}"
+            else:  # a check across fields starts its message with the field
                 named, sep, _ = message.partition(":")
                 param = named if sep and named in schema.model_fields else None
-                raise OpenAIError(400, message, param) from None
-            raise OpenAIError(400, f"{param}: {message}", param) from None
+            raise OpenAIError(400, message, param) from None
         if body.model != self.model_name:
             raise OpenAIError(404, f"the model '{body.model}' does not exist; this server "
                               f"serves '{self.model_name}'", "model", "model_not_found")
