@@ -21,6 +21,7 @@ from starhub.options import (
     DEFAULT_PREDRAFT,
     DEFAULT_PRUNE,
     DEFAULT_THREADS,
+    DRAFT_DTYPES,
     DTYPES,
     LINEARS,
     PORT,
@@ -104,7 +105,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="comma list of the hub's --max-nodes, the tree's node budget (e.g. "
                         "10,16,24); each value gets its own star or hub-load row for every N "
                         "(default: the hub's)")
-    p.add_argument("--draft-dtype", default=None, choices=DTYPES,
+    p.add_argument("--draft-dtype", default=None, choices=DRAFT_DTYPES,
                    help="the hub's drafter weights, as for `starhub hub` (the colocated "
                         "baseline uses the same)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,

@@ -51,6 +51,42 @@ def test_eagle_hub_is_lossless_and_receives_features(tiny_model, tiny_dir, head_
             assert result.stats.rounds > 0
 
 
+def test_an_int8_head_is_lossless_through_the_hub(tiny_model, tiny_dir, tmp_path):
+    model, tok = tiny_model
+    save_eagle_head(random_head(tiny_dir, EAGLE, 4096), tmp_path)
+    with spawn_hub(["--model", str(tiny_dir), "--drafter", "eagle", "--draft", str(tmp_path),
+                    "--draft-dtype", "int8", "--depth", "4", "--max-nodes", "10"]) as hub, \
+            attach(model, tok, hub.address) as session:
+        result = session.generate("Tell me a story.", max_new_tokens=20)
+        assert result.output_ids == reference(model, result.prompt_ids, 20)
+        assert result.stats.rounds > 0
+
+
+@pytest.mark.parametrize("kind", [EAGLE, EAGLE3])
+def test_an_int8_head_keeps_the_feature_layer_float_and_its_float32_outputs(tiny_dir, kind):
+    import copy
+
+    from starhub.models.loading import int8_cpu
+
+    if not int8_cpu():
+        pytest.skip("no x86 int8 kernels on this CPU")
+    head = random_head(tiny_dir, kind, 4096).eval()
+    float_head = copy.deepcopy(head)
+    drafter = EagleDrafter(head, int8=True)
+    quantized = {n for n, m in head.named_modules()
+                 if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)}
+    layer = "layers.0" if kind == EAGLE else "midlayer"
+    assert {"lm_head", f"{layer}.self_attn.q_proj", f"{layer}.mlp.down_proj"} <= quantized
+    assert not any(n.endswith("fc") for n in quantized)
+    torch.manual_seed(1)
+    feats = torch.randn(1, 6, drafter.feature_size)
+    ids = torch.randint(0, 4096, (1, 6))
+    with torch.no_grad():
+        got, want = head(feats, ids)[1], float_head(feats, ids)[1]
+    assert (got - want).norm() < 0.05 * want.norm()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.5
+
+
 def test_reduced_vocab_drafts_only_draft_vocab_tokens(tiny_dir):
     from starhub.drafters.base import DraftContext
 

@@ -93,18 +93,31 @@ def test_eagle_is_the_default_drafter_and_needs_a_head_for_other_models():
         make_drafter("eagle", None, "some/other-model")
 
 
-def test_dtype_auto_keeps_cpu_targets_exact_and_gives_eagle_heads_native_bf16(tiny_dir,
-                                                                             tmp_path):
+def test_dtype_auto_keeps_cpu_targets_exact_and_gives_eagle_heads_bf16_or_int8(tiny_dir,
+                                                                              tmp_path):
     import torch
 
     from starhub.drafters import make_drafter
     from starhub.drafters.eagle_head import EAGLE, save_eagle_head
-    from starhub.models.loading import draft_dtype, native_bf16_cpu, target_dtype
+    from starhub.models.loading import (
+        draft_dtype,
+        draft_int8,
+        int8_cpu,
+        native_bf16_cpu,
+        target_dtype,
+    )
     from tests.test_eagle_drafter import random_head
 
     assert target_dtype("auto") == torch.float32
     assert target_dtype("auto", device="cuda") == torch.bfloat16
     assert draft_dtype("auto") == (torch.bfloat16 if native_bf16_cpu() else torch.float32)
+    assert draft_int8("auto") == (not native_bf16_cpu() and int8_cpu())
+    assert not draft_int8("auto", device="cuda") and not draft_int8("float32")
+    assert draft_dtype("int8") == torch.float32
+    with pytest.raises(ValueError, match="int8 needs a CPU"):
+        draft_int8("int8", device="cuda")
+    with pytest.raises(ValueError, match="is for an EAGLE head"):
+        make_drafter("model", "self", str(tiny_dir), "int8")
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
         target_dtype("fp8")
     head = tmp_path / "head"

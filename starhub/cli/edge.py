@@ -12,6 +12,7 @@ from starhub.models.prompts import encode_prompt, read_prompts
 from starhub.options import (
     COUNT,
     DEFAULT_THREADS,
+    DRAFT_DTYPES,
     DRAFTERS,
     DTYPES,
     LINEARS,
@@ -99,7 +100,7 @@ def add_parsers(sub) -> None:
     dr.add_argument("--draft", default=None,
                     help="eagle: a head folder (default: the shipped head). model: "
                          "'self:layers=K' (default 8) or a model spec")
-    dr.add_argument("--draft-dtype", choices=DTYPES, default="auto")
+    dr.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto")
     add_device_args(dr, "the drafter")
     dr.add_argument("--depth", type=TREE.arg, default=DEFAULT_SHAPE.depth)
     dr.add_argument("--topk", type=TREE.arg, default=DEFAULT_SHAPE.topk)

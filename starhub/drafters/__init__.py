@@ -28,17 +28,19 @@ def make_drafter(kind: str, draft: str | None = None, model: str = "default",
     """Build a drafter. ``draft`` is the head folder (eagle) or the draft model spec (model);
     ``model`` is the target's model spec, whose weights ``self`` and eagle heads borrow.
 
-    ``dtype`` ``auto`` gives an EAGLE head bfloat16 where the hardware has it; a draft model
+    ``dtype`` ``auto`` gives an EAGLE head bfloat16 where the hardware has it, else int8
+    linear layers where the CPU has x86's int8 kernels (``draft_int8``); a draft model
     keeps the target's own dtype, so that ``self`` reproduces the target exactly. ``device``
     is cpu, cuda, cuda:N or auto (``starhub.models.devices``).
     """
     if kind == "eagle":
         # deferred: transformers load only when this runs
         from starhub.drafters.eagle import EagleDrafter
-        from starhub.models.loading import draft_dtype
+        from starhub.models.loading import draft_dtype, draft_int8
 
         device = resolve_device(device)
-        return EagleDrafter.load(draft, model, dtype=draft_dtype(dtype, device), device=device)
+        return EagleDrafter.load(draft, model, dtype=draft_dtype(dtype, device), device=device,
+                                 int8=draft_int8(dtype, device))
     if kind == "ngram":
         return NgramDrafter()
     if kind == "model":
@@ -46,6 +48,9 @@ def make_drafter(kind: str, draft: str | None = None, model: str = "default",
         from starhub.drafters.model import ModelDrafter
         from starhub.models.loading import load_model
 
+        if dtype == "int8":
+            raise ValueError("--draft-dtype int8 is for an EAGLE head; a draft model keeps a "
+                             "floating-point dtype")
         source, layers = parse_draft(draft or "self:layers=8")
         spec = model if source == "self" else source
         draft_model, tokenizer = load_model(spec, dtype=dtype, layers=layers, device=device)

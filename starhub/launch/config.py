@@ -22,6 +22,7 @@ from starhub.options import (
     BUDGET,
     COUNT,
     DEFAULT_SHAPE,
+    DRAFT_DTYPES,
     DRAFTERS,
     DTYPES,
     LINEARS,
@@ -58,6 +59,7 @@ Ttl = TTL.type
 Auto = Literal["auto"]
 Drafter = Literal[DRAFTERS]
 Dtype = Literal[DTYPES]
+DraftDtype = Literal[DRAFT_DTYPES]
 Linear = Literal[LINEARS]
 
 
@@ -129,7 +131,7 @@ class HubSection(ServerSection, kw_only=True):
     depth: Tree | Auto = AUTO
     topk: Tree = DEFAULT_SHAPE.topk
     max_nodes: Tree = DEFAULT_SHAPE.max_nodes
-    draft_dtype: Dtype = "auto"
+    draft_dtype: DraftDtype = "auto"
     max_targets: Count | Auto = 0
     bind: Annotated[str | None, doc("ZeroMQ address (default: loopback locally, every "
                                     "interface on Ray, port 0 = free)")] = None
@@ -180,7 +182,7 @@ class DraftersSection(WorkerSection, kw_only=True):
     name: str = "drafter"
     drafter: Drafter = "eagle"
     draft: str | None = None
-    draft_dtype: Dtype = "auto"
+    draft_dtype: DraftDtype = "auto"
     depth: Tree = DEFAULT_SHAPE.depth
     topk: Tree = DEFAULT_SHAPE.topk
     max_nodes: Tree = DEFAULT_SHAPE.max_nodes
