@@ -7,7 +7,8 @@ decodes greedily in one process, the target verifying each tree the EAGLE head d
 and bins every drafted node by its path probability. With ``--costs`` it also replays the
 rounds with each floor of ``--floors`` held fixed: a round keeps the nodes at or above
 the floor (the root's best child always), commits its accepted path up to the first node
-left out plus the bonus token, and takes ``base + slope·nodes + hub`` milliseconds.
+left out plus the bonus token, and takes ``base + slope·nodes + hub`` milliseconds. It
+also prints the median time the head took to draft a tree, in ``--draft-dtype``.
 
     .venv/bin/python -m scripts.tree_calibration --prompts scripts/prompts/heldout.jsonl
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 
 import numpy as np
 import torch
@@ -24,7 +26,7 @@ from starhub.drafters import growing, make_drafter
 from starhub.drafters.base import DraftContext
 from starhub.models.loading import load_model
 from starhub.models.prompts import encode_prompt, read_prompts
-from starhub.options import TreeShape
+from starhub.options import DRAFT_DTYPES, TreeShape
 from targets.verify import TargetModel
 
 BINS = (0.0, 0.01, 0.03, 0.05, 0.1, 0.2, 0.4, 0.7, 1.01)
@@ -61,6 +63,8 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--max-nodes", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto",
+                   help="the head's weights, as for `starhub hub`")
     p.add_argument("--costs", default=None, metavar="BASE,SLOPE,HUB",
                    help="milliseconds: a verify's base, its cost per node, the hub's share "
                         "of a round; replays the rounds at each of --floors")
@@ -68,10 +72,11 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("default")
-    drafter = make_drafter("eagle")
+    drafter = make_drafter("eagle", dtype=args.draft_dtype)
     shape = TreeShape(args.depth, args.topk, args.max_nodes)
     nodes: list[tuple[float, bool]] = []
     rounds: list[tuple[list[float], list[int]]] = []
+    drafting: list[float] = []
     with PathScores() as paths:
         for _, prompt in read_prompts(args.prompts):
             ids = encode_prompt(tokenizer, prompt)
@@ -80,7 +85,9 @@ def main() -> None:
             ctx = DraftContext(tokens=[*ids, first], features=[feats])
             made = 0
             while made < args.max_new_tokens:
+                start = time.perf_counter()
                 tree = drafter.propose(ctx, shape)
+                drafting.append(time.perf_counter() - start)
                 if len(paths.kept) != len(tree):
                     raise RuntimeError("the drafter did not grow a greedy tree")
                 verdict = target.verify(tree)
@@ -97,7 +104,10 @@ def main() -> None:
     hits = np.array([n[1] for n in nodes], dtype=float)
     print(f"{len(nodes)} nodes in {len(rounds)} rounds "
           f"(depth {args.depth}, top-{args.topk}, {args.max_nodes} nodes, "
-          f"{args.threads} torch thread(s)); accepted {hits.mean():.3f} of them")
+          f"{args.threads} torch thread(s)); accepted {hits.mean():.3f} of them; tau "
+          f"{sum(len(path) + 1 for _, path in rounds) / len(rounds):.2f}")
+    weights = "int8 linear layers" if drafter.int8 else str(drafter.dtype)
+    print(f"drafting a tree: {1e3 * float(np.median(drafting)):.1f} ms median ({weights})")
     print("path probability   nodes   mean probability   accepted")
     for lo, hi in zip(BINS, BINS[1:], strict=False):
         inside = (probs >= lo) & (probs < hi)
