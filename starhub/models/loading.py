@@ -156,9 +156,10 @@ def draft_int8(name: str | torch.dtype, device: str = "cpu") -> bool:
     ``--draft-dtype name``: asked for, or ``auto`` on a CPU without native bfloat16 whose
     int8 kernels are x86's. A head's linear products at a few rows are bound by reading
     their weights: on the Xeon's AVX2 path, the shipped head drafted a 10-node tree in
-    16.6 ms with float32 layers and 8.0 ms with int8 ones, at nearly the same acceptance
-    (τ 2.37 and 2.33 on ``scripts/prompts/demo.jsonl``); where bfloat16 is native it took
-    8.6 ms, and int8 7.1 at τ 2.33, so bfloat16 stays the choice there."""
+    17.2 ms with float32 layers and 8.6 ms with int8 ones, at nearly the same acceptance
+    (τ 2.37 and 2.33 on ``scripts/prompts/demo.jsonl``, ``scripts.tree_calibration``);
+    where bfloat16 is native it took 9.1 ms, and int8 8.1 at τ 2.33, so bfloat16 stays
+    the choice there."""
     if name not in DRAFT_DTYPES and not isinstance(name, torch.dtype):
         raise ValueError(f"unknown draft dtype '{name}'; choose from {', '.join(DRAFT_DTYPES)}")
     if name == "int8":
