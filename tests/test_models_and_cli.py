@@ -123,7 +123,12 @@ def test_dtype_auto_keeps_cpu_targets_exact_and_gives_eagle_heads_bf16_or_int8(t
     head = tmp_path / "head"
     save_eagle_head(random_head(tiny_dir, EAGLE, None), head)
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        assert make_drafter("eagle", str(head), str(tiny_dir), name).dtype == dtype
+        drafter = make_drafter("eagle", str(head), str(tiny_dir), name)
+        assert drafter.dtype == dtype and drafter.weights == name and not drafter.int8
+    if int8_cpu():
+        drafter = make_drafter("eagle", str(head), str(tiny_dir), "int8")
+        assert drafter.int8 and drafter.dtype == torch.float32
+        assert drafter.weights == "int8 linear layers (fc in float32)"
     assert make_drafter("model", "self", str(tiny_dir), "auto").model.dtype == torch.float32
 
 

@@ -288,7 +288,7 @@ def cmd_hub(args: argparse.Namespace) -> int:
                        lookup=args.lookup, prune=args.prune)
     hub = Hub(drafter, config)
     logging.getLogger("starhub.hub").info("torch threads=%d, drafter weights %s", threads,
-                                          getattr(drafter, "dtype", "none"))
+                                          drafter.weights)
 
     async def main() -> None:
         import contextlib

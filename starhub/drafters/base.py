@@ -94,6 +94,8 @@ class Drafter(ABC):
     supervised: bool = False
     """Whether it can die or hang apart from the hub (a drafting process): the hub then
     asks ``check`` while idle, and on ``DrafterLost`` ends every session and ``restart``s it."""
+    weights: str = "none"
+    """How its weights are held (``float32``, ``int8 linear layers``...), for the logs."""
     pid: int = 0
     """The process it drafts in, where that is not the hub's own (0: the hub's)."""
 

@@ -132,6 +132,8 @@ class EagleDrafter(Drafter):
         self._index: torch.Tensor | None = None
         self._targets: torch.Tensor | None = None
         self.int8 = int8
+        self.weights = ("int8 linear layers (fc in float32)" if int8
+                        else str(weight.dtype).removeprefix("torch."))
         if int8:
             quantize_linears(head, keep=FLOAT_LINEARS)
         if onednn_packs(weight.dtype, weight.device.type):

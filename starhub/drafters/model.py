@@ -30,6 +30,7 @@ class ModelDrafter(Drafter):
     def __init__(self, model: PreTrainedModel, tokenizer=None, label: str = "model"):
         self.model = model
         self.label = label
+        self.weights = str(model.dtype).removeprefix("torch.")
         self.vocab_size = model.config.vocab_size
         self.fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else ""
 

@@ -177,7 +177,7 @@ class Beating:
 def ready_message(drafter: Drafter) -> Ready:
     """What the hub's ``RemoteDrafter`` takes on from the drafter it stands for."""
     return Ready(name=drafter.name, label=getattr(drafter, "label", drafter.name),
-                 dtype=str(getattr(drafter, "dtype", "none")),
+                 weights=drafter.weights,
                  feature_layers=list(drafter.feature_layers),
                  feature_size=drafter.feature_size, lookup_branches=drafter.lookup_branches,
                  calibrated=drafter.calibrated, batches=drafter.batches,

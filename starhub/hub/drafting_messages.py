@@ -85,7 +85,7 @@ class Ready(Framed, tag="READY"):
 
     name: str = ""
     label: str = ""
-    dtype: str = "none"
+    weights: str = "none"
     feature_layers: list[int] = msgspec.field(default_factory=list)
     feature_size: int = 0
     lookup_branches: bool = True

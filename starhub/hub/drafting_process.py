@@ -372,7 +372,7 @@ class RemoteDrafter(Drafter):
         self.watch = Watch(time.monotonic(), self.watch.longest_gap, self.watch.longest_wait)
         self.name = ready.name
         self.label = ready.label
-        self.dtype = ready.dtype
+        self.weights = ready.weights
         self.feature_layers = ready.feature_layers
         self.feature_size = ready.feature_size
         self.lookup_branches = ready.lookup_branches
