@@ -106,8 +106,8 @@ def main() -> None:
           f"(depth {args.depth}, top-{args.topk}, {args.max_nodes} nodes, "
           f"{args.threads} torch thread(s)); accepted {hits.mean():.3f} of them; tau "
           f"{sum(len(path) + 1 for _, path in rounds) / len(rounds):.2f}")
-    weights = "int8 linear layers" if drafter.int8 else str(drafter.dtype)
-    print(f"drafting a tree: {1e3 * float(np.median(drafting)):.1f} ms median ({weights})")
+    print(f"drafting a tree: {1e3 * float(np.median(drafting)):.1f} ms median "
+          f"({drafter.weights})")
     print("path probability   nodes   mean probability   accepted")
     for lo, hi in zip(BINS, BINS[1:], strict=False):
         inside = (probs >= lo) & (probs < hi)
