@@ -52,6 +52,10 @@ def test_eagle_hub_is_lossless_and_receives_features(tiny_model, tiny_dir, head_
 
 
 def test_an_int8_head_is_lossless_through_the_hub(tiny_model, tiny_dir, tmp_path):
+    from starhub.models.loading import int8_cpu
+
+    if not int8_cpu():
+        pytest.skip("no x86 int8 kernels on this CPU")
     model, tok = tiny_model
     save_eagle_head(random_head(tiny_dir, EAGLE, 4096), tmp_path)
     with spawn_hub(["--model", str(tiny_dir), "--drafter", "eagle", "--draft", str(tmp_path),
