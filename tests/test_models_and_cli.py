@@ -100,8 +100,8 @@ def test_dtype_auto_keeps_cpu_targets_exact_and_gives_eagle_heads_bf16_or_int8(t
     from starhub.drafters import make_drafter
     from starhub.drafters.eagle_head import EAGLE, save_eagle_head
     from starhub.models.loading import (
-        draft_dtype,
-        draft_int8,
+        DraftWeights,
+        draft_weights,
         int8_cpu,
         native_bf16_cpu,
         target_dtype,
@@ -110,12 +110,16 @@ def test_dtype_auto_keeps_cpu_targets_exact_and_gives_eagle_heads_bf16_or_int8(t
 
     assert target_dtype("auto") == torch.float32
     assert target_dtype("auto", device="cuda") == torch.bfloat16
-    assert draft_dtype("auto") == (torch.bfloat16 if native_bf16_cpu() else torch.float32)
-    assert draft_int8("auto") == (not native_bf16_cpu() and int8_cpu())
-    assert not draft_int8("auto", device="cuda") and not draft_int8("float32")
-    assert draft_dtype("int8") == torch.float32
+    assert draft_weights("auto") == (DraftWeights(torch.bfloat16, False) if native_bf16_cpu()
+                                     else DraftWeights(torch.float32, int8_cpu()))
+    assert draft_weights("auto", device="cuda") == DraftWeights(torch.bfloat16, False)
+    assert draft_weights("float32") == DraftWeights(torch.float32, False)
+    if int8_cpu():
+        assert draft_weights("int8") == DraftWeights(torch.float32, True)
     with pytest.raises(ValueError, match="int8 needs a CPU"):
-        draft_int8("int8", device="cuda")
+        draft_weights("int8", device="cuda")
+    with pytest.raises(ValueError, match="unknown draft dtype 'fp8'"):
+        draft_weights("fp8")
     with pytest.raises(ValueError, match="is for an EAGLE head"):
         make_drafter("model", "self", str(tiny_dir), "int8")
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):

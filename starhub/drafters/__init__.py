@@ -29,18 +29,19 @@ def make_drafter(kind: str, draft: str | None = None, model: str = "default",
     ``model`` is the target's model spec, whose weights ``self`` and eagle heads borrow.
 
     ``dtype`` ``auto`` gives an EAGLE head bfloat16 where the hardware has it, else int8
-    linear layers where the CPU has x86's int8 kernels (``draft_int8``); a draft model
+    linear layers where the CPU has x86's int8 kernels (``draft_weights``); a draft model
     keeps the target's own dtype, so that ``self`` reproduces the target exactly. ``device``
     is cpu, cuda, cuda:N or auto (``starhub.models.devices``).
     """
     if kind == "eagle":
         # deferred: transformers load only when this runs
         from starhub.drafters.eagle import EagleDrafter
-        from starhub.models.loading import draft_dtype, draft_int8
+        from starhub.models.loading import draft_weights
 
         device = resolve_device(device)
-        return EagleDrafter.load(draft, model, dtype=draft_dtype(dtype, device), device=device,
-                                 int8=draft_int8(dtype, device))
+        weights = draft_weights(dtype, device)
+        return EagleDrafter.load(draft, model, dtype=weights.dtype, device=device,
+                                 int8=weights.int8)
     if kind == "ngram":
         return NgramDrafter()
     if kind == "model":

@@ -15,6 +15,7 @@ import os
 import warnings
 import weakref
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -139,36 +140,41 @@ def target_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     return getattr(torch, name)
 
 
-def draft_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
-    """The dtype an EAGLE head is loaded in for ``--draft-dtype name``. ``auto`` is bfloat16
-    where the hardware has it: a drafter's rounding changes only how many tokens are
-    accepted, never the output, and halves its weight traffic. A head whose linear layers
-    go int8 (``draft_int8``) is loaded in float32, which they are quantized from."""
-    if name == "auto":
-        return torch.bfloat16 if device != "cpu" or native_bf16_cpu() else torch.float32
-    if name == "int8":
-        return torch.float32
-    return target_dtype(name, device)
+class DraftWeights(NamedTuple):
+    """How an EAGLE head's weights are held (``draft_weights``)."""
+    dtype: torch.dtype
+    """The dtype it is loaded in: float32 where its linear layers then go int8."""
+    int8: bool
+    """Its linear layers get int8 weights (``quantize_linears``)."""
 
 
-def draft_int8(name: str | torch.dtype, device: str = "cpu") -> bool:
-    """Whether an EAGLE head's linear layers get int8 weights (``quantize_linears``) for
-    ``--draft-dtype name``: asked for, or ``auto`` on a CPU without native bfloat16 whose
-    int8 kernels are x86's. A head's linear products at a few rows are bound by reading
-    their weights: on the Xeon's AVX2 path, the shipped head drafted a 10-node tree in
-    17.2 ms with float32 layers and 8.6 ms with int8 ones, at nearly the same acceptance
-    (τ 2.37 and 2.33 on ``scripts/prompts/demo.jsonl``, ``scripts.tree_calibration``);
-    where bfloat16 is native it took 9.1 ms, and int8 8.1 at τ 2.33, so bfloat16 stays
-    the choice there."""
-    if name not in DRAFT_DTYPES and not isinstance(name, torch.dtype):
+def draft_weights(name: str | torch.dtype, device: str = "cpu") -> DraftWeights:
+    """How an EAGLE head's weights are held for ``--draft-dtype name``. A drafter's rounding
+    changes only how many tokens are accepted, never the output, and a head's linear
+    products at a few rows are bound by reading their weights, so ``auto`` takes the
+    narrowest fast form the hardware has: bfloat16 where it is native (or on an
+    accelerator), else int8 linear layers where the CPU has x86's int8 kernels, else
+    float32. ``int8`` asks for those layers on any CPU with the kernels.
+
+    On the Xeon's AVX2 path the shipped head drafted a 10-node tree in 17.2 ms with float32
+    layers and 8.6 ms with int8 ones, at nearly the same acceptance (τ 2.37 and 2.33 on
+    ``scripts/prompts/demo.jsonl``, ``scripts.tree_calibration``); where bfloat16 is
+    native it took 9.1 ms, and int8 8.1 at τ 2.33, so bfloat16 stays the choice there."""
+    if isinstance(name, torch.dtype):
+        return DraftWeights(name, False)
+    if name not in DRAFT_DTYPES:
         raise ValueError(f"unknown draft dtype '{name}'; choose from {', '.join(DRAFT_DTYPES)}")
     if name == "int8":
         if device != "cpu" or not int8_cpu():
             raise ValueError(f"--draft-dtype int8 needs a CPU with PyTorch's x86 int8 kernels "
                              f"(got device {device}, quantized engines "
                              f"{', '.join(torch.backends.quantized.supported_engines)})")
-        return True
-    return name == "auto" and device == "cpu" and not native_bf16_cpu() and int8_cpu()
+        return DraftWeights(torch.float32, True)
+    if name == "auto":
+        if device != "cpu" or native_bf16_cpu():
+            return DraftWeights(torch.bfloat16, False)
+        return DraftWeights(torch.float32, int8_cpu())
+    return DraftWeights(target_dtype(name, device), False)
 
 
 def int8_cpu() -> bool:
@@ -181,7 +187,7 @@ def quantize_linears(model: torch.nn.Module, keep: tuple[str, ...] = ()) -> None
     """Give ``model``'s linear layers, but those whose own name is in ``keep``, int8
     weights (a scale per output channel) and int8 products, each call quantizing its input
     (PyTorch's dynamic quantization). Weights take a quarter of float32's bytes, and at a
-    few rows a product is bound by reading them (``draft_int8``)."""
+    few rows a product is bound by reading them (``draft_weights``)."""
     names = {name: torch.ao.quantization.per_channel_dynamic_qconfig
              for name, module in model.named_modules()
              if type(module) is torch.nn.Linear and name.rpartition(".")[2] not in keep}
