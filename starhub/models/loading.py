@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from starhub.models.attention import fold_gqa
 from starhub.models.devices import device_map_kwargs, resolve_device
 from starhub.options import DRAFT_DTYPES, DTYPES, LINEARS
 
@@ -239,7 +240,8 @@ def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device:
     ``device`` is cpu, cuda, cuda:N or auto; ``device_map`` (auto or GPU indices) spreads the
     model over several GPUs instead (see ``starhub.models.devices``). With oneDNN linears (see
     ``linear_kernel``) the weights are prepacked once and the model is for inference only:
-    its ``nn.Linear`` layers no longer expose a plain ``.weight``.
+    its ``nn.Linear`` layers no longer expose a plain ``.weight``. On a CPU, attention over
+    several fed tokens reads a grouped-query cache without copying it (``fold_gqa``).
     """
     path = resolve(spec)
     spread = device_map_kwargs(device_map)
@@ -249,6 +251,7 @@ def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device:
     if not spread:
         model = model.to(device)
     model.eval()
+    fold_gqa(model)
     if layers is not None:
         truncate_layers(model, layers)
     if linear_kernel(linear, dtype, device) == "onednn":
