@@ -511,3 +511,19 @@ def test_a_request_left_alone_takes_up_the_hub_only_with_tokens_left_for_trees_o
     slow.observe_open_wait(0.1)
     assert slow.rates([300])[0] < slow.rates([300])[1]
     assert slow.rejoin_pays(300, left=1), "the gate cannot price it: the hub judges"
+
+
+def test_a_plain_row_beside_trees_steps_at_their_pass_not_at_the_plain_one():
+    """The step a batched session's COMMIT reports, the one its hub round must beat: a
+    plain round beside rows that keep their trees runs at their tree passes' pace."""
+    gate = SpeculationGate(0.05)
+    feed(gate, per_token_s=0.004)
+    plain = gate.plain_pass_s([250, 250, 250])
+    assert gate.step_beside([], [250, 250, 250]) == plain
+    beside = gate.step_beside([250, 250], [250])
+    assert beside == pytest.approx(gate.tree_pass_s([250, 250], [250]))
+    assert beside > 1.5 * plain
+    cost = BatchStats(3, 33, 750, 8250)
+    for _ in range(50):  # the hub drafting on our cores stretches tree passes by half
+        gate.observe_pass(cost, 0.172, 1.5 * 0.172, trees=3)
+    assert gate.step_beside([250, 250], [250]) == pytest.approx(1.5 * beside, rel=0.05)

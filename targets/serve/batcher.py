@@ -675,12 +675,13 @@ class Batcher:
         self.stats.rows += len(work)
         self.stats.last_batch = len(work)
         commits = any(s.tree is not None or s.plain_left for s in work)
-        step_s, tok_s = self._commit_rates() if commits else (0.0, 0.0)  # only COMMITs report them
+        steps, tok_s = self._commit_rates() if commits else ({}, 0.0)  # only COMMITs report them
         for slot, tree, verdict in zip(work, trees, verdicts, strict=True):
             slot.stats.verify_s += took
             verdict.features = self._half(verdict.features)  # as the hub reads them
             if slot.history is not None and verdict.features is not None:
                 slot.history.append(verdict.features)
+            step_s = steps.get(slot.req.rid, self.step_s)
             if slot.tree is not None:
                 self._after_tree(slot, tree, verdict, took, step_s, tok_s)
             elif slot.plain_left:
@@ -769,7 +770,9 @@ class Batcher:
             accepted, n = len(path), len(path) + 1
             self._count_round(slot, accepted, len(msg.tokens))
         slot.lag, slot.ahead = None, len(done) > n
-        self._commit_decoded(slot, accepted, n, self._pass_s, *self._commit_rates())
+        steps, tok_s = self._commit_rates()
+        self._commit_decoded(slot, accepted, n, self._pass_s,
+                             steps.get(slot.req.rid, self.step_s), tok_s)
 
     def _commit_decoded(self, slot: Slot, accepted: int, n: int, verify_s: float,
                         step_s: float, tok_s: float) -> None:
@@ -821,19 +824,22 @@ class Batcher:
                  else alone).append(s)
         return using, parked, alone
 
-    def _commit_rates(self) -> tuple[float, float]:
+    def _commit_rates(self) -> tuple[dict[int, float], float]:
         """What this pass's COMMITs report, from one read of the batch:
 
-        - the plain step: what a request waits per token if it decodes plain in today's
-          batch, the step the hub must beat, as it verifies our trees in passes as wide
-          as this batch;
+        - each request's plain step (by request id): what it waits per token if it decodes
+          plain in today's batch while the others using the hub keep their trees, the
+          step the hub must beat, as it verifies our trees in passes as wide as this
+          batch (``SpeculationGate.step_beside``);
         - the tokens a second this batch commits with trees for the requests using the
           hub (beside those decoding plain), by the gate's model, which sets the floor."""
         using, parked, alone = self._split()
-        hub = [self.engine.cached(s.req.rid) for s in using]
+        hub = {s.req.rid: self.engine.cached(s.req.rid) for s in using}
         alone = [self.engine.cached(s.req.rid) for s in parked + alone]
-        step_s = self.gate.plain_pass_s(hub + alone) or self.step_s
-        return step_s, self.gate.rates(hub, alone)[0]
+        steps = {rid: self.gate.step_beside([c for r, c in hub.items() if r != rid],
+                                            [*alone, own]) or self.step_s
+                 for rid, own in hub.items()}
+        return steps, self.gate.rates(list(hub.values()), alone)[0]
 
     def _floor(self, slot: Slot, tok_s: float) -> float:
         """The floor this request's next tree is advised: its nodes below it would slow

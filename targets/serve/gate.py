@@ -187,6 +187,16 @@ class SpeculationGate:
         added = sum(nodes * self._node_alone_s(c) + row for c in cached)
         return self.plain_pass_s([*cached, *plain]) + added
 
+    def step_beside(self, cached: list[int], plain: Sequence[int]) -> float:
+        """What a row decoding plain waits per token where the sessions of ``cached``
+        verify trees beside the ``plain`` rows (that row among them): a pass as it runs
+        with those trees, slowed by the hub beside us, or the plain pass where there are
+        none. A plain round the hub sends one row of a batch that keeps its trees steps
+        at this pace, not at the batch's plain pass."""
+        if not cached:
+            return self.plain_pass_s(plain)
+        return self.tree_pass_s(cached, plain) * self.slowdown.get(1.0)
+
     def _node_alone_s(self, cached: int) -> float:
         """The tree fit's cost of a fed token and of its attention, for a session holding
         ``cached`` tokens, with the cores to itself."""
