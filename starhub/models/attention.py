@@ -9,9 +9,11 @@ one after another along the query length and the mask repeated for each, so atte
 reads the cache as it is. Each query row still attends to the same keys under the same
 mask; only how the kernel groups rows changes (logits within 1e-4 of ``repeat_kv``'s).
 
-On the Xeon's AVX2 path, three sessions of 100 cached tokens: a pass with 2-node trees
-103.3 → 98.6 ms, 10-node trees 165.7 → 163.0, plain 81.0 → 81.1; at 600 cached tokens
-145.8 → 127.4 and 215.2 → 198.9 ms; one session, 600 cached, a 10-node tree 91.6 → 85.1.
+``python -m scripts.pass_timing`` on the Xeon (2026-11-29), a pass over three sessions
+of 600 cached tokens with 2-node trees: 147.6 → 132.0 ms on the AVX2 path, 126.1 → 109.9
+on the default one; with 10-node trees 214.3 → 202.5 and 176.3 → 160.0; at 100 cached
+tokens 3 to 6% less; plain passes unchanged.
+
 Anything else (one token, no mask, a mask per head, a position bias, dropout) goes to
 transformers' ``sdpa`` unchanged.
 """
