@@ -519,11 +519,15 @@ def test_a_plain_row_beside_trees_steps_at_their_pass_not_at_the_plain_one():
     gate = SpeculationGate(0.05)
     feed(gate, per_token_s=0.004)
     plain = gate.plain_pass_s([250, 250, 250])
-    assert gate.step_beside([], [250, 250, 250]) == plain
-    beside = gate.step_beside([250, 250], [250])
-    assert beside == pytest.approx(gate.tree_pass_s([250, 250], [250]))
-    assert beside > 1.5 * plain
+    assert gate.steps_beside([250], [250, 250]) == [plain]
+    beside = gate.steps_beside([250, 250, 250], [])
+    assert beside == pytest.approx([gate.tree_pass_s([250, 250], [250])] * 3)
+    assert beside[0] > 1.5 * plain
+    short, long = gate.steps_beside([100, 400], [])
+    assert short == pytest.approx(gate.tree_pass_s([400], [100]))
+    assert long == pytest.approx(gate.tree_pass_s([100], [400]))
     cost = BatchStats(3, 33, 750, 8250)
     for _ in range(50):  # the hub drafting on our cores stretches tree passes by half
         gate.observe_pass(cost, 0.172, 1.5 * 0.172, trees=3)
-    assert gate.step_beside([250, 250], [250]) == pytest.approx(1.5 * beside, rel=0.05)
+    assert gate.steps_beside([250, 250, 250], [])[0] == pytest.approx(
+        1.5 * gate.tree_pass_s([250, 250], [250]), rel=0.05)

@@ -830,16 +830,15 @@ class Batcher:
         - each request's plain step (by request id): what it waits per token if it decodes
           plain in today's batch while the others using the hub keep their trees, the
           step the hub must beat, as it verifies our trees in passes as wide as this
-          batch (``SpeculationGate.step_beside``);
+          batch (``SpeculationGate.steps_beside``);
         - the tokens a second this batch commits with trees for the requests using the
           hub (beside those decoding plain), by the gate's model, which sets the floor."""
         using, parked, alone = self._split()
-        hub = {s.req.rid: self.engine.cached(s.req.rid) for s in using}
+        hub = [self.engine.cached(s.req.rid) for s in using]
         alone = [self.engine.cached(s.req.rid) for s in parked + alone]
-        steps = {rid: self.gate.step_beside([c for r, c in hub.items() if r != rid],
-                                            [*alone, own]) or self.step_s
-                 for rid, own in hub.items()}
-        return steps, self.gate.rates(list(hub.values()), alone)[0]
+        steps = {s.req.rid: step or self.step_s
+                 for s, step in zip(using, self.gate.steps_beside(hub, alone), strict=True)}
+        return steps, self.gate.rates(hub, alone)[0]
 
     def _floor(self, slot: Slot, tok_s: float) -> float:
         """The floor this request's next tree is advised: its nodes below it would slow

@@ -183,19 +183,25 @@ class SpeculationGate:
         unlike cache lengths padded to the longest) the same on both sides of a verdict:
         priced by one fit and not the other, it made a tree among many plain rows look
         like a gain (a newcomer beside nine plain rows judged 57.5 tok/s against 43.2)."""
-        nodes, row = self.nodes.get(PRIOR_NODES), max(self.passes.weights[3], 0.0)
-        added = sum(nodes * self._node_alone_s(c) + row for c in cached)
+        added = sum(self._tree_added_s(c) for c in cached)
         return self.plain_pass_s([*cached, *plain]) + added
 
-    def step_beside(self, cached: list[int], plain: Sequence[int]) -> float:
-        """What a row decoding plain waits per token where the sessions of ``cached``
-        verify trees beside the ``plain`` rows (that row among them): a pass as it runs
-        with those trees, slowed by the hub beside us, or the plain pass where there are
-        none. A plain round the hub sends one row of a batch that keeps its trees steps
-        at this pace, not at the batch's plain pass."""
-        if not cached:
-            return self.plain_pass_s(plain)
-        return self.tree_pass_s(cached, plain) * self.slowdown.get(1.0)
+    def _tree_added_s(self, cached: int) -> float:
+        """What a tree adds to a pass, for a session holding ``cached`` tokens, with the
+        cores to itself: its nodes' fed tokens and their attention, and its row."""
+        nodes, row = self.nodes.get(PRIOR_NODES), max(self.passes.weights[3], 0.0)
+        return nodes * self._node_alone_s(cached) + row
+
+    def steps_beside(self, cached: list[int], plain: Sequence[int]) -> list[float]:
+        """For each session of ``cached``, verifying trees beside the ``plain`` rows: what
+        it waits per token if it decodes plain while the others keep their trees, a pass
+        as it runs with their trees (slowed by the hub beside us), or the plain pass
+        where it would be the only tree. A plain round the hub sends one row of a batch
+        that keeps its trees steps at this pace, not at the batch's plain pass."""
+        if len(cached) < 2:
+            return [self.plain_pass_s([*cached, *plain])] * len(cached)
+        full, slowdown = self.tree_pass_s(cached, plain), self.slowdown.get(1.0)
+        return [(full - self._tree_added_s(c)) * slowdown for c in cached]
 
     def _node_alone_s(self, cached: int) -> float:
         """The tree fit's cost of a fed token and of its attention, for a session holding
