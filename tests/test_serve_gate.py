@@ -8,7 +8,7 @@ import contextlib
 import pytest
 
 from targets.engine import BatchStats
-from targets.serve.gate import COALESCE, PRIOR_TAU, SpeculationGate
+from targets.serve.gate import COALESCE, MARGIN, PRIOR_TAU, SpeculationGate
 
 
 def feed(gate: SpeculationGate, per_token_s: float, base_s: float = 0.04,
@@ -316,8 +316,8 @@ def test_what_a_tree_row_costs_beyond_its_tokens_counts_against_trees():
 def test_a_tree_among_rows_already_decoding_plain_is_judged_as_that_mix():
     """Rows that cannot use the hub (it was lost while they decoded) stay plain: a
     newcomer's tree would slow their pass and add nothing to them, so it must pay for the
-    mix, not for a batch of trees."""
-    gate = SpeculationGate(step_s=0.04)
+    mix, not for a batch of trees (judged at an even margin: this pins the rates)."""
+    gate = SpeculationGate(step_s=0.04, margin=1.0)
     feed(gate, per_token_s=0.001, round_trip_s=0.02)
     assert gate.pays([300] * 3), "three requests with trees would beat plain"
     assert not gate.pays([300], plain=[300, 300]), "one tree beside two plain rows would not"
@@ -332,7 +332,7 @@ def test_requests_still_prefilling_count_in_the_batch_a_new_request_joins():
 
 def test_the_slowdown_the_hub_adds_to_tree_passes_counts_against_trees():
     def gate_after(slowdown: float) -> SpeculationGate:
-        gate = SpeculationGate(step_s=0.04)
+        gate = SpeculationGate(step_s=0.04, margin=1.0)  # the rates, at an even margin
         for rows in range(1, 5):
             for fed_each, trees in ((1, False), (11, True)):
                 cost = BatchStats(rows, rows * fed_each, rows * 200, rows * 200 * fed_each)
@@ -531,3 +531,17 @@ def test_a_plain_row_beside_trees_steps_at_their_pass_not_at_the_plain_one():
         gate.observe_pass(cost, 0.172, 1.5 * 0.172, trees=3)
     assert gate.steps_beside([250, 250, 250], [])[0] == pytest.approx(
         1.5 * gate.tree_pass_s([250, 250], [250]), rel=0.05)
+
+
+def test_trees_a_little_behind_plain_by_the_estimates_are_still_taken():
+    """``MARGIN`` below 1: a verdict at today's batch does not credit trees with the
+    smaller batch they leave, so trees within a few percent of plain are taken."""
+    def fed(margin: float) -> SpeculationGate:
+        gate = SpeculationGate(step_s=0.04, margin=margin)
+        feed(gate, per_token_s=0.001, round_trip_s=0.02)
+        return gate
+
+    decision = fed(MARGIN).verdict([300], plain=[300, 300])
+    assert MARGIN * decision.plain_tok_s <= decision.tree_tok_s < decision.plain_tok_s
+    assert decision.trees
+    assert not fed(1.0).verdict([300], plain=[300, 300]).trees
