@@ -7,11 +7,13 @@ import copy
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from starhub.drafters.base import DraftContext, TreeShape
 from starhub.drafters.model import ModelDrafter
 from targets.acceptance import Sampling
-from targets.engine import RoomLayer, VerifyEngine
+from targets.engine import VerifyEngine
 from targets.verify import TargetModel
 
 PROMPTS = [[1, 5, 9, 14, 3], list(range(20, 43)), [7, 7, 8]]
@@ -24,9 +26,9 @@ def _drafter(model) -> ModelDrafter:
     return ModelDrafter(model, label="self")
 
 
-def _run(model, sampling: Sampling, batched: bool, rounds: int = 6, layout: str = "auto"):
+def _run(model, sampling: Sampling, batched: bool, rounds: int = 6):
     drafter = _drafter(model)
-    engine = VerifyEngine(model, layout)
+    engine = VerifyEngine(model)
     singles = {}
     ctxs, outs = [], []
     for sid, prompt in enumerate(PROMPTS):
@@ -53,10 +55,9 @@ def _run(model, sampling: Sampling, batched: bool, rounds: int = 6, layout: str 
     return outs, accepted
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_batched_greedy_verification_equals_generate(tiny_model, layout):
+def test_batched_greedy_verification_equals_generate(tiny_model):
     model, _ = tiny_model
-    outs, accepted = _run(model, Sampling(), batched=True, layout=layout)
+    outs, accepted = _run(model, Sampling(), batched=True)
     assert max(accepted) >= 2, "the self drafter's trees must get tokens accepted"
     for prompt, out in zip(PROMPTS, outs, strict=True):
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=len(out), do_sample=False,
@@ -64,22 +65,20 @@ def test_batched_greedy_verification_equals_generate(tiny_model, layout):
         assert out == ref
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_batched_sampled_verification_equals_one_session_at_a_time(tiny_model, layout):
+def test_batched_sampled_verification_equals_one_session_at_a_time(tiny_model):
     model, _ = tiny_model
     # The tiny random model is nearly flat over its vocabulary: a low temperature gives it
     # distributions peaked enough for draws to be accepted, and some to be refused.
     sampling = Sampling(temperature=0.05)
-    batched, accepted = _run(model, sampling, batched=True, layout=layout)
+    batched, accepted = _run(model, sampling, batched=True)
     alone, _ = _run(model, sampling, batched=False)
     assert batched == alone
     assert sum(accepted) > len(accepted) and min(accepted) < max(SHAPES[0].depth, 1)
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_batched_features_match_single_session_features(tiny_model, layout):
+def test_batched_features_match_single_session_features(tiny_model):
     model, _ = tiny_model
-    engine = VerifyEngine(model, layout)
+    engine = VerifyEngine(model)
     drafter = _drafter(model)
     single = TargetModel(model, feature_layers=[-1])
     first, feats = single.prefill(PROMPTS[1])
@@ -97,38 +96,9 @@ def test_batched_features_match_single_session_features(tiny_model, layout):
     assert engine.cached(1) == len(PROMPTS[1]) + len(alone.tokens)
 
 
-def test_auto_layout_packs_ragged_short_rows_and_pads_long_caches(tiny_model):
-    from targets.engine import _packing_pays
-
-    config = tiny_model[0].config
-    assert _packing_pays(config, cached=[40, 50, 60, 45], fed=[3, 4, 5, 6])
-    assert not _packing_pays(config, cached=[4000, 5000, 6000, 4500], fed=[5, 5, 5, 6])
-    assert not _packing_pays(config, cached=[40, 50], fed=[4, 4]), "equal rows: no padding"
-
-
-def test_a_session_too_long_for_the_copy_budget_is_verified_alone_in_place(tiny_model):
-    model, _ = tiny_model
-    drafter = _drafter(model)
-    long_prompt = [(7 * i) % 500 + 3 for i in range(300)]
-    prompts = [long_prompt, PROMPTS[0], PROMPTS[2]]
-    engine = VerifyEngine(model, "padded", copy_budget=0)
-    engine.copy_budget = 64 * engine.token_bytes  # room for the short sessions only
-    singles = [TargetModel(model) for _ in prompts]
-    for sid, prompt in enumerate(prompts):
-        assert engine.open(sid, prompt)[0] == singles[sid].prefill(prompt)[0]
-    for _ in range(3):
-        trees = [drafter.propose(DraftContext(tokens=[*p, t.last]), SHAPES[0])
-                 for p, t in zip(prompts, singles, strict=True)]
-        together = engine.verify(list(enumerate(trees)))
-        alone = [t.verify(tree) for t, tree in zip(singles, trees, strict=True)]
-        assert [v.tokens for v in together] == [v.tokens for v in alone]
-        prompts = [[*p, *v.tokens[:-1]] for p, v in zip(prompts, alone, strict=True)]
-    assert 0 < engine.copied_bytes <= engine.copy_budget
-
-
 def test_a_prefill_computes_the_logits_of_its_last_token_only(tiny_model):
-    """Chunks of a long prompt need no logits and its end needs one row: the LM head never
-    multiplies a whole chunk (at 1,024 tokens, 200 MB of float32 logits for a
+    """The chunks before a long prompt's last need no logits and its end needs one row: the
+    LM head never multiplies a whole chunk (at 1,024 tokens, 200 MB of float32 logits for a
     49,152-token vocabulary), and the first token is still ``generate()``'s."""
     model, _ = tiny_model
     rows = []
@@ -145,7 +115,7 @@ def test_a_prefill_computes_the_logits_of_its_last_token_only(tiny_model):
         alone, _ = engine.open(1, prompt[:50])
     finally:
         hook.remove()
-    assert rows == [1] * 6, "five chunks and a short prompt, one row of logits each"
+    assert rows == [1, 1], "the last of five chunks and a short prompt, one row each"
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
@@ -168,18 +138,72 @@ def test_an_empty_tree_in_a_batch_is_one_plain_step(tiny_model):
             assert [v.tokens for v in verdicts] == [[t.step()] for t in singles]
 
 
-def test_a_batched_pass_writes_its_new_entries_into_the_room_left_for_them():
-    """The forward pass appends to a batched pass's cache in place: the keys and values it
-    attends to are the buffers the caches were copied into, not a concatenated copy; a
-    pass that feeds more than the room left is refused."""
-    keys, values = torch.zeros(2, 3, 7, 4), torch.zeros(2, 3, 7, 4)
-    layer = RoomLayer(keys, values, length=5)
-    assert layer.get_seq_length() == 5
-    new_keys, new_values = torch.ones(2, 3, 2, 4), torch.full((2, 3, 2, 4), 2.0)
-    got_keys, got_values = layer.update(new_keys, new_values)
-    assert got_keys.data_ptr() == keys.data_ptr() and got_keys.shape == keys.shape
-    assert got_keys.is_contiguous() and got_values.is_contiguous()
-    assert torch.equal(keys[:, :, 5:], new_keys) and torch.equal(values[:, :, 5:], new_values)
-    assert layer.get_seq_length() == 7
-    with pytest.raises(ValueError, match="room"):
-        layer.update(new_keys, new_values)
+def _dense(leaves) -> list[torch.Tensor]:
+    """The tensors with storage of their own (not oneDNN's packed weights)."""
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.layout == torch.strided]
+
+
+class _Allocations(TorchDispatchMode):
+    """Bytes of the storages that the ops run under it create (views make none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in _dense(pytree.tree_leaves((args, kwargs)))}
+        for t in _dense(pytree.tree_leaves(out)):
+            if t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                self.bytes += t.untyped_storage().nbytes()
+        return out
+
+
+def test_a_batched_pass_copies_no_session_cache(tiny_model):
+    """A pass writes its new entries into each session's own storage and attends to it
+    there: what it allocates grows with what the sessions hold only by the masks (a value
+    for each fed token and entry it may see), never by a copy of the entries (a pass that
+    padded or stacked the caches into a batch would allocate each of them again)."""
+    model, _ = tiny_model
+    drafter = _drafter(model)
+    rows = 4
+    allocated = {}
+    for cached in (40, 400):
+        engine = VerifyEngine(model)
+        prompts = [[(7 * i + 3 * s) % 900 + 3 for i in range(cached)] for s in range(rows)]
+        for sid, prompt in enumerate(prompts):
+            engine.open(sid, prompt)
+        trees = [drafter.propose(DraftContext(tokens=[*p, engine.sessions[s].last]),
+                                 TreeShape(3, 3, 10)) for s, p in enumerate(prompts)]
+        storage = [engine.sessions[s].kv.keys[0].data_ptr() for s in range(rows)]
+        with _Allocations() as count:
+            engine.verify(list(enumerate(trees)))
+        allocated[cached] = count.bytes
+        assert [engine.sessions[s].kv.keys[0].data_ptr() for s in range(rows)] == storage
+    fed, groups = 11, model.config.num_attention_heads // model.config.num_key_value_heads
+    width = next(model.parameters()).element_size()
+    masks = rows * fed * groups * (400 - 40) * width  # a value for each query group and entry
+    assert allocated[400] - allocated[40] <= masks < rows * (400 - 40) * engine.token_bytes
+
+
+def test_features_are_the_hidden_states_transformers_returns(tiny_model):
+    """A drafter's head was trained on transformers' ``output_hidden_states``: the engine's
+    features are those tensors (the embeddings, each layer's output, the last normed)."""
+    model, _ = tiny_model
+    layers = [0, 1, -1]
+    target = TargetModel(model, feature_layers=layers)
+    _, feats = target.prefill(PROMPTS[1])
+    with torch.inference_mode():
+        states = model(torch.tensor([PROMPTS[1]]), output_hidden_states=True).hidden_states
+    assert torch.equal(feats, torch.cat([states[i][0] for i in layers], -1))
+
+
+def test_a_model_the_engine_cannot_run_is_refused_by_name():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from targets.forward import DecoderPass
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="'gpt2'"):
+        DecoderPass(model)

@@ -1,0 +1,205 @@
+"""One forward pass of the target over the rows of several sessions, each row attending to
+its own cache where that cache lies.
+
+The pass runs the model's own modules (embedding, norms, projections, MLPs, rotary table,
+LM head: whatever kernels the loader gave them) on every row's tokens at once, so each
+weight is read once a pass whatever the rows. Only attention is per row: a row's new keys
+and values go straight into its session's buffers (``SessionKV``) and its queries attend to
+the front of those buffers under the row's own mask, so no cache is padded, stacked or
+copied. Around that, nothing else: no mask tensors for the whole batch, no cache objects,
+no output records, which on a CPU cost a decoding step as much as a fifth of its time in
+transformers' generic forward.
+
+The attention calls are the ones transformers' ``sdpa`` makes for the same rows (a
+grouped-query model's key/value heads read as they are), so a row's logits are the ones
+``generate()`` computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+from transformers import PreTrainedModel
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from targets.kv import SessionKV
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+"""Model types whose decoder layers this pass runs: pre-norm attention with rotary
+positions and a gated MLP, every layer attending to the whole context."""
+
+ALL, LAST, NONE = "all", "last", "none"
+"""Which of a row's positions get logits."""
+
+
+@dataclass
+class Row:
+    """One session's part of a pass."""
+
+    kv: SessionKV
+    ids: list[int]
+    positions: torch.Tensor | None = None
+    """``[n]`` absolute positions; None: the ones after the cache, in order."""
+    mask: torch.Tensor | None = None
+    """``[n, n]`` boolean, which new tokens each new token sees (a tree's ancestor mask);
+    None: those before it (causal). Every new token sees the whole cache."""
+    logits: str = ALL
+    features: tuple[int, ...] = ()
+    """Hidden states to return for every new token, as transformers numbers them
+    (0: the embeddings, i: layer i's output; negative from the end), concatenated."""
+
+
+@dataclass
+class RowOut:
+    logits: torch.Tensor | None
+    """``[k, vocab]`` for the positions the row asked for."""
+    features: torch.Tensor | None
+
+
+def norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for an RMS norm of transformers' usual form (these models' own), in
+    one fused kernel that gives the same bits; any other module as it is."""
+    eps = getattr(module, "variance_epsilon", None)
+    if eps is None or not type(module).__name__.endswith("RMSNorm"):
+        return module(x)
+    return torch.nn.functional.rms_norm(x, module.weight.shape, module.weight, eps)
+
+
+def check_supported(model: PreTrainedModel) -> None:
+    cfg = model.config
+    kind = getattr(cfg, "model_type", "?")
+    types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    windowed = getattr(cfg, "sliding_window", None) is not None and (
+        getattr(cfg, "use_sliding_window", True) or kind == "mistral")
+    if kind not in ARCHITECTURES or types != {"full_attention"} or windowed:
+        window = " with sliding-window attention" if windowed or len(types) > 1 else ""
+        raise ValueError(f"the target engine runs {', '.join(ARCHITECTURES)} models with "
+                         f"full attention in every layer; this one is '{kind}'{window}")
+
+
+class DecoderPass:
+    """Forward passes of one loaded causal LM over rows (``__call__``)."""
+
+    def __init__(self, model: PreTrainedModel):
+        check_supported(model)
+        self.model = model
+        cfg = model.config
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.groups = self.heads // self.kv_heads
+        self.layers = list(model.model.layers)
+        self.devices = [layer.input_layernorm.weight.device for layer in self.layers]
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self.token_bytes = 2 * len(self.layers) * self.kv_heads * self.head_dim * \
+            self.dtype.itemsize
+        """Bytes one cached token takes over every layer (keys and values)."""
+
+    def new_cache(self, capacity: int) -> SessionKV:
+        return SessionKV(self.kv_heads, self.head_dim, self.dtype, self.devices, capacity)
+
+    def _mask(self, row: Row, n: int) -> tuple[torch.Tensor | None, bool]:
+        """The row's additive mask for its folded queries (each key/value head's query heads one
+        after another along the query length), None for none; and whether the row is
+        causal from the start of an empty cache (a fresh prompt)."""
+        cached = row.kv.length
+        if row.mask is None:
+            if cached == 0 or n == 1:
+                return None, n > 1
+            new = torch.ones(n, n, dtype=torch.bool).tril()
+        elif bool(row.mask.all()):
+            return None, False
+        else:
+            new = row.mask
+        # additive, as attention would make a boolean mask in each layer
+        mask = torch.zeros(self.groups, n, cached + n, dtype=self.dtype)
+        mask[:, :, cached:].masked_fill_(~new, float("-inf"))
+        return mask.view(1, 1, self.groups * n, cached + n), False
+
+    @torch.inference_mode()
+    def __call__(self, rows: list[Row]) -> list[RowOut]:
+        model = self.model.model
+        sizes = [len(row.ids) for row in rows]
+        starts = [sum(sizes[:i]) for i in range(len(rows))]
+        ids = torch.tensor([t for row in rows for t in row.ids])
+        positions = torch.cat([
+            row.positions if row.positions is not None
+            else torch.arange(row.kv.length, row.kv.length + n)
+            for row, n in zip(rows, sizes, strict=True)])
+        for row, n in zip(rows, sizes, strict=True):
+            row.kv.reserve(n)
+        masks = [self._mask(row, n) for row, n in zip(rows, sizes, strict=True)]
+        device = model.embed_tokens.weight.device
+        x = model.embed_tokens(ids[None].to(device))
+        rotary = model.rotary_emb(x, positions[None].to(device))
+        total = sum(sizes)
+        wanted = sorted({i % (len(self.layers) + 1) for row in rows for i in row.features})
+        hidden = {0: x} if 0 in wanted else {}
+        for li, layer in enumerate(self.layers):
+            if x.device != self.devices[li]:
+                x = x.to(self.devices[li])
+                rotary = tuple(t.to(x.device) for t in rotary)
+            x = x + self._attention(li, layer, norm(layer.input_layernorm, x), rotary, rows,
+                                    sizes, starts, masks, total)
+            x = x + layer.mlp(norm(layer.post_attention_layernorm, x))
+            if li + 1 in wanted:
+                hidden[li + 1] = x
+        top = len(self.layers)
+        if top in wanted:  # transformers gives the last layer's output normed
+            hidden[top] = norm(model.norm, x)
+        for row, n in zip(rows, sizes, strict=True):
+            row.kv.advance(n)
+        return self._outputs(rows, sizes, starts, x, hidden)
+
+    def _attention(self, li: int, layer, h: torch.Tensor, rotary, rows: list[Row],
+                   sizes: list[int], starts: list[int], masks, total: int) -> torch.Tensor:
+        attn = layer.self_attn
+        shape = (1, total, -1, self.head_dim)
+        q, k = attn.q_proj(h).view(shape), attn.k_proj(h).view(shape)
+        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head's queries and keys
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        v = attn.v_proj(h).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rotary)
+        out = h.new_empty(total, self.heads, self.head_dim)
+        for row, n, s, (mask, causal) in zip(rows, sizes, starts, masks, strict=True):
+            keys, values = row.kv.write(li, k[0, :, s:s + n], v[0, :, s:s + n])
+            query = q[:, :, s:s + n]
+            if mask is None:
+                got = sdpa(query, keys[None], values[None], is_causal=causal,
+                           scale=attn.scaling, enable_gqa=self.groups > 1)
+                out[s:s + n] = got[0].transpose(0, 1)
+            else:
+                folded = query.reshape(1, self.kv_heads, self.groups * n, self.head_dim)
+                got = sdpa(folded, keys[None], values[None], attn_mask=mask.to(keys.device),
+                           scale=attn.scaling)
+                out[s:s + n] = got.view(self.heads, n, self.head_dim).transpose(0, 1)
+        return attn.o_proj(out.view(1, total, -1))
+
+    def _outputs(self, rows: list[Row], sizes: list[int], starts: list[int],
+                 x: torch.Tensor, hidden: dict[int, torch.Tensor]) -> list[RowOut]:
+        picks: list[list[int]] = []
+        for row, n, s in zip(rows, sizes, starts, strict=True):
+            picks.append(list(range(s, s + n)) if row.logits == ALL
+                         else [s + n - 1] if row.logits == LAST else [])
+        flat = [i for pick in picks for i in pick]
+        logits = None
+        if flat:
+            normed = hidden.get(len(self.layers))
+            if normed is None:
+                normed = norm(self.model.model.norm, x[:, flat] if len(flat) < x.shape[1] else x)
+            else:
+                normed = normed[:, flat]
+            logits = self.model.lm_head(normed)[0]
+        outs, at = [], 0
+        top = len(self.layers) + 1
+        for row, n, s, pick in zip(rows, sizes, starts, picks, strict=True):
+            feats = None
+            if row.features:
+                first = hidden[row.features[0] % top].device
+                feats = torch.cat([hidden[i % top][0, s:s + n].to(first)
+                                   for i in row.features], -1)
+            outs.append(RowOut(logits[at:at + len(pick)] if pick else None, feats))
+            at += len(pick)
+        return outs
