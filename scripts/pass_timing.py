@@ -1,12 +1,13 @@
-"""Time the batched verification passes a serving target runs, under each attention.
+"""Time the target engine's batched verification passes and its plain decoding step.
 
 For every (rows, cached tokens, tree nodes) it opens that many sessions of throwaway
-tokens, then times passes that verify a tree of that size for each (0: a plain pass) with
-transformers' ``sdpa`` attention and with ``starhub.models.attention``'s folded one,
-alternating the two, each group of passes on freshly opened sessions. Prints the median
-pass of each and their ratio.
+tokens, then times passes that verify a tree of that size for each (0: a plain pass of
+every row), each group of passes on freshly opened sessions; then plain steps of one
+session (``TargetModel.step``, what ``starhub target`` runs without a hub). Prints the
+median of each. It uses only the engine's public calls, so the same file times any
+commit's engine: run it with that commit's tree first on ``PYTHONPATH``.
 
-    .venv/bin/python -m scripts.pass_timing --rows 1,3 --cached 100,600 --nodes 0,2,10
+    .venv/bin/python -m scripts.pass_timing --rows 4 --cached 600 --nodes 10
 """
 
 from __future__ import annotations
@@ -16,60 +17,82 @@ import statistics
 import time
 
 import numpy as np
+import torch
 
-from starhub.models.attention import NAME
 from starhub.models.loading import load_model, set_threads
 from starhub.wire.tree import DraftTree
 from targets.engine import VerifyEngine
 from targets.serve.calibration import throwaway_tree
-
-ATTENTIONS = ("sdpa", NAME)
+from targets.verify import TargetModel
 
 
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
+def time_passes(engine: VerifyEngine, vocab: int, rows: int, cached: int, nodes: int,
+                repeat: int, passes: int) -> list[float]:
+    tree = throwaway_tree(nodes, vocab) if nodes else DraftTree(np.zeros(0, np.int32),
+                                                                 np.zeros(0, np.int32))
+    prompts = [[(7 * i + j) % vocab for j in range(cached)] for i in range(rows)]
+    times = []
+    for _ in range(repeat):
+        for sid, prompt in enumerate(prompts):
+            engine.open(sid, prompt)
+        for _ in range(passes):
+            start = time.perf_counter()
+            engine.verify([(sid, tree) for sid in range(rows)])
+            times.append(time.perf_counter() - start)
+        for sid in range(rows):
+            engine.close(sid)
+    return times
+
+
+def time_steps(model, vocab: int, cached: int, steps: int) -> list[float]:
+    target = TargetModel(model)
+    target.prefill([(7 * j) % vocab for j in range(cached)])
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        target.step()
+        times.append(time.perf_counter() - start)
+    return times[steps // 4:]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--rows", type=ints, default=[1, 3], help="comma list of sessions a pass")
+    p.add_argument("--rows", type=ints, default=[1, 4], help="comma list of sessions a pass")
     p.add_argument("--cached", type=ints, default=[100, 600],
                    help="comma list of tokens each session holds")
-    p.add_argument("--nodes", type=ints, default=[0, 2, 10],
+    p.add_argument("--nodes", type=ints, default=[0, 10],
                    help="comma list of tree sizes (0: a plain pass)")
     p.add_argument("--repeat", type=int, default=4, help="groups of passes per shape")
     p.add_argument("--passes", type=int, default=3, help="passes per group")
+    p.add_argument("--steps", type=int, default=64,
+                   help="plain steps of one session at each --cached (0: none)")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     set_threads(args.threads)
     model, _ = load_model(args.model)
     vocab = model.config.vocab_size
     engine = VerifyEngine(model)
-    plain = DraftTree(np.zeros(0, np.int32), np.zeros(0, np.int32))
-    print(f"threads {args.threads}; median pass in ms, {args.repeat}x{args.passes} passes")
-    for rows in args.rows:
-        for cached in args.cached:
-            prompts = [[(7 * i + j) % vocab for j in range(cached)] for i in range(rows)]
-            times: dict[tuple[str, int], list[float]] = {}
-            for _ in range(args.repeat):
-                for attention in ATTENTIONS:
-                    model.set_attn_implementation(attention)
-                    for nodes in args.nodes:
-                        tree = throwaway_tree(nodes, vocab) if nodes else plain
-                        for sid, prompt in enumerate(prompts):
-                            engine.open(sid, prompt)
-                        for _ in range(args.passes):
-                            start = time.perf_counter()
-                            engine.verify([(sid, tree) for sid in range(rows)])
-                            times.setdefault((attention, nodes), []).append(
-                                time.perf_counter() - start)
-                        for sid in range(rows):
-                            engine.close(sid)
-            for nodes in args.nodes:
-                stock, folded = (1e3 * statistics.median(times[a, nodes]) for a in ATTENTIONS)
-                print(f"rows {rows} cached {cached:4d} nodes {nodes:2d}: sdpa {stock:6.1f}  "
-                      f"folded {folded:6.1f}  ({folded / stock:.3f})", flush=True)
+    print(f"torch threads {args.threads} (torch.set_num_threads); median in ms, "
+          f"{args.repeat}x{args.passes} passes a shape", flush=True)
+    with torch.inference_mode():
+        time_passes(engine, vocab, 1, 32, 0, 1, 3)  # warm-up
+        for rows in args.rows:
+            for cached in args.cached:
+                for nodes in args.nodes:
+                    ms = 1e3 * statistics.median(time_passes(engine, vocab, rows, cached,
+                                                             nodes, args.repeat, args.passes))
+                    print(f"pass  rows {rows} cached {cached:4d} nodes {nodes:2d}: {ms:7.1f}",
+                          flush=True)
+        if args.steps:
+            for cached in args.cached:
+                ms = 1e3 * statistics.median(time_steps(model, vocab, cached, args.steps))
+                print(f"plain step  cached {cached:4d}: {ms:6.1f} ({1e3 / ms:.1f} tokens/s)",
+                      flush=True)
 
 
 if __name__ == "__main__":
