@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Generator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -298,7 +299,7 @@ def run_point(spec: EdgeSpec, n: int, schedule: str, max_batch: int | str, budge
                drafter_specs=[dict(zip(("beta", "t_d_ms", "slo"),
                                        (round(b, 3), round(d * 1e3, 3), s), strict=True))
                               for b, d, s in (spec.drafter(i, n) for i in range(n))],
-               nodes=(s1.get("scheduler") or {}).get("sessions"))
+               nodes=msgspec.to_builtins(s1.scheduler.sessions))
     return row
 
 
@@ -314,6 +315,7 @@ def run_edge_emulated(cfg, spec: EdgeSpec, warmup_s: float, duration_s: float,
     from tqdm import tqdm
 
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="starhub-edge-emulated-")
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
     rows = []
     variants = cfg.variants()
     with tqdm(total=len(variants), unit="row", disable=not progress, file=sys.stderr) as bar:
