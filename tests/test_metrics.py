@@ -224,3 +224,29 @@ def test_a_verifier_report_with_more_sessions_than_one_header_holds_lists_the_la
     assert decode(frames).body.sessions == 4000
     kept = view.scheduler.sessions
     assert 0 < len(kept) < 4000 and list(kept)[-1] == str(10**15 + 3999)
+
+
+def test_an_idle_hub_logs_its_summary_once_and_again_only_after_a_change(caplog):
+    import logging
+    import time
+
+    from starhub.hub.config import HubConfig
+    from starhub.hub.server import Hub
+
+    hub = Hub(NgramDrafter(), HubConfig(log_every_s=0.001))
+
+    def lines() -> int:
+        return sum("rounds=" in r.getMessage() for r in caplog.records)
+
+    with caplog.at_level(logging.INFO, logger="starhub.hub"):
+        hub.housekeeping()
+        assert lines() == 0, "nothing drafted yet: nothing to say"
+        hub.metrics.rounds = 3
+        for _ in range(4):
+            time.sleep(0.005)
+            hub.housekeeping()
+        assert lines() == 1
+        hub.metrics.rounds = 4
+        time.sleep(0.005)
+        hub.housekeeping()
+        assert lines() == 2

@@ -83,6 +83,8 @@ class Hub(Server):
         self.accepting = True
         """False once shutting down (``starhub.hub.shutdown``): no new targets or sessions."""
         self._last_log = time.monotonic()
+        self._logged: tuple = ()
+        """What the last summary line counted: an idle hub logs it once, not every time."""
 
     async def serve(self) -> None:
         sock, release = self.bind(self.config.bind, self.config.security)
@@ -308,13 +310,17 @@ class Hub(Server):
         self.worker.submit(Request(identity, session, ref, now, committed))
 
     def housekeeping(self) -> None:
-        """Release sessions idle past their TTL; log a one-line summary now and then."""
+        """Release sessions idle past their TTL; log a one-line summary now and then, when
+        something has changed since the last."""
         self.metrics.sessions_expired += self.expire()
         self.drop_idle_peers(self.config.peer_grace_s)
         now = time.monotonic()
         if self.config.log_every_s and now - self._last_log >= self.config.log_every_s:
             self._last_log = now
-            if self.metrics.rounds or self.metrics.plain_rounds:
+            state = (self.metrics.rounds, self.metrics.plain_rounds, len(self.table),
+                     len(self.table.peers), self.control.rejections)
+            if state != self._logged and (self.metrics.rounds or self.metrics.plain_rounds):
+                self._logged = state
                 log.info("%s admitted=%d n_max=%s rejections=%d",
                          self.metrics.summary_line(len(self.table), len(self.table.peers)),
                          len(self.table.peers), self.control.n_max(), self.control.rejections)
