@@ -33,7 +33,7 @@ WINDOW_KEYS = ("r_q", "t_s_ms", "t_draft_ms", "load", "system_tok_s", "per_targe
                "plain_rounds", "tokens", "wall_s", "proposed_nodes_mean")
 METRIC_NOTES = {
     "r_q": "hub draft rounds per second over the measured window",
-    "t_s_ms": "hub drafting time per tree layer (DESIGN.md's t_s)",
+    "t_s_ms": "hub drafting time per tree layer (the model's t_s)",
     "t_draft_ms": "hub drafting time per round (draft seconds over rounds)",
     "load": "fraction of the window the hub's drafter was busy",
     "system_tok_s": "tokens the replay clients committed per second, by the hub's count",

@@ -1,4 +1,4 @@
-"""StarSD's analytical model (DESIGN.md): what the hub should do at N targets."""
+"""StarSD's analytical model (docs/architecture.md): what the hub should do at N targets."""
 
 from __future__ import annotations
 

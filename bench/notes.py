@@ -15,7 +15,7 @@ METRIC_NOTES = {
                     "first prompt to the last target's end",
     "per_target_tok_s": "mean over targets of its tokens over its decoding time",
     "t_idle_ms": "hub idle time per iteration (one request per active session): total idle "
-                 "over sum(1/active sessions) per round, DESIGN.md's T_idle; "
+                 "over sum(1/active sessions) per round, the model's T_idle; "
                  "t_idle_gap_ms is the plain mean per gap",
     "r_q": "hub draft rounds per second over its active window",
     "r_p": "mean over targets of verification rounds per second of decoding time",

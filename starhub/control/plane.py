@@ -1,10 +1,11 @@
 """The hub's control plane: an online load model, admission (N_max) and tree-shape choice.
 
-StarSD's model (DESIGN.md), generalised to sessions that differ. Session j drafting a tree
-of depth d_j with n_j nodes costs the hub ``S_j = draft(d_j, n_j) + overhead`` a round,
-then waits ``Z_j = t_c + t_v(n_j)`` for its target, and commits ``E_j(d_j)`` tokens. The
-hub drafts one request at a time, so a speculating session completes one round every
-``max(S_j + Z_j, sum_k S_k)`` seconds at best. A plain-decoding session costs the hub
+StarSD's model (docs/architecture.md, "The analytical model"), generalised to sessions
+that differ. Session j drafting a tree of depth d_j with n_j nodes costs the hub
+``S_j = draft(d_j, n_j) + overhead`` a round, then waits ``Z_j = t_c + t_v(n_j)`` for its
+target, and commits ``E_j(d_j)`` tokens. The hub drafts one request at a time, so a
+speculating session completes one round every ``max(S_j + Z_j, sum_k S_k)`` seconds at
+best. A plain-decoding session costs the hub
 nothing and commits one token every ``t_step``, its target's standalone speed.
 
 That bound holds for sessions alike; sessions whose round trips differ queue behind one

@@ -1,4 +1,4 @@
-"""Hub-side round accounting, in the names DESIGN.md's metric table uses.
+"""Hub-side round accounting, in the metric names of docs/architecture.md.
 
 The hub's wall time splits into drafting, idle (the buffer is empty: no request has
 arrived since the last draft finished) and scheduling (a request is there but drafting has
@@ -6,11 +6,11 @@ not started yet: event-loop and thread hand-off overhead). Rates are taken over 
 window, from the first request to the latest event, so a hub that waited minutes for its
 first target still reports the speed it served at.
 
-``t_idle_ms`` follows DESIGN.md's ``T_idle``, the idle gap per *iteration*, where an
-iteration gives every active session one draft: total idle time divided by
-``sum over rounds of 1 / active sessions``. With N targets below saturation the hub idles
-``Z - (N-1)·S`` once per N requests, so the mean per gap (``t_idle_gap_ms``) would be N
-times smaller than the model's quantity; both are reported.
+``t_idle_ms`` follows the analytical model's ``T_idle`` (docs/architecture.md), the idle
+gap per *iteration*, where an iteration gives every active session one draft: total idle
+time divided by ``sum over rounds of 1 / active sessions``. With N targets below
+saturation the hub idles ``Z - (N-1)·S`` once per N requests, so the mean per gap
+(``t_idle_gap_ms``) would be N times smaller than the model's quantity; both are reported.
 """
 
 from __future__ import annotations
@@ -239,7 +239,8 @@ def _hist_delta(c0: dict | None, c1: dict, key: str) -> dict[int, int]:
 
 
 def derive(c0: dict | None, c1: dict, targets: int | None = None) -> dict:
-    """Every metric of DESIGN.md's table over the window between two ``counters()`` readings.
+    """Every metric of docs/architecture.md's table over the window between two
+    ``counters()`` readings.
 
     Without ``c0`` the window is the hub's active window. Per-target rates need the
     number of targets: given, or the peers that committed in the window.

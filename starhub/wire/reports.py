@@ -188,8 +188,9 @@ class DrafterHealth(Entry):
 
 
 class HubReport(Report, tag="hub"):
-    """A hub's STATS: DESIGN.md's metrics over its active window (``metrics.derive``), its
-    sessions and settings, the control plane, and on request the raw ``counters``."""
+    """A hub's STATS: the metrics of docs/architecture.md over its active window
+    (``metrics.derive``), its sessions and settings, the control plane, and on request the
+    raw ``counters``."""
 
     # metrics.derive
     wall_s: float
