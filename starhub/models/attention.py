@@ -1,18 +1,16 @@
-"""Attention for passes that feed several tokens under a mask, without copying the cache.
+"""Attention for transformers' forward passes that feed several tokens under a mask, without
+copying the cache.
 
 A grouped-query model (SmolLM2: 9 query heads over 3 key/value heads) has transformers'
 ``sdpa`` attention copy every cached key and value once per query head (``repeat_kv``)
-whenever a pass feeds several tokens under an explicit mask, which is every tree
-verification and every batched pass: for one token it folds the query heads instead. This
-attention folds them for any number of tokens: each key/value head's query heads are laid
-one after another along the query length and the mask repeated for each, so attention
-reads the cache as it is. Each query row still attends to the same keys under the same
-mask; only how the kernel groups rows changes (logits within 1e-4 of ``repeat_kv``'s).
-
-``python -m scripts.pass_timing`` on the Xeon (2026-11-29), a pass over three sessions
-of 600 cached tokens with 2-node trees: 147.6 → 132.0 ms on the AVX2 path, 126.1 → 109.9
-on the default one; with 10-node trees 214.3 → 202.5 and 176.3 → 160.0; at 100 cached
-tokens 3 to 6% less; plain passes unchanged.
+whenever a pass feeds several tokens under an explicit mask: for one token it folds the
+query heads instead. This attention folds them for any number of tokens: each key/value
+head's query heads are laid one after another along the query length and the mask
+repeated for each, so attention reads the cache as it is. Each query row still attends to
+the same keys under the same mask; only how the kernel groups rows changes (logits within
+1e-4 of ``repeat_kv``'s). It serves what runs through transformers' own forward: a draft
+model's tree passes and ``generate()``; the target engine folds its rows the same way in
+its own pass (``targets.forward``).
 
 Anything else (one token, no mask, a mask per head, a position bias, dropout) goes to
 transformers' ``sdpa`` unchanged.
