@@ -192,7 +192,6 @@ def _time_verify(model, prompt: np.ndarray, output: np.ndarray, layers: list[int
     """Milliseconds of one tree verification after a recorded context: a chain of
     recorded tokens (its cost depends on the node count, not on which are accepted)."""
     # deferred: transformers load only when this runs
-    from starhub.models.kvcache import crop_to
     from targets.verify import TargetModel
 
     target = TargetModel(model, feature_layers=layers)
@@ -206,6 +205,6 @@ def _time_verify(model, prompt: np.ndarray, output: np.ndarray, layers: list[int
         target.verify(tree)
         times.append(time.perf_counter() - t0)
         target.compact()
-        crop_to(target.cache, base)  # every pass after the same context, not a grown one
+        target.kv.crop(base)  # every pass after the same context, not a grown one
     settled = sorted(times[reps // 2:])
     return 1e3 * settled[len(settled) // 2]

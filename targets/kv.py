@@ -43,7 +43,7 @@ class SessionKV:
         """What the buffers take, over every layer."""
         return 2 * sum(k.nbytes for k in self.keys)
 
-    @torch.inference_mode()
+    @torch.inference_mode(False)  # plain tensors: written in place in and out of passes
     def _allocate(self, capacity: int) -> None:
         old = list(zip(self.keys, self.values, strict=True))
         self.keys, self.values = [], []
@@ -76,7 +76,6 @@ class SessionKV:
     def advance(self, new: int) -> None:
         self.length += new
 
-    @torch.inference_mode()
     def keep(self, start: int, rows: list[int]) -> None:
         """Keep entries [0, start) and then ``start + r`` for each r in ``rows``, in order:
         the accepted path of a verified tree. A chain-like path (0, 1, 2, ...) moves

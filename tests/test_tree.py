@@ -125,23 +125,39 @@ def test_without_replacement_draw_order_matches_sequential_sampling():
 
 
 @pytest.mark.parametrize("rows", [[0, 2, 5], [0, 1, 2], [0]])
-def test_keep_rows_keeps_the_prefix_and_the_chosen_rows_in_order(rows):
-    from transformers import DynamicCache
+def test_keep_keeps_the_prefix_and_the_chosen_rows_in_order(rows):
+    from targets.kv import SessionKV
 
-    from starhub.models.kvcache import keep_rows
-
-    cache = DynamicCache()
+    kv = SessionKV(kv_heads=2, head_dim=3, dtype=torch.float32,
+                   devices=[torch.device("cpu")] * 2, capacity=4)
+    entries = torch.arange(10.0).view(1, 10, 1).expand(2, 10, 3)
+    kv.reserve(10)
     for layer in range(2):
-        k = torch.arange(10.0).view(1, 1, 10, 1).expand(1, 2, 10, 3) + 100 * layer
-        cache.update(k.clone(), -k.clone(), layer)
-    keep_rows(cache, 4, rows)
+        kv.write(layer, entries + 100 * layer, -(entries + 100 * layer))
+    kv.advance(10)
+    kv.keep(4, rows)
     want = torch.tensor([0.0, 1, 2, 3] + [4.0 + r for r in rows])
-    assert cache.get_seq_length() == 4 + len(rows)
-    for i, layer in enumerate(cache.layers):
-        assert torch.equal(layer.keys[0, 1, :, 2], want + 100 * i)
-        assert torch.equal(layer.values[0, 0, :, 0], -(want + 100 * i))
-    cache.update(torch.zeros(1, 2, 1, 3), torch.zeros(1, 2, 1, 3), 0)
-    assert cache.layers[0].keys.shape[2] == 5 + len(rows)
+    assert kv.length == 4 + len(rows)
+    for layer in range(2):
+        assert torch.equal(kv.keys[layer][1, :kv.length, 2], want + 100 * layer)
+        assert torch.equal(kv.values[layer][0, :kv.length, 0], -(want + 100 * layer))
+    keys, _ = kv.write(0, torch.zeros(2, 1, 3), torch.zeros(2, 1, 3))
+    assert keys.shape[1] == 5 + len(rows), "the next pass writes after what was kept"
+
+
+def test_a_cache_grows_only_when_a_pass_would_overflow_it_and_keeps_its_entries():
+    from targets.kv import GRAIN, SessionKV
+
+    kv = SessionKV(kv_heads=1, head_dim=2, dtype=torch.float32,
+                   devices=[torch.device("cpu")], capacity=GRAIN)
+    first = kv.keys[0].data_ptr()
+    kv.reserve(GRAIN)
+    kv.write(0, torch.ones(1, GRAIN, 2), torch.ones(1, GRAIN, 2))
+    kv.advance(GRAIN)
+    assert kv.keys[0].data_ptr() == first and kv.capacity == GRAIN
+    kv.reserve(1)
+    assert kv.capacity >= GRAIN + GRAIN // 2 and kv.capacity % GRAIN == 0
+    assert torch.equal(kv.keys[0][:, :GRAIN], torch.ones(1, GRAIN, 2))
 
 
 def test_graft_adds_only_the_nodes_a_path_of_the_tree_lacks():
