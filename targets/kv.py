@@ -25,18 +25,20 @@ class SessionKV:
     """One session's cache over every layer of a model (``devices`` gives each layer's)."""
 
     def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 devices: list[torch.device], capacity: int = GRAIN):
+                 devices: list[torch.device], capacity: int = 0):
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
         self.devices = devices
         self.length = 0
         """Entries held: every layer's buffers hold this many at their front."""
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self._allocate(_rounded(max(capacity, 1)))
+        """Nothing until the first ``reserve`` (or a ``capacity`` given here)."""
+        if capacity:
+            self._allocate(_rounded(capacity))
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[1]
+        return self.keys[0].shape[1] if self.keys else 0
 
     @property
     def nbytes(self) -> int:

@@ -62,7 +62,7 @@ class TargetModel:
         """Sampled tokens are seeded draws keyed by (seed, sequence index): the output is a
         function of the seed alone, whatever the hub drafted (``starhub.models.coupling``)."""
         self.feature_layers = tuple(feature_layers or ())
-        self.kv = self.runner.new_cache(HEADROOM)
+        self.kv = self.runner.new_cache(0)  # sized at prefill
         self.device = next(model.parameters()).device
         self.last: int | None = None
         self.step_features: torch.Tensor | None = None
