@@ -4,8 +4,10 @@ For every (rows, cached tokens, tree nodes) it opens that many sessions of throw
 tokens, then times passes that verify a tree of that size for each (0: a plain pass of
 every row), each group of passes on freshly opened sessions; then plain steps of one
 session (``TargetModel.step``, what ``starhub target`` runs without a hub). Prints the
-median of each. It uses only the engine's public calls, so the same file times any
-commit's engine: run it with that commit's tree first on ``PYTHONPATH``.
+median of each; ``--profile`` adds where a plain step's and a pass's time goes (linear
+products, attention, everything else, by ``torch.profiler``). It uses only the engine's
+public calls, so the same file times any commit's engine: run it with that commit's tree
+first on ``PYTHONPATH``.
 
     .venv/bin/python -m scripts.pass_timing --rows 4 --cached 600 --nodes 10
 """
@@ -59,6 +61,28 @@ def time_steps(model, vocab: int, cached: int, steps: int) -> list[float]:
     return times[steps // 4:]
 
 
+def breakdown(label: str, run, times: int) -> None:
+    """Per call of ``run``: the linear products, attention and the rest, by the profiler
+    (whose own overhead inflates the many small ops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(times):
+            run()
+    events = prof.key_averages()
+
+    def ms(pick) -> float:
+        return sum(e.self_cpu_time_total for e in events if pick(e.key)) / times / 1e3
+
+    total = ms(lambda key: True)
+    linear = ms(lambda key: "linear" in key or key in ("aten::mm", "aten::addmm"))
+    attention = ms(lambda key: "scaled_dot_product" in key)
+    calls = sum(e.count for e in events) / times
+    print(f"profile {label}: {total:.1f} ms: linear {linear:.1f}, attention {attention:.1f}, "
+          f"other {total - linear - attention:.1f} over {calls:.0f} op calls", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
@@ -72,6 +96,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64,
                    help="plain steps of one session at each --cached (0: none)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--profile", action="store_true",
+                   help="also profile a plain step at the first --cached and a pass of the "
+                        "last --rows, --cached and --nodes")
     args = p.parse_args()
     set_threads(args.threads)
     model, _ = load_model(args.model)
@@ -93,6 +120,17 @@ def main() -> None:
                 ms = 1e3 * statistics.median(time_steps(model, vocab, cached, args.steps))
                 print(f"plain step  cached {cached:4d}: {ms:6.1f} ({1e3 / ms:.1f} tokens/s)",
                       flush=True)
+        if args.profile:
+            target = TargetModel(model)
+            target.prefill([(7 * j) % vocab for j in range(args.cached[0])])
+            breakdown(f"plain step, cached {args.cached[0]}", target.step, 20)
+            rows, cached, nodes = args.rows[-1], args.cached[-1], args.nodes[-1]
+            for sid in range(rows):
+                engine.open(sid, [(7 * sid + j) % vocab for j in range(cached)])
+            tree = throwaway_tree(nodes, vocab) if nodes else DraftTree(
+                np.zeros(0, np.int32), np.zeros(0, np.int32))
+            breakdown(f"pass, {rows} rows x {nodes} nodes, cached {cached}",
+                      lambda: engine.verify([(sid, tree) for sid in range(rows)]), 3)
 
 
 if __name__ == "__main__":
