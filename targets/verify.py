@@ -63,7 +63,6 @@ class TargetModel:
         function of the seed alone, whatever the hub drafted (``starhub.models.coupling``)."""
         self.feature_layers = tuple(feature_layers or ())
         self.kv = self.runner.new_cache(0)  # sized at prefill
-        self.device = next(model.parameters()).device
         self.last: int | None = None
         self.step_features: torch.Tensor | None = None
         """Features of the token the last ``step`` fed, when features are wanted."""
