@@ -81,12 +81,18 @@ def test_a_packed_batch_drafts_the_trees_one_by_one_drafting_would(tiny_dir, kin
                                                 .manual_seed(round_)))
 
 
-def test_requests_admitted_mid_batch_get_their_own_trees_and_each_leaves_when_done(tiny_dir):
+@pytest.mark.parametrize("kind", [EAGLE, EAGLE3])
+def test_requests_admitted_mid_batch_get_their_own_trees_and_each_leaves_when_done(tiny_dir,
+                                                                                   kind):
     """Continuous batching: jobs admitted between layers draft exactly what they would
-    alone, share passes with the running ones, and every tree is handed over the moment
-    it is done, before the batch ends."""
-    drafter = EagleDrafter(random_head(tiny_dir, EAGLE, None).eval())
+    alone, share passes with the running ones (an EAGLE-3 head's target features, wider
+    than the trees' own rows, ride the same pass), and every tree is handed over the
+    moment it is done, before the batch ends."""
+    drafter = EagleDrafter(random_head(tiny_dir, kind, None).eval())
     alone = contexts(4, seed=3)
+    g = torch.Generator().manual_seed(3)
+    for ctx in alone:
+        ctx.features = [torch.randn(len(ctx.tokens) - 1, drafter.feature_size, generator=g)]
     together = copy.deepcopy(alone)
     expected = [drafter.propose(ctx, SHAPE) for ctx in alone]
     shallow = TreeShape(depth=2, topk=3, max_nodes=4)

@@ -259,8 +259,10 @@ class EagleDrafter(Drafter):
         tree_rows = sum(len(nodes) for _, (nodes, _, _) in asks)
         token_ids = [self.head.to_target_ids(torch.cat(ids).to(self.device))] if ids else []
         catch = catch if catch is not None else CatchUp()
-        if catch.segments:  # their tokens are target ids already
-            feats += catch.feats
+        if catch.segments:
+            # their tokens are target ids already; their features are the target's, wider
+            # than the trees' rows for an EAGLE-3 head until its fc folds them
+            feats += [self.head.fused(f) for f in catch.feats]
             token_ids += [t.to(self.device) for t in catch.ids]
             positions += catch.positions
             segments += catch.segments

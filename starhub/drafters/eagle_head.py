@@ -291,6 +291,15 @@ class EagleHead(nn.Module):
             return self.lm_head(hidden)
         return F.linear(hidden, self.target_lm_head)
 
+    def fused(self, features: Tensor) -> Tensor:
+        """Rows at the width the head's layer reads: EAGLE-3's ``fc`` folds the target's
+        three layers into one, and rows already that wide (the head's own outputs, fed back
+        while drafting) pass as they are. EAGLE's ``fc`` reads the token embedding too, so
+        its features pass unchanged here."""
+        if self.kind == EAGLE or features.shape[-1] == self.cfg.hidden_size:
+            return features
+        return self.fc(features)
+
     def forward(self, features: Tensor, input_ids: Tensor | None = None, *,
                 inputs_embeds: Tensor | None = None, position_ids: Tensor | None = None,
                 attention_mask: Tensor | None = None, cache: KVCache | None = None,
@@ -331,8 +340,8 @@ class EagleHead(nn.Module):
             x = self.fc(torch.cat((emb, features), dim=-1))
             hidden = self.layers[0](x, None, rope, attention_mask, cache, segments)
         else:
-            x = self.fc(features) if features.shape[-1] != self.cfg.hidden_size else features
-            hidden = self.midlayer(x, emb, rope, attention_mask, cache, segments)
+            hidden = self.midlayer(self.fused(features), emb, rope, attention_mask, cache,
+                                   segments)
         if num_logits == 0:
             return hidden, None
         tail = hidden if num_logits is None else hidden[:, -num_logits:]
