@@ -16,17 +16,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from starhub.client.connection import HubClient, HubError, HubUnavailable
-from starhub.client.link import Link
 from starhub.client.round_stats import clip_output, count_round, mean_accept_len
+from starhub.control.estimators import Ema
 from starhub.cores import CoreClock
 from starhub.models.devices import model_device
-from starhub.models.loading import tokenizer_fingerprint
 from starhub.models.prompts import encode_prompt  # noqa: F401  (re-exported)
 from starhub.options import AUTO
 from starhub.wire.messages import (
     Close,
     Commit,
-    DrafterCard,
     ErrorCode,
     Open,
     Propose,
@@ -37,6 +35,8 @@ from starhub.wire.messages import (
 from starhub.wire.reports import PeerEntry, PeerReport
 from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
+from targets.card import eos_ids, feature_dtype, measure_step, on_wire, target_card
+from targets.hub_link import HubLink, check_propose
 from targets.verify import TargetModel
 
 log = logging.getLogger("starhub.target")
@@ -84,40 +84,6 @@ class GenerationResult:
                 "text": self.text, "stats": asdict(self.stats)}
 
 
-def measure_step(model, steps: int = 8, clock: CoreClock | None = None) -> float:
-    """Seconds of one plain decoding step, timed on a short throwaway sequence: the speed
-    a target reaches on its own, which the hub's admission and tree choice must beat.
-    The first steps warm the kernels up and run slow, so the median of the rest counts;
-    plain steps taken later refine it. ``clock`` may time the steps alone (see
-    ``starhub.cores``)."""
-    clock = clock or CoreClock()
-    probe = TargetModel(model)
-    vocab = model.config.vocab_size
-    probe.prefill([i % vocab for i in range(1, 33)])
-    times = []
-    for _ in range(steps):
-        clock.start()
-        probe.step()
-        times.append(clock.lap()[1])
-    settled = sorted(times[steps // 2:])
-    return settled[len(settled) // 2]
-
-
-def target_card(model, tokenizer, name: str, step_s: float) -> TargetCard:
-    """What a target tells a hub about itself: its model's shape and its plain speed."""
-    cfg = model.config
-    return TargetCard(name=name, vocab_size=cfg.vocab_size,
-                      tokenizer_fp=tokenizer_fingerprint(tokenizer),
-                      hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
-                      step_ms=1e3 * step_s)
-
-
-def feature_dtype(model) -> torch.dtype:
-    """Features travel at half precision: bf16 models keep bf16, others send fp16."""
-    dtype = next(model.parameters()).dtype
-    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
-
-
 class SpeculativeGenerator:
     """Decodes with a hub when one is reachable and willing, and on its own otherwise."""
 
@@ -130,17 +96,18 @@ class SpeculativeGenerator:
         self.tokenizer = tokenizer
         self.name = name
         self.hub = hub
-        eos = model.generation_config.eos_token_id
-        self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.eos = eos_ids(model)
         self.clock = CoreClock.for_target(model_device(model).type == "cpu", bool(hub),
                                           shared_cores)
         """Times plain steps; alone (by CPU time) while the hub shares our cores."""
-        self.step_s = measure_step(model, clock=self.clock) if hub else 0.0
-        self.client_options = client_options or {}
-        self.link = Link(hub, self._greet, name, floor_s=timeout_s) if hub else None
+        self.steps = Ema(measure_step(model, clock=self.clock) if hub else None, alpha=0.1)
+        """The plain step, measured at start and refined by each step taken."""
+        self.wire_dtype = feature_dtype(model)
+        self.link = HubLink(hub, self.card, self.clock, name, timeout_s,
+                            client_options) if hub else None
         """The hub connection; ``timeout_s`` is the floor of its reply deadline."""
         if self.link is not None:
-            self.connect()
+            self.link.connect()
 
     @property
     def client(self) -> HubClient | None:
@@ -151,28 +118,9 @@ class SpeculativeGenerator:
         """Why this generator decodes without a hub, if it does."""
         return self.link.note if self.link is not None else ""
 
-    def _greet(self) -> tuple[HubClient, DrafterCard]:
-        """A new connection to the hub, and its DRAFTER_CARD (``HubUnavailable`` if none)."""
-        client = HubClient(self.hub, timeout_s=max(self.link.floor_s, 5.0),
-                           **self.client_options)
-        try:
-            return client, client.greet(self.card())
-        except HubUnavailable:
-            client.close()
-            raise
-
-    def connect(self) -> bool:
-        """Our TARGET_CARD to the hub. A REJECT is quiet: we decode alone and ask again after the
-        hub's ``retry_after_s``."""
-        if not self.link.connect():
-            return False
-        card = self.link.card
-        self.clock.follow(card.host, card.cpus)
-        log.info("%s: hub %s drafts with '%s' (depth %s, topk %d, %d nodes)%s", self.name,
-                 self.hub, card.drafter, card.depth or "auto", card.topk, card.max_nodes,
-                 "; it shares our CPU cores, so plain steps are timed by CPU time"
-                 if self.clock.shared else "")
-        return True
+    @property
+    def step_s(self) -> float:
+        return self.steps.get(0.0)
 
     def card(self) -> TargetCard:
         return target_card(self.model, self.tokenizer, self.name, self.step_s)
@@ -258,15 +206,13 @@ class SpeculativeGenerator:
         if client is not None:
             tag = 0
             try:
-                opening = Open(prompt_len=len(prompt_ids), temperature=temperature,
-                               top_p=top_p, seed=seed, step_ms=1e3 * self.step_s,
-                               shares_cores=self.clock.shared,
-                               tokens=torch.tensor([*prompt_ids, first], dtype=torch.int32),
-                               features=self._half(feats))
+                opening = self.link.opening([*prompt_ids, first], len(prompt_ids),
+                                            Sampling(temperature, top_p), seed, self.step_s,
+                                            on_wire(feats, self.wire_dtype))
                 client, reply = self._open(client, opening, stats)
                 tag = reply.tag
                 while True:
-                    check_propose(reply, target, self.model.config.vocab_size)
+                    check_propose(reply, self.model.config.vocab_size)
                     if reply.plain:
                         commit = yield from self._plain_round(target, reply, stats, finishes)
                         if commit is None:
@@ -289,7 +235,7 @@ class SpeculativeGenerator:
                     client.send(Commit(tag=tag, seq=reply.seq, accepted=len(verdict.path),
                                        verify_ms=1e3 * verified, step_ms=1e3 * self.step_s,
                                        tokens=torch.tensor(verdict.tokens, dtype=torch.int32),
-                                       features=self._half(verdict.features)))
+                                       features=on_wire(verdict.features, self.wire_dtype)))
                     target.compact()
                     yield verdict.tokens
                     reply = self._await(client, stats, t0, tag=tag, after=reply.seq)
@@ -313,7 +259,7 @@ class SpeculativeGenerator:
         self.clock.start()
         token = target.step()
         took = self.clock.lap()[1]
-        self.step_s = took if not self.step_s else 0.9 * self.step_s + 0.1 * took
+        self.steps.update(took)
         return token
 
     def _plain_round(self, target: TargetModel, reply: Propose, stats: GenerationStats,
@@ -338,7 +284,7 @@ class SpeculativeGenerator:
         stats.plain_s += took
         return Commit(tag=reply.tag, seq=reply.seq, accepted=0, verify_ms=1e3 * took,
                       step_ms=1e3 * self.step_s, tokens=torch.tensor(tokens, dtype=torch.int32),
-                      features=self._half(torch.cat(feats)) if feats else None)
+                      features=on_wire(torch.cat(feats), self.wire_dtype) if feats else None)
 
     def _open(self, client: HubClient, msg: Open, stats: GenerationStats
               ) -> tuple[HubClient, Propose]:
@@ -353,7 +299,7 @@ class SpeculativeGenerator:
             except HubError as exc:
                 if attempt or exc.error.code != ErrorCode.NO_CARD:
                     raise
-                if not self.connect():
+                if not self.link.rejoin():
                     raise HubUnavailable(self.note) from None
                 client = self.link.current()
         raise AssertionError("unreachable")
@@ -374,17 +320,7 @@ class SpeculativeGenerator:
         self.link.observe(took)
         return reply
 
-    def _half(self, feats: torch.Tensor | None) -> torch.Tensor | None:
-        return None if feats is None else feats.to(feature_dtype(self.model))
-
     def close(self) -> None:
         if self.link is not None:
             self.link.close()
 
-
-def check_propose(msg: Propose, target: TargetModel, vocab_size: int) -> None:
-    """Trust nothing from the wire: a PROPOSE this target cannot verify is a hub failure."""
-    ids = [msg.tokens] + ([msg.dist_ids] if msg.dist_ids is not None else [])
-    for arr in ids:
-        if arr.size and not (0 <= int(arr.min()) and int(arr.max()) < vocab_size):
-            raise HubUnavailable(f"the hub sent token ids outside [0, {vocab_size})")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from starhub.control.estimators import Ema
 from starhub.fit import LinearFit
 from starhub.wire.reports import MAX_ENTRIES, SchedulerReport, SessionEntry
 
@@ -160,8 +161,8 @@ class Scheduler:
             raise ValueError("the budget must allow at least one root and one node")
         self.rng = random.Random(self.seed)
         self.sizes: dict[int, int] = {}
-        self.pass_s = 0.0
-        """EMA of a forward pass's duration."""
+        self.passes = Ema(alpha=0.2)
+        """A forward pass's seconds, on average."""
 
     # -- sessions ---------------------------------------------------------------------
     def open(self, sid: int, now: float, speed: float = 0.0) -> None:
@@ -176,7 +177,12 @@ class Scheduler:
     def observe_pass(self, new: int, cached_x_new: int, cached: int, seconds: float) -> None:
         """One forward pass's size and duration."""
         self.time_model.observe(new, cached_x_new, cached, seconds)
-        self.pass_s = seconds if not self.pass_s else self.pass_s + 0.2 * (seconds - self.pass_s)
+        self.passes.update(seconds)
+
+    @property
+    def pass_s(self) -> float:
+        """A pass's seconds, on average (0 before the first)."""
+        return self.passes.get(0.0)
 
     def observe(self, sid: int, drafted_depth: int, accepted: int, committed: int,
                 finished_at: float, deadline: float = math.inf) -> None:

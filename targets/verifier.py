@@ -29,7 +29,6 @@ from dataclasses import replace
 import torch
 import zmq.asyncio
 
-from starhub.models.loading import tokenizer_fingerprint
 from starhub.server.isolation import Observers, verifier_view
 from starhub.server.limits import check_tree
 from starhub.server.loop import Server, peer_name
@@ -57,8 +56,8 @@ from starhub.wire.messages import (
 from starhub.wire.reports import VerifierReport
 from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
+from targets.card import feature_dtype, measure_step, on_wire, target_card
 from targets.engine import VerifyEngine, measure_budget
-from targets.generate import feature_dtype, measure_step
 from targets.schedule import Scheduler, Waiting
 from targets.verifier_state import (
     DrafterPeer,
@@ -119,11 +118,7 @@ class Verifier(Server):
     @classmethod
     def for_model(cls, model, tokenizer, config: VerifierConfig,
                   name: str = "verifier") -> Verifier:
-        cfg = model.config
-        card = TargetCard(name=name, vocab_size=cfg.vocab_size,
-                           tokenizer_fp=tokenizer_fingerprint(tokenizer),
-                           hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
-                           step_ms=1e3 * measure_step(model))
+        card = target_card(model, tokenizer, name, measure_step(model))
         if not config.budget:
             config = replace(config, budget=max(measure_budget(model), 2))
         return cls(VerifyEngine(model), card, config, feature_dtype(model))
@@ -181,9 +176,9 @@ class Verifier(Server):
         while not self.scheduler.full([p.waiting for p in self.pending.values()]):
             now = time.monotonic()
             # expected by the cap, and not overdue by a whole pass (that one is stalled)
-            soon = [s.committed_at + s.turnaround for t, s in self.table.sessions.items()
-                    if t not in self.pending and s.committed_at and s.turnaround
-                    and start - pass_s < s.committed_at + s.turnaround <= start + cap]
+            due = [s.committed_at + s.turnaround.value for t, s in self.table.sessions.items()
+                   if t not in self.pending and s.committed_at and s.turnaround.value]
+            soon = [at for at in due if start - pass_s < at <= start + cap]
             # an estimate already past still means "any moment": wait on, within the cap
             until = min(max(soon, default=0.0) + 0.2 * pass_s, start + cap)
             if not soon or until <= now:
@@ -305,7 +300,7 @@ class Verifier(Server):
             tag=tag, ref=job.ref, step_ms=1e3 * self.step_s,
             budget=self.scheduler.nodes_for(tag),
             tokens=torch.tensor([*job.prompt, first], dtype=torch.int32),
-            features=self._half(feats)))
+            features=on_wire(feats, self.feature_dtype)))
 
     def _chunk_now(self, opening: bytes = b"") -> int:
         """The next prefill chunk's tokens: about a pass's worth while another drafter may
@@ -348,8 +343,7 @@ class Verifier(Server):
             # for and cohorts merge rather than alternate.
             arrived = now if self.pass_started <= session.committed_at else self.pass_started
             gap = arrived - session.committed_at
-            session.turnaround = gap if not session.turnaround else \
-                session.turnaround + 0.2 * (gap - session.turnaround)
+            session.turnaround.update(gap)
         tree = DraftTree(msg.tokens, msg.parents, msg.dist_ids, msg.dist_probs)
         waiting = Waiting(msg.tag, len(tree), self.engine.cached(msg.tag), now,
                           self.scheduler.deadline(msg.tag, now))
@@ -420,10 +414,7 @@ class Verifier(Server):
                 tag=sid, seq=p.seq, accepted=len(verdict.path), verify_ms=1e3 * took,
                 step_ms=1e3 * self.step_s, budget=self.scheduler.nodes_for(sid),
                 tokens=torch.tensor(verdict.tokens, dtype=torch.int32),
-                features=self._half(verdict.features)))
-
-    def _half(self, feats: torch.Tensor | None) -> torch.Tensor | None:
-        return None if feats is None else feats.to(self.feature_dtype)
+                features=on_wire(verdict.features, self.feature_dtype)))
 
     def snapshot(self) -> VerifierReport:
         st = self.stats

@@ -9,6 +9,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
+from starhub.control.estimators import Ema
 from starhub.options import BUDGET, COUNT, FRACTION, MESSAGE_BYTES, SEED, TREE, TTL
 from starhub.server.limits import VERIFIER_LIMITS, SessionLimits
 from starhub.server.sessions import Peer, Session
@@ -64,8 +65,8 @@ class EdgeSession(Session):
     committed: int = 0
     committed_at: float = 0.0
     """When its last COMMIT left: the drafter is drafting since then."""
-    turnaround: float = 0.0
-    """EMA of COMMIT out to next PROPOSE in: the drafter's draft time plus the link."""
+    turnaround: Ema = field(default_factory=lambda: Ema(alpha=0.2))
+    """COMMIT out to next PROPOSE in, on average: the drafter's draft time plus the link."""
 
 
 @dataclass(kw_only=True)

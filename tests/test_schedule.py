@@ -45,7 +45,7 @@ def test_fifo_picks_in_arrival_order_within_the_token_budget():
 
 def test_slo_serves_what_must_go_now_first_and_hopeless_last():
     sched = Scheduler("slo", budget=12, nodes=10)
-    sched.pass_s = 0.05
+    sched.passes.update(0.05)
     now = 10.0
     relaxed = Waiting(1, 10, 10, arrived=9.0, deadline=now + 1.0)
     urgent = Waiting(2, 10, 10, arrived=9.5, deadline=now + 0.08)

@@ -42,15 +42,14 @@ import numpy as np
 import torch
 
 from starhub.client.connection import HubClient, HubUnavailable
-from starhub.client.link import Link
 from starhub.client.round_stats import clip_output, count_round, mean_accept_len
+from starhub.control.estimators import Ema
 from starhub.cores import CoreClock
 from starhub.models.devices import model_device
 from starhub.options import AUTO
 from starhub.wire.messages import (
     Close,
     Commit,
-    DrafterCard,
     Error,
     ErrorCode,
     Message,
@@ -59,14 +58,10 @@ from starhub.wire.messages import (
 )
 from starhub.wire.tree import DraftTree, accepted_path, subtree
 from targets.acceptance import Sampling
+from targets.card import eos_ids, feature_dtype, measure_step, on_wire, target_card
 from targets.engine import VerifyEngine
-from targets.generate import (
-    GenerationStats,
-    check_propose,
-    feature_dtype,
-    measure_step,
-    target_card,
-)
+from targets.generate import GenerationStats
+from targets.hub_link import HubLink, check_propose
 from targets.serve.calibration import ROWS, TREE_NODES, calibrate
 from targets.serve.gate import COALESCE, MARGIN, PRIOR_TAU, Decision, SpeculationGate
 from targets.verify import Verdict
@@ -198,15 +193,14 @@ class Batcher:
         self.name = name
         self.prefill_chunk = prefill_chunk
         self.client_options = client_options or {}
-        eos = model.generation_config.eos_token_id
-        self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.eos = eos_ids(model)
+        self.wire_dtype = feature_dtype(model)
         self.vocab_size = model.config.vocab_size
         self.engine = VerifyEngine(model)
         self.clock = CoreClock.for_target(model_device(model).type == "cpu", bool(hub),
                                           shared_cores)
         """Times passes, and alone (by CPU time) while the hub shares our cores: the gate
         weighs trees as they run against plain passes as they would run without the hub."""
-        self._card_seen: object = None
         self._gate_open: bool | None = None
         """The gate's last verdict on a batch of more than one request (``_log_verdict``)."""
         self.step_s = measure_step(model, clock=self.clock) if hub else 0.0
@@ -223,14 +217,16 @@ class Batcher:
         self._slots: dict[int, Slot] = {}
         self._new: deque[Slot] = deque()
         self._rids = itertools.count(1)
-        self._pass_s = 0.05
+        self._passes = Ema(alpha=0.2)
+        """A pass's seconds, which the wait for the rest of a cohort is measured in."""
         self._pass_no = 0
         self._rows_seen = 0
         self._busy_s = 0.0
         """Seconds the engine thread has spent in passes and prefill chunks."""
         self.failed = ""
         """Why the engine thread stopped, if it failed: the server then refuses requests."""
-        self.link = Link(hub, self._greet, name, floor_s=timeout_s) if hub else None
+        self.link = HubLink(hub, lambda: target_card(model, tokenizer, name, self.step_s),
+                            self.clock, name, timeout_s, client_options) if hub else None
         if self.link is not None:
             self.link.connect()
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
@@ -272,6 +268,11 @@ class Batcher:
         return self.link is not None and self.link.client is not None
 
     @property
+    def pass_s(self) -> float:
+        """A pass's seconds, on average (a guess before the first)."""
+        return self._passes.get(0.05)
+
+    @property
     def active(self) -> int:
         return len(self._slots)
 
@@ -284,16 +285,6 @@ class Batcher:
             self.link.close()
 
     # -- the hub connection -----------------------------------------------------------
-    def _greet(self) -> tuple[HubClient, DrafterCard]:
-        client = HubClient(self.hub, timeout_s=max(self.link.floor_s, 5.0),
-                           **self.client_options)
-        try:
-            return client, client.greet(target_card(self.model, self.tokenizer, self.name,
-                                                    self.step_s))
-        except HubUnavailable:
-            client.close()
-            raise
-
     def _client(self) -> HubClient | None:
         """The connection new sessions open on; sessions of any other go on alone."""
         client = self.link.current() if self.link is not None else None
@@ -386,7 +377,7 @@ class Batcher:
         if msg.seq <= slot.seq:
             return  # a replay of an earlier round: never applied twice
         try:
-            check_propose(msg, slot_target(self.engine, slot), self.vocab_size)
+            check_propose(msg, self.vocab_size)
         except HubUnavailable as exc:
             self._lost(str(exc))
             return
@@ -418,7 +409,7 @@ class Batcher:
         for slot in self._slots.values():
             if slot.client is not None and slot.opening is None:
                 self._alone(slot, "the hub no longer knows this target", close=False)
-        if not self.link.connect():  # on failure it retries in the background
+        if not self.link.rejoin():  # on failure it retries in the background
             for slot in reopen:
                 self._alone(slot, self.link.note, close=False)
             return
@@ -534,7 +525,7 @@ class Batcher:
         self._new.popleft()
         slot.prefill, slot.decoding = None, True
         if slot.history is not None and feats is not None:
-            slot.history.append(self._half(feats))
+            slot.history.append(on_wire(feats, self.wire_dtype))
         opened_on, slot.client = slot.client, None
         if self._emit(slot, [first]) or opened_on is None:
             return  # no hub, or sent plain with the batch while it prefilled
@@ -609,12 +600,10 @@ class Batcher:
         slot.waiting_since, slot.busy_mark = time.perf_counter(), self._busy_s
         slot.cohort, slot.ahead, slot.lag = -1, True, None
         slot.plain_tokens, slot.plain_feats = [], []
-        self._check_sharing()
-        slot.opening = Open(prompt_len=len(req.prompt), temperature=req.sampling.temperature,
-                            top_p=req.sampling.top_p, seed=req.seed, step_ms=1e3 * self.step_s,
-                            ref=slot.ref, shares_cores=self.clock.shared, batched=True,
-                            tokens=torch.tensor([*req.prompt, *slot.output], dtype=torch.int32),
-                            features=torch.cat(slot.history) if slot.history else None)
+        slot.opening = self.link.opening([*req.prompt, *slot.output], len(req.prompt),
+                                         req.sampling, req.seed, self.step_s,
+                                         torch.cat(slot.history) if slot.history else None,
+                                         slot.ref, batched=True)
         self._send(slot, slot.opening)
 
     def _log_verdict(self, decision: Decision, plain_rows: int) -> None:
@@ -645,7 +634,7 @@ class Batcher:
         last = self._pass_no
         if not any(s.cohort == last for s in waiting):
             return work
-        until = time.perf_counter() + COALESCE * self._pass_s
+        until = time.perf_counter() + COALESCE * self.pass_s
         while time.perf_counter() < until and not self._stop.is_set():
             self._read_hub(client, max(0.0, until - time.perf_counter()))
             if not any(s.waiting_since is not None and s.cohort == last
@@ -658,7 +647,6 @@ class Batcher:
         trees = [s.tree if s.tree is not None else EMPTY_TREE for s in work]
         batch = [(s.req.rid, t) for s, t in zip(work, trees, strict=True)]
         cost = self.engine.cost(batch)
-        self._check_sharing()
         self.clock.start()
         verdicts = self.engine.verify(batch)
         took, alone = self.clock.lap()
@@ -669,7 +657,7 @@ class Batcher:
                       len(work), n_trees, cost.new_tokens, 1e3 * took, 1e3 * alone)
         if self.gate is not None:
             self.gate.observe_pass(cost, alone, took, n_trees)
-        self._pass_s = took if self.stats.passes == 0 else 0.8 * self._pass_s + 0.2 * took
+        self._passes.update(took)
         self._pass_no += 1
         self.stats.passes += 1
         self.stats.rows += len(work)
@@ -678,7 +666,7 @@ class Batcher:
         steps, tok_s = self._commit_rates() if commits else ({}, 0.0)  # only COMMITs report them
         for slot, tree, verdict in zip(work, trees, verdicts, strict=True):
             slot.stats.verify_s += took
-            verdict.features = self._half(verdict.features)  # as the hub reads them
+            verdict.features = on_wire(verdict.features, self.wire_dtype)  # as the hub reads
             if slot.history is not None and verdict.features is not None:
                 slot.history.append(verdict.features)
             step_s = steps.get(slot.req.rid, self.step_s)
@@ -771,7 +759,7 @@ class Batcher:
             self._count_round(slot, accepted, len(msg.tokens))
         slot.lag, slot.ahead = None, len(done) > n
         steps, tok_s = self._commit_rates()
-        self._commit_decoded(slot, accepted, n, self._pass_s,
+        self._commit_decoded(slot, accepted, n, self.pass_s,
                              steps.get(slot.req.rid, self.step_s), tok_s)
 
     def _commit_decoded(self, slot: Slot, accepted: int, n: int, verify_s: float,
@@ -800,19 +788,6 @@ class Batcher:
         slot.stats.plain_tokens += len(slot.plain_tokens)
         slot.stats.plain_s += took
         self._commit_decoded(slot, 0, len(slot.plain_tokens), took, step_s, tok_s)
-
-    def _check_sharing(self) -> None:
-        """Whether the hub we are connected to computes on our cores, read from its card
-        each time the link holds a new one."""
-        card = self.link.card if self.link is not None else None
-        if card is self._card_seen or card is None:
-            return
-        self._card_seen = card
-        if self.clock.follow(card.host, card.cpus):
-            shared = self.clock.shared
-            log.info("%s: the hub %s our CPU cores; passes are timed %s", self.name,
-                     "shares" if shared else "does not share",
-                     "by CPU time as well" if shared else "by the wall clock")
 
     def _split(self) -> tuple[list[Slot], list[Slot], list[Slot]]:
         """The requests decoding: (those using the hub, those decoding plain that can open
@@ -887,11 +862,3 @@ class Batcher:
         if slot in self._new:
             self._new.remove(slot)
         self.engine.close(slot.req.rid)
-
-    def _half(self, feats: torch.Tensor | None) -> torch.Tensor | None:
-        return None if feats is None else feats.to(feature_dtype(self.model))
-
-
-def slot_target(engine: VerifyEngine, slot: Slot):
-    """The request's own decoding stream in the engine."""
-    return engine.sessions[slot.req.rid]
