@@ -29,6 +29,7 @@ the output is the same with or without it, whatever else is in the batch.
 from __future__ import annotations
 
 import contextlib
+import enum
 import itertools
 import logging
 import queue
@@ -96,6 +97,19 @@ class Request:
     rid: int = 0
 
 
+class Phase(enum.Enum):
+    """Where a request is (``Slot.phase``); ``docs/architecture.md`` draws the transitions.
+    Each pass verifies every decoding request but the WAITING ones."""
+
+    PREFILLING = "its prompt is prefilled, a chunk a turn"
+    ALONE = "decodes plain with no hub session (it may open one later if it kept features)"
+    AHEAD = "decodes plain while its hub session catches up (from its OPEN on)"
+    WAITING = "waits for the hub's PROPOSE to its OPEN or COMMIT"
+    TREE = "has a hub tree to verify in the next pass"
+    PLAIN_ROUND = "steps the plain round the hub asked for"
+    DONE = "ended: its tokens are emitted, its sessions here and at the hub closed"
+
+
 @dataclass(eq=False)
 class Slot:
     """A request in flight: equal to itself only. Its repr leaves out its tensors (a
@@ -144,13 +158,28 @@ class Slot:
     def produced(self) -> int:
         return len(self.output)
 
+    released: bool = False
+
+    @property
+    def phase(self) -> Phase:
+        """Its phase, read from its fields in this one order (a tree to verify outranks
+        the rest, as ``_catch_up`` may leave one while the request decodes ahead)."""
+        if self.released:
+            return Phase.DONE
+        if not self.decoding:
+            return Phase.PREFILLING
+        if self.tree is not None:
+            return Phase.TREE
+        if self.plain_left:
+            return Phase.PLAIN_ROUND
+        if self.ahead:
+            return Phase.AHEAD
+        return Phase.ALONE if self.client is None else Phase.WAITING
+
     @property
     def ready(self) -> bool:
         """Has something to verify in the next pass."""
-        if not self.decoding:
-            return False
-        return (self.client is None or self.tree is not None or self.plain_left > 0
-                or self.ahead)
+        return self.phase in (Phase.TREE, Phase.PLAIN_ROUND, Phase.AHEAD, Phase.ALONE)
 
 
 @dataclass
@@ -217,6 +246,8 @@ class Batcher:
         self._slots: dict[int, Slot] = {}
         self._new: deque[Slot] = deque()
         self._rids = itertools.count(1)
+        self._phases: dict[int, Phase] = {}
+        """Each request's phase at the end of the last turn (``_log_phases``)."""
         self._passes = Ema(alpha=0.2)
         """A pass's seconds, which the wait for the rest of a cohort is measured in."""
         self._pass_no = 0
@@ -473,10 +504,22 @@ class Batcher:
         elif not self._new:
             self._wake.wait(0.05)
             self._wake.clear()
+        if log.isEnabledFor(logging.DEBUG):
+            self._log_phases()
         self.stats.running = sum(s.decoding for s in self._slots.values())
         self.stats.waiting = len(self._new)
         if self.gate is not None:
             self.gate.observe_batch(self.stats.running)
+
+    def _log_phases(self) -> None:
+        """Each request's phase at the end of a turn, where it changed (at DEBUG)."""
+        for rid, slot in self._slots.items():
+            phase = slot.phase
+            before = self._phases.get(rid)
+            if phase is not before:
+                self._phases[rid] = phase
+                log.debug("%s: request %d: %s -> %s", self.name, rid,
+                          before.name if before else "NEW", phase.name)
 
     def _intake(self) -> None:
         while True:
@@ -488,6 +531,9 @@ class Batcher:
                                                        threads=torch.get_num_threads()))
             self._slots[req.rid] = slot
             self._new.append(slot)
+            if log.isEnabledFor(logging.DEBUG):
+                self._phases[req.rid] = Phase.PREFILLING
+                log.debug("%s: request %d: NEW -> PREFILLING", self.name, req.rid)
         while True:
             try:
                 rid = self._cancelled.get_nowait()
@@ -670,13 +716,14 @@ class Batcher:
             if slot.history is not None and verdict.features is not None:
                 slot.history.append(verdict.features)
             step_s = steps.get(slot.req.rid, self.step_s)
-            if slot.tree is not None:
+            phase = slot.phase
+            if phase is Phase.TREE:
                 self._after_tree(slot, tree, verdict, took, step_s, tok_s)
-            elif slot.plain_left:
+            elif phase is Phase.PLAIN_ROUND:
                 self._after_plain_step(slot, verdict, step_s, tok_s)
-            elif slot.ahead:
+            elif phase is Phase.AHEAD:
                 self._ahead_step(slot, verdict)
-            else:
+            else:  # ALONE
                 self.stats.plain_steps += 1
                 self._emit(slot, verdict.tokens)
 
@@ -857,8 +904,11 @@ class Batcher:
         if slot.client is not None and slot.tag:
             with contextlib.suppress(HubUnavailable):
                 slot.client.send(Close(tag=slot.tag))
-        slot.client = None
+        slot.client, slot.released = None, True
         self._slots.pop(slot.req.rid, None)
         if slot in self._new:
             self._new.remove(slot)
         self.engine.close(slot.req.rid)
+        before = self._phases.pop(slot.req.rid, None)
+        if before is not None:
+            log.debug("%s: request %d: %s -> DONE", self.name, slot.req.rid, before.name)
