@@ -17,11 +17,23 @@ import torch
 from starhub.models.coupling import sample_at
 from starhub.wire.tree import DraftTree, children
 
+MIN_TEMPERATURE = 1e-5
+"""Below this a temperature samples greedily. Sampling at T is argmax in the limit T -> 0,
+and logits divided by a temperature near the smallest float overflow to inf, whose softmax
+is NaN: greedy is what such a temperature means, and the only safe way to compute it."""
+
 
 @dataclass(frozen=True)
 class Sampling:
+    """How a session draws its tokens: temperature (``MIN_TEMPERATURE`` and below: greedy)
+    and nucleus ``top_p``."""
+
     temperature: float = 0.0
     top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:

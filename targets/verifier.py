@@ -246,12 +246,12 @@ class Verifier(Server):
         prompt = msg.tokens.tolist()
         tag = self.table.new_tag()
         size = self._chunk_now(identity)
-        chunks = self.engine.open_chunks(tag, prompt, size,
-                                         Sampling(msg.temperature, msg.top_p), msg.seed,
+        sampling = Sampling(msg.temperature, msg.top_p)
+        chunks = self.engine.open_chunks(tag, prompt, size, sampling, msg.seed,
                                          list(peer.card.feature_layers))
         now = time.monotonic()
         # busy while prefilling: it does not expire, and it holds its budget from now on
-        self.table.add(EdgeSession(tag=tag, owner=identity, greedy=msg.temperature <= 0,
+        self.table.add(EdgeSession(tag=tag, owner=identity, greedy=sampling.greedy,
                                    opened_at=now, last_seen=now, busy=True), len(prompt) + 1,
                        self.held_bytes(len(prompt) + 1))
         self.prefills[tag] = Prefill(identity, msg.ref, prompt, chunks, msg.target_tok_s,

@@ -68,6 +68,9 @@ def test_models_and_health_name_the_served_model(stack):
     ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"prompt": "x", "model": "nope"}, 404, "model"),
     ({}, 400, "model"),
+    ({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"prompt": "x", "seed": True}, 400, "seed"),
+    ({"prompt": "x", "stream": 1}, 400, "stream"),
 ])
 def test_bad_requests_get_an_openai_error_naming_the_field(stack, body, status, param):
     url, _, name = stack
@@ -124,6 +127,93 @@ def test_a_body_that_is_not_json_is_a_400(stack):
     url, _, _ = stack
     code, reply, _ = post(url, "/v1/chat/completions", b"{not json")
     assert code == 400 and "JSON" in reply["error"]["message"]
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model": "m", "prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}",
+    b"[" * 200_000 + b"]" * 200_000,
+    b'{"model": "\\ud800", "prompt": "a"}',
+    b'{"model": "NAME", "prompt": "a\\ud800b"}',
+    b'{"model": "NAME", "messages": [{"role": "user", "content": "\\udfff"}]}',
+    b'{"model": "NAME", "prompt": "a", "temperature": NaN}',
+    b'{"model": "NAME", "prompt": "a", "max_tokens": Infinity}',
+    b"\xff\xfe{",
+], ids=["long-int", "deep-nesting", "surrogate-model", "surrogate-prompt",
+        "surrogate-chat", "nan", "infinity", "not-utf8"])
+def test_a_body_that_cannot_be_parsed_is_a_short_400_and_the_server_serves_on(stack, raw):
+    url, _, name = stack
+    route = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+    code, reply, _ = post(url, route, raw.replace(b"NAME", name.encode()))
+    assert code == 400 and set(reply["error"]) == {"message", "type", "param", "code"}
+    assert len(reply["error"]["message"]) < 200, reply
+    assert health(url)["status"] == "ok"
+
+
+def test_an_error_repeats_only_a_short_printable_prefix_of_what_the_client_sent(stack):
+    url, _, _ = stack
+    code, reply, _ = post(url, "/v1/completions", {"model": "\x07m" + "x" * 100_000,
+                                                   "prompt": "a"})
+    message = reply["error"]["message"]
+    assert code == 404 and len(message) < 250 and "\x07" not in message, message
+
+
+def test_a_body_not_sent_as_json_is_refused_with_415(stack):
+    """A web page can POST text/plain across origins without asking first: such a body
+    never starts a generation."""
+    url, _, name = stack
+    body = json.dumps({"model": name, "prompt": "x", "max_tokens": 2}).encode()
+    for kind in ("text/plain", "application/x-www-form-urlencoded", None):
+        request = urllib.request.Request(url + "/v1/completions", data=body,
+                                         headers={"Content-Type": kind} if kind else {})
+        if kind is None:
+            request.remove_header("Content-type")
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=30)
+        assert caught.value.code == 415
+        assert "application/json" in json.loads(caught.value.read())["error"]["message"]
+
+
+def test_health_answers_head_and_the_api_docs_are_not_served(stack):
+    url, _, _ = stack
+    with urllib.request.urlopen(urllib.request.Request(url + "/health", method="HEAD"),
+                                timeout=30) as resp:
+        assert resp.status == 200
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(url + path, timeout=30)
+        assert caught.value.code == 404
+
+
+def test_a_temperature_too_small_to_divide_by_decodes_greedily(stack, tiny_model):
+    """Logits over 1e-320 overflow to inf, whose softmax is NaN: such a temperature is
+    greedy decoding (its limit), never id 0 over and over."""
+    from targets.acceptance import MIN_TEMPERATURE, Sampling
+
+    model, _ = tiny_model
+    url, _, name = stack
+    ids = [5, 9, 14, 3, 7]
+    for temperature in (1e-320, MIN_TEMPERATURE / 2):
+        assert Sampling(temperature).greedy
+        code, reply, _ = post(url, "/v1/completions", {
+            "model": name, "prompt": ids, "max_tokens": 8, "temperature": temperature,
+            "return_token_ids": True})
+        assert code == 200 and reply["choices"][0]["token_ids"] == reference(model, ids, 8)
+    assert not Sampling(2 * MIN_TEMPERATURE).greedy
+
+
+def test_a_prompt_far_past_the_context_is_refused_before_it_is_tokenized(stack):
+    """Four megabytes of text cannot fit the context however it tokenizes: it is refused
+    from its length alone (the message says "at least"), and the server serves on."""
+    from targets.serve.app import MAX_BODY_BYTES
+
+    url, _, name = stack
+    for route, body in (
+            ("/v1/completions", {"model": name, "prompt": "ab " * (MAX_BODY_BYTES // 4)}),
+            ("/v1/chat/completions", {"model": name, "messages": [
+                {"role": "user", "content": "ab " * (MAX_BODY_BYTES // 4)}]})):
+        code, reply, _ = post(url, route, body)
+        assert code == 400 and "at least" in reply["error"]["message"], reply
+    assert health(url)["status"] == "ok"
 
 
 def test_batched_greedy_requests_equal_generate(stack, tiny_model):

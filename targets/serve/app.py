@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,6 +33,7 @@ from targets.serve.protocol import (
     CompletionRequest,
     OpenAIError,
     SamplingRequest,
+    shown,
 )
 from targets.serve.text import TextStream
 
@@ -57,6 +60,11 @@ class OpenAIServer:
         self.stopping: Callable[[], bool] = lambda: False
         """Whether the HTTP server has begun its graceful shutdown (set by its runner)."""
         self.created = int(time.time())
+        self.token_chars = max(map(len, tokenizer.get_vocab()), default=1) or 1
+        """The longest token's text: a prompt holds at least its length over this in
+        tokens, which refuses a prompt far past the context before it is tokenized."""
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        """Prompts are tokenized here, in turn, never on the event loop."""
 
     @property
     def shutting_down(self) -> bool:
@@ -65,10 +73,11 @@ class OpenAIServer:
     # -- the app ----------------------------------------------------------------------
     def app(self) -> FastAPI:
         app = FastAPI(title="starhub serve", version="1",
-                      description="OpenAI-compatible speculative decoding target")
+                      description="OpenAI-compatible speculative decoding target",
+                      docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(OpenAIError, self._on_error)
         app.add_exception_handler(StarletteHTTPException, self._on_http_error)
-        app.get("/health")(self.health)
+        app.api_route("/health", methods=["GET", "HEAD"])(self.health)
         app.get("/metrics")(self.prometheus)
         app.get("/v1/models")(self.models)
         app.post("/v1/completions")(self.completions)
@@ -82,7 +91,8 @@ class OpenAIServer:
         that no client can add metric series by path. Our own errors are ``OpenAIError``s,
         counted by route."""
         self.metrics.requests.labels("other", str(exc.status_code)).inc()
-        error = OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        error = OpenAIError(exc.status_code, f"{request.method} {shown(request.url.path)}: "
+                            f"{exc.detail}")
         return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
     async def _on_error(self, request: Request, exc: OpenAIError) -> JSONResponse:
@@ -120,7 +130,9 @@ class OpenAIServer:
         if isinstance(prompt, list) and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            self._check_length(len(prompt), "prompt")
+            ids = (await self._off_loop(self.tokenizer, prompt,
+                                        add_special_tokens=True))["input_ids"]
         else:
             ids = [int(t) for t in prompt]
             vocab = self.batcher.vocab_size
@@ -130,12 +142,27 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
+        conversation = body.conversation()
+        self._check_length(sum(len(m["content"]) for m in conversation), "messages")
         try:
-            ids = encode_prompt(self.tokenizer, body.conversation(), self.chat_template)
+            ids = await self._off_loop(encode_prompt, self.tokenizer, conversation,
+                                       self.chat_template)
         except Exception as exc:  # the model's chat template refuses this conversation
             raise OpenAIError(400, f"messages: the chat template refused them: {exc}",
                               "messages") from None
         return await self._respond(request, body, ids, body.limit, chat=True)
+
+    async def _off_loop(self, fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(
+            self.tokenizing, functools.partial(fn, *args, **kwargs))
+
+    def _check_length(self, chars: int, param: str) -> None:
+        """Refuse a prompt whose ``chars`` characters cannot fit the context in any
+        tokenization (each token covers at most ``token_chars`` of them)."""
+        least = chars // self.token_chars
+        if least > self.context_len:
+            raise OpenAIError(400, f"this model's context is {self.context_len} tokens and "
+                              f"the prompt has at least {least}", param)
 
     # -- one request ------------------------------------------------------------------
     async def _parse(self, request: Request, schema: type[SamplingRequest]) -> SamplingRequest:
@@ -143,12 +170,11 @@ class OpenAIServer:
             raise OpenAIError(503, f"the server cannot serve: {self.batcher.failed}")
         if self.shutting_down:
             raise OpenAIError(503, "the server is shutting down", retry_after_s=5)
-        try:
-            raw = json.loads(await _read_body(request))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise OpenAIError(400, "the body is not valid JSON") from None
-        if not isinstance(raw, dict):
-            raise OpenAIError(400, "the body must be a JSON object")
+        kind = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if kind != "application/json":
+            raise OpenAIError(415, f"the body must be JSON, sent as Content-Type: "
+                              f"application/json (not '{shown(kind)}')")
+        raw = _json(await _read_body(request))
         try:
             body = schema.model_validate(raw)
         except ValidationError as exc:
@@ -162,8 +188,8 @@ class OpenAIServer:
                 param = named if sep and named in schema.model_fields else None
             raise OpenAIError(400, message, param) from None
         if body.model != self.model_name:
-            raise OpenAIError(404, f"the model '{body.model}' does not exist; this server "
-                              f"serves '{self.model_name}'", "model", "model_not_found")
+            raise OpenAIError(404, f"the model '{shown(body.model)}' does not exist; this "
+                              f"server serves '{self.model_name}'", "model", "model_not_found")
         return body
 
     async def _respond(self, request: Request, body: SamplingRequest, ids: list[int],
@@ -386,6 +412,27 @@ async def _read_body(request: Request) -> bytes:
             raise too_big
         parts.append(part)
     return b"".join(parts)
+
+
+def _json(body: bytes) -> dict:
+    """The body's JSON object, or a 400 saying why not: not JSON (or not UTF-8), NaN or
+    Infinity, a number too long to convert, nesting too deep to parse, or a string holding
+    an unpaired surrogate, which no tokenizer or response could encode."""
+    def no_constant(name: str):
+        raise ValueError(f"{name} is not a JSON number")
+
+    try:
+        raw = json.loads(body, parse_constant=no_constant)
+        json.dumps(raw, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise OpenAIError(400, "the body holds an unpaired UTF-16 surrogate (such as "
+                          "\\ud800) in a string") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        reason = "nested too deep" if isinstance(exc, RecursionError) else shown(str(exc))
+        raise OpenAIError(400, f"the body is not valid JSON: {reason}") from None
+    if not isinstance(raw, dict):
+        raise OpenAIError(400, "the body must be a JSON object")
+    return raw
 
 
 def _sse(body: dict) -> str:

@@ -6,6 +6,8 @@ honour (``n`` > 1, logprobs, penalties and ``logit_bias``, ``echo``, ``best_of``
 names it, not a silent change of meaning: a client that asked for JSON or for tool calls
 would otherwise take free text for an answer. Fields that change nothing the server returns
 (``user``, ``metadata``, ...) and unknown ones are ignored, as OpenAI-compatible servers do.
+Types are strict: ``"max_tokens": "5"`` or ``"seed": true`` is a 400, not coerced. A
+temperature below ``targets.acceptance.MIN_TEMPERATURE`` samples greedily.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class OpenAIError(Exception):
 
     TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
              405: "invalid_request_error", 413: "invalid_request_error",
+             415: "invalid_request_error",
              429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
@@ -36,14 +39,29 @@ class OpenAIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
+STRICT = ConfigDict(extra="ignore", strict=True)
+"""Every body's rules: unknown fields ignored, no value coerced to a field's type."""
+
+SHOWN_CHARS = 64
+"""The most of a client's own text an error message repeats."""
+
+
+def shown(text: str) -> str:
+    """A short, printable prefix of something a client sent, for an error message."""
+    clipped = repr(text[:SHOWN_CHARS])[1:-1]
+    return clipped + ("..." if len(text) > SHOWN_CHARS else "")
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
     """What completions and chat completions share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -122,12 +140,14 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
