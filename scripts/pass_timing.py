@@ -23,8 +23,8 @@ import torch
 
 from starhub.models.loading import load_model, set_threads
 from starhub.wire.tree import DraftTree
+from targets.calibration import throwaway_tree
 from targets.engine import VerifyEngine
-from targets.serve.calibration import throwaway_tree
 from targets.verify import TargetModel
 
 

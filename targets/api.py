@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from targets.generate import GenerationResult, SpeculativeGenerator, encode_prompt
+from targets.generate import SpeculativeGenerator, encode_prompt
+from targets.stats import GenerationResult
 
 
 class Attached:

@@ -8,7 +8,7 @@ logits are the ones it would get alone: greedy output stays token-identical to
 ``generate()``, and sampling uses the star target's acceptance rules.
 
 Nothing here knows about sockets or roles: the edge verifier drives it, and so does a
-serving star target (``targets.serve.batcher``) for its requests in flight.
+serving star target (``targets.batcher``) for its requests in flight.
 """
 
 from __future__ import annotations

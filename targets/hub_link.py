@@ -1,5 +1,5 @@
 """A target's link to its hub, shared by the star target (``targets.generate``) and the
-serving batcher (``targets.serve.batcher``): the one greeting (our TARGET_CARD), the clock
+serving batcher (``targets.batcher``): the one greeting (our TARGET_CARD), the clock
 that follows whether the hub computes on our cores, the OPEN every session starts with, and
 the check every PROPOSE passes before it is verified."""
 

@@ -124,7 +124,7 @@ def test_a_prefill_computes_the_logits_of_its_last_token_only(tiny_model):
 
 
 def test_an_empty_tree_in_a_batch_is_one_plain_step(tiny_model):
-    from targets.serve.batcher import EMPTY_TREE
+    from targets.batcher import EMPTY_TREE
 
     model, _ = tiny_model
     for sampling in (Sampling(), Sampling(temperature=0.9)):

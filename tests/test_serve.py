@@ -18,8 +18,8 @@ from openai import OpenAI
 from serving import free_port, health, hub_errors, post, scrape, wait_until
 
 from starhub.launch.spawn import spawn_hub, spawn_serve
+from targets.batcher import Batcher, Request, Slot
 from targets.generate import GenerationStats, SpeculativeGenerator
-from targets.serve.batcher import Batcher, Request, Slot
 
 PROMPTS = ["the quick brown fox", "one two three four five", "hello world, again",
            "a b c d e f g", "numbers: 1 2 3", "lorem ipsum dolor"]

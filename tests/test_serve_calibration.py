@@ -1,13 +1,13 @@
-"""``targets.serve.calibration``: a serving target times batched passes over throwaway
+"""``targets.calibration``: a serving target times batched passes over throwaway
 sessions at start, so that its gate prices plain batching and trees from passes of several
 widths before the first request."""
 
 from __future__ import annotations
 
 from starhub.cores import CoreClock
+from targets.calibration import ROWS, TREE_NODES, calibrate, throwaway_tree
 from targets.engine import VerifyEngine
-from targets.serve.calibration import ROWS, TREE_NODES, calibrate, throwaway_tree
-from targets.serve.gate import SpeculationGate
+from targets.gate import SpeculationGate
 
 
 def test_calibration_feeds_both_fits_every_width_and_leaves_no_session(tiny_model):

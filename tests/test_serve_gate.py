@@ -8,7 +8,7 @@ import contextlib
 import pytest
 
 from targets.engine import BatchStats
-from targets.serve.gate import COALESCE, MARGIN, PRIOR_TAU, SpeculationGate
+from targets.gate import COALESCE, MARGIN, PRIOR_TAU, SpeculationGate
 
 
 def feed(gate: SpeculationGate, per_token_s: float, base_s: float = 0.04,
@@ -124,7 +124,7 @@ def test_a_batch_where_plain_pays_decodes_without_the_hub_and_equal_to_generate(
     import torch
 
     from starhub.launch.spawn import spawn_hub
-    from targets.serve.batcher import Batcher, Request
+    from targets.batcher import Batcher, Request
 
     model, tokenizer = tiny_model
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
@@ -154,7 +154,7 @@ def test_a_request_sent_plain_takes_up_trees_once_left_alone(tiny_model, tiny_di
 
     import torch
 
-    from targets.serve.batcher import Batcher, Request
+    from targets.batcher import Batcher, Request
 
     model, tokenizer = tiny_model
     with eagle3_hub(tiny_dir) as hub:
@@ -186,7 +186,7 @@ def test_a_request_decodes_on_while_the_hub_drafts_its_first_tree_and_commits_wh
 
     import torch
 
-    from targets.serve.batcher import Batcher, Request
+    from targets.batcher import Batcher, Request
 
     model, tokenizer = tiny_model
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [3, 1, 4, 1, 5, 9]]
@@ -219,7 +219,7 @@ def test_a_lone_request_uses_the_hub_where_the_rates_say_plain(tiny_model):
     import torch
 
     from starhub.launch.spawn import spawn_hub
-    from targets.serve.batcher import Batcher, Request
+    from targets.batcher import Batcher, Request
 
     model, tokenizer = tiny_model
     ids = [5, 6, 7, 8, 9]
@@ -248,7 +248,7 @@ def test_a_request_sent_plain_after_hub_rounds_takes_them_up_again_once_left_alo
 
     import torch
 
-    from targets.serve.batcher import Batcher, Request
+    from targets.batcher import Batcher, Request
 
     model, tokenizer = tiny_model
     with eagle3_hub(tiny_dir) as hub:

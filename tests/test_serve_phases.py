@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from targets.serve.batcher import Batcher, Phase, Request
+from targets.batcher import Batcher, Phase, Request
 from tests.test_serve_gate import eagle3_hub, feed, stats_of
 
 ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
@@ -53,7 +53,7 @@ def test_a_requests_logged_phases_follow_the_diagram(tiny_model, tiny_dir, caplo
     diagram, or two: it logs a turn at a time, and a turn may read a reply (a tree comes)
     and then verify it (a COMMIT leaves)."""
     model, tokenizer = tiny_model
-    with caplog.at_level(logging.DEBUG, logger="starhub.serve"), eagle3_hub(tiny_dir) as hub:
+    with caplog.at_level(logging.DEBUG, logger="starhub.target"), eagle3_hub(tiny_dir) as hub:
         batcher = Batcher(model, tokenizer, hub.address)
         feed(batcher.gate, per_token_s=0.01, round_trip_s=0.5)
         long, short = queue.SimpleQueue(), queue.SimpleQueue()

@@ -86,8 +86,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from starhub.models.loading import load_model, set_threads
     from starhub.options import resolve_threads
+    from targets.batcher import Batcher
     from targets.serve.app import OpenAIServer
-    from targets.serve.batcher import Batcher
 
     secure = security.ClientSecurity.from_args(args)
     if args.hub:

@@ -1,7 +1,7 @@
 """The HTTP face of a serving target: OpenAI's completions and chat completions (streamed
 by server-sent events or not), models, health and Prometheus metrics, on FastAPI.
 
-Every request becomes a ``targets.serve.batcher.Request``; its tokens come back as events
+Every request becomes a ``targets.batcher.Request``; its tokens come back as events
 from the engine thread, through an asyncio queue, and leave as text. A client that goes
 away cancels its request at once, which frees its session here and at the hub.
 """
@@ -24,9 +24,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from starhub.models.prompts import encode_prompt
+from targets import batcher as engine
 from targets.acceptance import Sampling
-from targets.generate import GenerationStats
-from targets.serve import batcher as engine
 from targets.serve.metrics import ServeMetrics
 from targets.serve.protocol import (
     ChatCompletionRequest,
@@ -36,6 +35,7 @@ from targets.serve.protocol import (
     shown,
 )
 from targets.serve.text import TextStream
+from targets.stats import GenerationStats
 
 DISCONNECT_POLL_S = 0.5
 MAX_BODY_BYTES = 4 << 20

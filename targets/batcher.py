@@ -1,5 +1,7 @@
-"""Continuous batching for a serving target: every request in flight is a session of one
-``VerifyEngine`` and, while a hub serves this process, a session of its own at the hub.
+"""The target core: continuous batching under every star-side front end (``starhub
+target`` and ``attach()`` through ``targets.generate``, ``starhub serve`` through
+``targets.serve.app``). Every request in flight is a session of one ``VerifyEngine`` and,
+while a hub serves this process, a session of its own at the hub.
 
 One engine thread owns the model, the engine and the hub connection. Each turn of its loop:
 
@@ -10,7 +12,7 @@ One engine thread owns the model, the engine and the hub connection. Each turn o
    batch decodes plain instead, and its requests open hub sessions when a later verdict
    says trees (a newcomer's, or one on the rows a finished request leaves), carrying what
    they decoded meanwhile. A request decodes plain from its OPEN until its first tree
-   comes, never idle for the hub;
+   comes, never idle for the hub (``decode_ahead``; the star target's wait for it);
 3. reads the hub's replies: a PROPOSE gives a request its tree (or a number of plain steps),
    or, where it decoded on meanwhile, is settled by the tokens it decoded since
    (``_catch_up``); an ERROR, or a hub past its deadline, sends the request on alone;
@@ -37,6 +39,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,18 +60,22 @@ from starhub.wire.messages import (
     Message,
     Open,
     Propose,
+    StatsQuery,
+    StatsReport,
+    TargetCard,
 )
+from starhub.wire.reports import PeerEntry, PeerReport
 from starhub.wire.tree import DraftTree, accepted_path, subtree
 from targets.acceptance import Sampling
+from targets.calibration import ROWS, TREE_NODES, calibrate
 from targets.card import eos_ids, feature_dtype, measure_step, on_wire, target_card
 from targets.engine import VerifyEngine
-from targets.generate import GenerationStats
+from targets.gate import COALESCE, MARGIN, PRIOR_TAU, Decision, SpeculationGate
 from targets.hub_link import HubLink, check_propose
-from targets.serve.calibration import ROWS, TREE_NODES, calibrate
-from targets.serve.gate import COALESCE, MARGIN, PRIOR_TAU, Decision, SpeculationGate
+from targets.stats import GenerationStats
 from targets.verify import Verdict
 
-log = logging.getLogger("starhub.serve")
+log = logging.getLogger("starhub.target")
 
 EMPTY_TREE = DraftTree(np.zeros(0, np.int32), np.zeros(0, np.int32))
 """A plain step in a batched pass: the root alone, whose next token is the bonus."""
@@ -215,12 +223,16 @@ class Batcher:
     def __init__(self, model, tokenizer, hub: str | None = None, name: str = "serve",
                  timeout_s: float = 3.0, prefill_chunk: int = 512,
                  client_options: dict | None = None, speculate: str = "auto",
-                 shared_cores: str = AUTO):
+                 shared_cores: str = AUTO, decode_ahead: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.hub = hub
         self.name = name
         self.prefill_chunk = prefill_chunk
+        self.decode_ahead = decode_ahead
+        """Whether a request decodes plain from its OPEN until its first tree comes (a
+        server's requests never idle for the hub), or waits for that tree (the star
+        target's: its hub's control plane judges its rounds from the first)."""
         self.client_options = client_options or {}
         self.eos = eos_ids(model)
         self.wire_dtype = feature_dtype(model)
@@ -241,6 +253,9 @@ class Batcher:
         self.stats = BatcherStats()
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._cancelled: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._questions: queue.SimpleQueue[Future] = queue.SimpleQueue()
+        self._asked: list[Future] = []
+        """Callers of ``hub_totals`` whose STATS_QUERY the hub has yet to answer."""
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._slots: dict[int, Slot] = {}
@@ -256,14 +271,14 @@ class Batcher:
         """Seconds the engine thread has spent in passes and prefill chunks."""
         self.failed = ""
         """Why the engine thread stopped, if it failed: the server then refuses requests."""
-        self.link = HubLink(hub, lambda: target_card(model, tokenizer, name, self.step_s),
-                            self.clock, name, timeout_s, client_options) if hub else None
+        self.link = HubLink(hub, self.card, self.clock, name, timeout_s,
+                            client_options) if hub else None
         if self.link is not None:
             self.link.connect()
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
 
     def _calibrate(self) -> None:
-        """Time passes over throwaway sessions for the gate (``targets.serve.calibration``)."""
+        """Time passes over throwaway sessions for the gate (``targets.calibration``)."""
         start = time.perf_counter()
         timed = calibrate(self.engine, self.gate, self.clock, self.vocab_size)
         widths = "/".join(map(str, ROWS))
@@ -294,9 +309,28 @@ class Batcher:
         self._cancelled.put(rid)
         self._wake.set()
 
+    def hub_totals(self, timeout_s: float = 2.0) -> PeerEntry | None:
+        """This process's totals by the hub's own account (rounds, and the time it spent
+        queueing and drafting for us), asked on the engine thread's connection; None when
+        no hub answers in ``timeout_s``."""
+        if self.link is None or not self._thread.is_alive():
+            return None
+        answer: Future = Future()
+        self._questions.put(answer)
+        self._wake.set()
+        try:
+            return answer.result(timeout_s)
+        except FutureTimeout:
+            answer.cancel()
+            return None
+
     @property
     def hub_connected(self) -> bool:
         return self.link is not None and self.link.client is not None
+
+    def card(self) -> TargetCard:
+        """What this target tells a hub about itself."""
+        return target_card(self.model, self.tokenizer, self.name, self.step_s)
 
     @property
     def pass_s(self) -> float:
@@ -385,7 +419,35 @@ class Batcher:
             self._on_reply(msg)
             timeout = 0
 
+    def _ask_totals(self, client: HubClient | None) -> None:
+        """Send one STATS_QUERY for the ``hub_totals`` callers that came since the last."""
+        new = []
+        while True:
+            try:
+                new.append(self._questions.get_nowait())
+            except queue.Empty:
+                break
+        if not new:
+            return
+        if client is None or client.sock.closed:
+            for answer in new:
+                _answer(answer, None)
+            return
+        if not self._asked:
+            with contextlib.suppress(HubUnavailable):
+                client.send(StatsQuery(peer=True))
+        self._asked += new
+
+    def _on_totals(self, msg: StatsReport) -> None:
+        totals = msg.body.peer if isinstance(msg.body, PeerReport) else None
+        asked, self._asked = self._asked, []
+        for answer in asked:
+            _answer(answer, totals)
+
     def _on_reply(self, msg: Message) -> None:
+        if isinstance(msg, StatsReport):
+            self._on_totals(msg)
+            return
         slot = self._slot_for(msg)
         if slot is None:  # its request ended, or went on alone, while the hub drafted
             # an answer to an OPEN brings a session we never knew the tag of: end it too;
@@ -484,10 +546,14 @@ class Batcher:
             self._intake()
             for slot in list(self._slots.values()):
                 self._finish(slot, "error", reason)
+            self._ask_totals(None)
+            for answer in self._asked:
+                _answer(answer, None)
 
     def _turn(self) -> None:
         self._intake()
         client = self._client()
+        self._ask_totals(client)
         self._read_hub(client, 0)
         self._overdue()
         self._prefill_one(client)
@@ -558,6 +624,8 @@ class Batcher:
             slot.prefill = self.engine.open_chunks(req.rid, req.prompt, self.prefill_chunk,
                                                    req.sampling, req.seed, layers)
             slot.client, slot.history = client, [] if client is not None else None
+            if client is None and self.link is not None:
+                slot.stats.note = self.link.note  # why it decodes with no hub
         self.stats.prefill_chunks += 1
         try:
             next(slot.prefill)
@@ -644,7 +712,7 @@ class Batcher:
         slot.client, slot.ref = client, next(self._refs)
         slot.seq, slot.reopened = -1, False
         slot.waiting_since, slot.busy_mark = time.perf_counter(), self._busy_s
-        slot.cohort, slot.ahead, slot.lag = -1, True, None
+        slot.cohort, slot.ahead, slot.lag = -1, self.decode_ahead, None
         slot.plain_tokens, slot.plain_feats = [], []
         slot.opening = self.link.opening([*req.prompt, *slot.output], len(req.prompt),
                                          req.sampling, req.seed, self.step_s,
@@ -912,3 +980,9 @@ class Batcher:
         before = self._phases.pop(slot.req.rid, None)
         if before is not None:
             log.debug("%s: request %d: %s -> DONE", self.name, slot.req.rid, before.name)
+
+
+def _answer(question: Future, value: object) -> None:
+    """Answer a caller's question unless it stopped waiting."""
+    if not question.done():
+        question.set_result(value)

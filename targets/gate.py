@@ -32,7 +32,7 @@ on theirs. Each fit forgets as it goes and learns only from its own kind of pass
 spell of one kind moves neither the other's fit: one fit of every pass read a plain pass
 of two rows at 17.5 to 18 tok/s after a spell of trees, where plain passes ran 21.5, and
 kept trees while the batch grew; a server whose requests all went plain forgot what tree
-passes cost. Passes timed at start-up (``targets.serve.calibration``) give both fits
+passes cost. Passes timed at start-up (``targets.calibration``) give both fits
 batches of 1 to 4 rows before the first request: live passes alone tell a fit only the
 batches the load has run (a fit that had seen one-row plain passes only priced five rows
 at 175 ms where they took 100, and kept trees for them).

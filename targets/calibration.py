@@ -16,7 +16,7 @@ import numpy as np
 from starhub.cores import CoreClock
 from starhub.wire.tree import DraftTree
 from targets.engine import BatchStats, VerifyEngine
-from targets.serve.gate import SpeculationGate
+from targets.gate import SpeculationGate
 
 ROWS = (1, 2, 4)
 TREE_NODES = (0, 4, 10)
