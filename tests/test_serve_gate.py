@@ -118,6 +118,29 @@ def test_the_floor_advised_prices_a_node_at_what_it_holds_the_whole_batch_back()
     assert dear.floor(300, 1e4) == 1.0
 
 
+def plain_pair_then_alone(model, tokenizer, hub: str):
+    """A request of 40 tokens and one of 4, queued together, on a server whose gate finds
+    the hub far too slow for a batch of two: both begin plain, and once the short one ends
+    the long one may take up the hub. The long one's tokens and stats, and the server's
+    totals, once both have ended."""
+    import queue
+
+    from targets.batcher import Batcher, Request
+
+    batcher = Batcher(model, tokenizer, hub)
+    feed(batcher.gate, per_token_s=0.01, round_trip_s=0.5)
+    long, short = queue.SimpleQueue(), queue.SimpleQueue()
+    batcher.submit(Request(prompt=[5, 6, 7, 8, 9], max_tokens=40, sink=long.put))
+    batcher.submit(Request(prompt=[11, 12, 13], max_tokens=4, sink=short.put))
+    batcher.start()
+    try:
+        stats_of(short)
+        got, stats = stats_of(long)
+    finally:
+        batcher.stop()
+    return got, stats, batcher.stats
+
+
 def test_a_batch_where_plain_pays_decodes_without_the_hub_and_equal_to_generate(tiny_model):
     import queue
 
@@ -150,28 +173,15 @@ def test_a_request_sent_plain_takes_up_trees_once_left_alone(tiny_model, tiny_di
     """Plain batching wins for two requests; once the short one ends, the long one opens a
     hub session mid-stream, carrying every token and feature row it decoded plain (an
     EAGLE-3 head checks both), and its output is still the target's own."""
-    import queue
 
     import torch
 
-    from targets.batcher import Batcher, Request
-
     model, tokenizer = tiny_model
     with eagle3_hub(tiny_dir) as hub:
-        batcher = Batcher(model, tokenizer, hub.address)
-        feed(batcher.gate, per_token_s=0.01, round_trip_s=0.5)
-        long, short = queue.SimpleQueue(), queue.SimpleQueue()
-        batcher.submit(Request(prompt=[5, 6, 7, 8, 9], max_tokens=40, sink=long.put))
-        batcher.submit(Request(prompt=[11, 12, 13], max_tokens=4, sink=short.put))
-        batcher.start()
-        try:
-            stats_of(short)
-            got, stats = stats_of(long)
-            assert batcher.stats.gated == 2, "both began plain"
-            assert stats.rounds > 0 and stats.note == "", "then it verified hub trees"
-            assert hub.hub.metrics.sessions_opened == 1
-        finally:
-            batcher.stop()
+        got, stats, totals = plain_pair_then_alone(model, tokenizer, hub.address)
+        assert totals.gated == 2, "both began plain"
+        assert stats.rounds > 0 and stats.note == "", "then it verified hub trees"
+        assert hub.hub.metrics.sessions_opened == 1
     ref = model.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=40, do_sample=False)
     assert got == ref[0, 5:].tolist()
 

@@ -4,14 +4,13 @@ batcher's phases, and the changes a real batcher logs follow the diagram's arrow
 from __future__ import annotations
 
 import logging
-import queue
 import re
 from pathlib import Path
 
 import torch
 
-from targets.batcher import Batcher, Phase, Request
-from tests.test_serve_gate import eagle3_hub, feed, stats_of
+from targets.batcher import Phase
+from tests.test_serve_gate import eagle3_hub, plain_pair_then_alone
 
 ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
@@ -54,17 +53,7 @@ def test_a_requests_logged_phases_follow_the_diagram(tiny_model, tiny_dir, caplo
     and then verify it (a COMMIT leaves)."""
     model, tokenizer = tiny_model
     with caplog.at_level(logging.DEBUG, logger="starhub.target"), eagle3_hub(tiny_dir) as hub:
-        batcher = Batcher(model, tokenizer, hub.address)
-        feed(batcher.gate, per_token_s=0.01, round_trip_s=0.5)
-        long, short = queue.SimpleQueue(), queue.SimpleQueue()
-        batcher.submit(Request(prompt=[5, 6, 7, 8, 9], max_tokens=40, sink=long.put))
-        batcher.submit(Request(prompt=[11, 12, 13], max_tokens=4, sink=short.put))
-        batcher.start()
-        try:
-            stats_of(short)
-            got, stats = stats_of(long)
-        finally:
-            batcher.stop()
+        got, stats, _ = plain_pair_then_alone(model, tokenizer, hub.address)
     assert stats.rounds > 0, "the long request verified hub trees"
     ref = model.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=40, do_sample=False)
     assert got == ref[0, 5:].tolist()
