@@ -6,13 +6,14 @@ while a hub serves this process, a session of its own at the hub.
 One engine thread owns the model, the engine and the hub connection. Each turn of its loop:
 
 1. takes in new requests and drops cancelled ones (their hub session is CLOSEd at once);
-2. prefills one chunk of the oldest new prompt; a finished prefill emits the first token
-   and OPENs the request's hub session, so a long prompt never holds the others up for
-   more than one chunk; where plain batching serves the batch faster (``gate``), the
-   batch decodes plain instead, and its requests open hub sessions when a later verdict
-   says trees (a newcomer's, or one on the rows a finished request leaves), carrying what
-   they decoded meanwhile. A request decodes plain from its OPEN until its first tree
-   comes, never idle for the hub (``decode_ahead``; the star target's wait for it);
+2. prefills one chunk of a new prompt (``PrefillTurns``: the shortest and the oldest in
+   turn); a finished prefill emits the first token and OPENs the request's hub session,
+   so a long prompt never holds the others up for more than one chunk; where plain
+   batching serves the batch faster (``gate``), the batch decodes plain instead, and its
+   requests open hub sessions when a later verdict says trees (a newcomer's, or one on the
+   rows a finished request leaves), carrying what they decoded meanwhile. A request
+   decodes plain from its OPEN until its first tree comes, never idle for the hub
+   (``decode_ahead``; the star target's wait for it);
 3. reads the hub's replies: a PROPOSE gives a request its tree (or a number of plain steps),
    or, where it decoded on meanwhile, is settled by the tokens it decoded since
    (``_catch_up``); an ERROR, or a hub past its deadline, sends the request on alone;
@@ -37,7 +38,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -72,6 +72,7 @@ from targets.card import eos_ids, feature_dtype, measure_step, on_wire, target_c
 from targets.engine import VerifyEngine
 from targets.gate import COALESCE, MARGIN, PRIOR_TAU, Decision, SpeculationGate
 from targets.hub_link import HubLink, check_propose
+from targets.prefill_turns import PrefillTurns
 from targets.stats import GenerationStats
 from targets.verify import Verdict
 
@@ -126,6 +127,8 @@ class Slot:
     req: Request
     stats: GenerationStats
     prefill: Generator | None = None
+    prefill_left: int = 0
+    """Prompt tokens still to prefill."""
     decoding: bool = False
     client: HubClient | None = None
     """The connection its hub session lives on (None: it decodes alone)."""
@@ -259,7 +262,9 @@ class Batcher:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._slots: dict[int, Slot] = {}
-        self._new: deque[Slot] = deque()
+        self._new: list[Slot] = []
+        """Requests whose prompts are prefilled, a chunk a turn, oldest first."""
+        self._turns = PrefillTurns()
         self._rids = itertools.count(1)
         self._phases: dict[int, Phase] = {}
         """Each request's phase at the end of the last turn (``_log_phases``)."""
@@ -594,7 +599,8 @@ class Batcher:
             except queue.Empty:
                 break
             slot = Slot(req=req, stats=GenerationStats(started_at=time.time(),
-                                                       threads=torch.get_num_threads()))
+                                                       threads=torch.get_num_threads()),
+                        prefill_left=len(req.prompt))
             self._slots[req.rid] = slot
             self._new.append(slot)
             if log.isEnabledFor(logging.DEBUG):
@@ -610,11 +616,11 @@ class Batcher:
                 self._release(slot)
 
     def _prefill_one(self, client: HubClient | None) -> None:
-        """One chunk of the oldest new prompt; when it is the last, the request starts
-        decoding and OPENs its hub session."""
+        """One chunk of a new prompt (``PrefillTurns`` says whose); when it is the last,
+        the request starts decoding and OPENs its hub session."""
         if not self._new:
             return
-        slot = self._new[0]
+        slot = self._turns.pick(self._new, lambda s: s.prefill_left)
         req = slot.req
         start = time.perf_counter()
         if client is not None and client.sock.closed:  # dropped earlier in this turn
@@ -629,6 +635,7 @@ class Batcher:
         self.stats.prefill_chunks += 1
         try:
             next(slot.prefill)
+            slot.prefill_left -= self.prefill_chunk
             slot.stats.prefill_s += time.perf_counter() - start
             self._busy_s += time.perf_counter() - start
             return
@@ -636,7 +643,7 @@ class Batcher:
             first, feats = done.value
         slot.stats.prefill_s += time.perf_counter() - start
         self._busy_s += time.perf_counter() - start
-        self._new.popleft()
+        self._new.remove(slot)
         slot.prefill, slot.decoding = None, True
         if slot.history is not None and feats is not None:
             slot.history.append(on_wire(feats, self.wire_dtype))

@@ -58,6 +58,7 @@ from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.card import feature_dtype, measure_step, on_wire, target_card
 from targets.engine import VerifyEngine, measure_budget
+from targets.prefill_turns import PrefillTurns
 from targets.schedule import Scheduler, Waiting
 from targets.verifier_state import (
     DrafterPeer,
@@ -110,8 +111,8 @@ class Verifier(Server):
         self.prefills: dict[int, Prefill] = {}
         """OPENs whose prompts are being prefilled, a chunk between two passes, in the
         order they came."""
-        self.oldest_turn = False
-        """Whether the next prefill chunk goes to the oldest OPEN (``prefill_step``)."""
+        self.turns = PrefillTurns()
+        """Which OPEN's prompt the next chunk goes to (``prefill_step``)."""
         self.chunk = config.prefill_chunk or PREFILL_CHUNK[1]
         self.pass_started = 0.0
 
@@ -258,13 +259,9 @@ class Verifier(Server):
                                      len(prompt), size)
 
     def prefill_step(self) -> None:
-        """One chunk of a prompt, its OPENED once it is done. Chunks go in turn to the
-        prompt with the fewest tokens left, so that short prompts are not queued behind a
-        long one, and to the oldest, so that drafters that keep opening short prompts
-        cannot hold a long one up for ever."""
-        self.oldest_turn = not self.oldest_turn
-        tag = next(iter(self.prefills)) if self.oldest_turn else \
-            min(self.prefills, key=lambda t: self.prefills[t].left)
+        """One chunk of a prompt (``PrefillTurns`` says whose), its OPENED once it is
+        done."""
+        tag = self.turns.pick(list(self.prefills), lambda t: self.prefills[t].left)
         job = self.prefills[tag]
         first = job.left == len(job.prompt)
         size = job.size if first else self._chunk_now()  # the first one's was set at OPEN

@@ -18,7 +18,7 @@ from openai import OpenAI
 from serving import free_port, health, hub_errors, post, scrape, wait_until
 
 from starhub.launch.spawn import spawn_hub, spawn_serve
-from targets.batcher import Batcher, Request, Slot
+from targets.batcher import Batcher, Event, Request, Slot
 from targets.generate import GenerationStats, SpeculativeGenerator
 
 PROMPTS = ["the quick brown fox", "one two three four five", "hello world, again",
@@ -416,3 +416,26 @@ def test_a_request_in_flight_equals_itself_only_and_prints_without_its_features(
     long = Slot(req=req, stats=GenerationStats(), history=[torch.ones(1, 8)] * 512)
     assert one == one and one != other and other not in deque([one])
     assert len(repr(long)) == len(repr(other)) and "tensor" not in repr(long)
+
+
+def test_a_short_prompt_is_not_prefilled_behind_a_whole_long_one(tiny_model):
+    """Chunks go in turn to the prompt with the fewest tokens left and to the oldest: a
+    short prompt queued just after a ten-chunk one has its first token after two chunks,
+    not eleven, and both outputs are the target's own."""
+    model, tokenizer = tiny_model
+    heard: list[tuple[str, Event]] = []
+    batcher = Batcher(model, tokenizer, prefill_chunk=4)
+    long, short = list(range(3, 43)), [5, 6, 7]
+    batcher.submit(Request(prompt=long, max_tokens=6, sink=lambda e: heard.append(("long", e))))
+    batcher.submit(Request(prompt=short, max_tokens=6,
+                           sink=lambda e: heard.append(("short", e))))
+    batcher.start()
+    try:
+        assert wait_until(lambda: sum(e.done != "" for _, e in heard) == 2, 60)
+    finally:
+        batcher.stop()
+    assert heard[0][0] == "short", "the short prompt's first token came first"
+    assert batcher.stats.prefill_chunks == 11
+    for name, ids in (("long", long), ("short", short)):
+        got = [t for who, e in heard if who == name for t in e.tokens]
+        assert got == reference(model, ids, 6)
