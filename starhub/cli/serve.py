@@ -88,6 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from starhub.options import resolve_threads
     from targets.batcher import Batcher
     from targets.serve.app import OpenAIServer
+    from targets.serve.limits import GuardedH11, max_connections
 
     secure = security.ClientSecurity.from_args(args)
     if args.hub:
@@ -110,7 +111,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
              args.max_concurrency)
     config = uvicorn.Config(server.app(), host=args.host, port=args.port,
                             log_level="warning", timeout_graceful_shutdown=30,
-                            access_log=False)
+                            access_log=False, http=GuardedH11,
+                            limit_concurrency=max_connections(args.max_concurrency))
     http = uvicorn.Server(config)
     server.stopping = lambda: http.should_exit
 

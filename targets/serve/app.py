@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starhub.models.prompts import encode_prompt
 from targets import batcher as engine
 from targets.acceptance import Sampling
+from targets.serve.limits import BODY_TIMEOUT_S, WRITE_TIMEOUT_S
 from targets.serve.metrics import ServeMetrics
 from targets.serve.protocol import (
     ChatCompletionRequest,
@@ -36,6 +38,8 @@ from targets.serve.protocol import (
 )
 from targets.serve.text import TextStream
 from targets.stats import GenerationStats
+
+log = logging.getLogger("starhub.serve")
 
 DISCONNECT_POLL_S = 0.5
 MAX_BODY_BYTES = 4 << 20
@@ -230,10 +234,24 @@ class EventStream(StreamingResponse):
         self.call = call
 
     async def __call__(self, scope, receive, send) -> None:
+        async def send_or_drop(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), WRITE_TIMEOUT_S)
+            except TimeoutError:
+                raise SlowReader from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_or_drop)
+        except SlowReader:  # the server closes the connection when this returns
+            log.info("dropped a client that read nothing of its stream for %g s",
+                     WRITE_TIMEOUT_S)
+            await self.body_iterator.aclose()  # which cancels its request
         finally:
             self.call.release()
+
+
+class SlowReader(Exception):
+    """A client read nothing of its stream for ``WRITE_TIMEOUT_S``."""
 
 
 class Call:
@@ -406,11 +424,16 @@ async def _read_body(request: Request) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise too_big
     parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > MAX_BODY_BYTES:
-            raise too_big
-        parts.append(part)
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for part in request.stream():
+                size += len(part)
+                if size > MAX_BODY_BYTES:
+                    raise too_big
+                parts.append(part)
+    except TimeoutError:
+        raise OpenAIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} "
+                          f"s") from None
     return b"".join(parts)
 
 

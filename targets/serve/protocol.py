@@ -22,7 +22,7 @@ class OpenAIError(Exception):
 
     TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
              405: "invalid_request_error", 413: "invalid_request_error",
-             415: "invalid_request_error",
+             408: "invalid_request_error", 415: "invalid_request_error",
              429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None,

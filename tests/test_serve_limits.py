@@ -1,0 +1,114 @@
+"""What one HTTP client may hold: a connection that never finishes its headers or its body
+is closed, and past the connection cap the server answers 503. A real uvicorn server of
+the tiny model (no hub), in this process, with its deadlines shortened."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import uvicorn
+from serving import free_port, post, wait_until
+
+from targets.batcher import Batcher
+from targets.serve import app as app_module
+from targets.serve.app import OpenAIServer
+from targets.serve.limits import GuardedH11, max_connections
+
+CONCURRENCY = 2
+
+
+class QuickH11(GuardedH11):
+    header_timeout_s = 1.0
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    model, tokenizer = tiny_model
+    batcher = Batcher(model, tokenizer)
+    openai = OpenAIServer(batcher, tokenizer, "tiny", CONCURRENCY, 256)
+    port = free_port()
+    http = uvicorn.Server(uvicorn.Config(openai.app(), host="127.0.0.1", port=port,
+                                         log_level="warning", http=QuickH11,
+                                         limit_concurrency=max_connections(CONCURRENCY)))
+    batcher.start()
+    thread = threading.Thread(target=lambda: asyncio.run(http.serve()), daemon=True)
+    thread.start()
+    assert wait_until(lambda: http.started, 30)
+    try:
+        yield f"http://127.0.0.1:{port}", port
+    finally:
+        http.should_exit = True
+        thread.join(10)
+        batcher.stop()
+
+
+def closed_by_server(sock: socket.socket, trickle: bytes = b"", within_s: float = 30.0) -> bool:
+    """Whether the server closes ``sock`` within ``within_s``, while ``trickle`` is sent a
+    byte every 0.2 s (a client that keeps its connection busy without finishing)."""
+    sock.settimeout(0.2)
+    deadline = time.monotonic() + within_s
+    sent = 0
+    while time.monotonic() < deadline:
+        try:
+            if sock.recv(4096) == b"":
+                return True
+        except TimeoutError:
+            pass
+        except ConnectionResetError:
+            return True
+        if sent < len(trickle):
+            with contextlib.suppress(OSError):
+                sock.send(trickle[sent:sent + 1])
+            sent += 1
+    return False
+
+
+def test_a_client_trickling_its_headers_is_closed_at_the_header_deadline(server):
+    url, port = server
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.send(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    assert closed_by_server(sock, trickle=b"X-Slow: " + b"a" * 1000)
+    sock.close()
+    assert post(url, "/v1/completions", {"model": "tiny", "prompt": [5, 6],
+                                         "max_tokens": 2})[0] == 200
+
+
+def test_a_body_shorter_than_its_length_is_a_408_at_the_body_deadline(server, monkeypatch):
+    monkeypatch.setattr(app_module, "BODY_TIMEOUT_S", 1.0)
+    _, port = server
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.send(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+              b"Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"model\": ")
+    reply = sock.recv(65536)
+    sock.close()
+    assert reply.startswith(b"HTTP/1.1 408")
+    body = json.loads(reply.partition(b"\r\n\r\n")[2])
+    assert "did not arrive" in body["error"]["message"]
+
+
+def test_past_the_connection_cap_a_request_gets_503_and_room_comes_back(server):
+    url, port = server
+    idle = [socket.create_connection(("127.0.0.1", port))
+            for _ in range(max_connections(CONCURRENCY) - 1)]
+    try:
+        assert wait_until(lambda: _get(url + "/health")[0] == 503, 10)
+    finally:
+        for sock in idle:
+            sock.close()
+    assert wait_until(lambda: _get(url + "/health")[0] == 200, 10)
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
