@@ -112,3 +112,42 @@ def _get(url: str) -> tuple[int, bytes]:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
+
+
+def test_a_failed_engine_answers_its_requests_with_a_500_and_stops_the_server(tiny_model):
+    """A fault inside a forward pass: the request in flight gets a 500 in the OpenAI shape,
+    and the server stops (``starhub serve`` then exits non-zero for its supervisor)
+    instead of answering 503 for ever."""
+    model, tokenizer = tiny_model
+    batcher = Batcher(model, tokenizer)
+
+    def broken(work):
+        raise MemoryError("out of memory in a pass")
+
+    batcher.engine.verify = broken
+    openai = OpenAIServer(batcher, tokenizer, "tiny", CONCURRENCY, 256)
+    port = free_port()
+    http = uvicorn.Server(uvicorn.Config(openai.app(), host="127.0.0.1", port=port,
+                                         log_level="warning", http=QuickH11))
+    outcome: list[bool] = []
+
+    async def serve() -> None:
+        task = asyncio.create_task(http.serve())
+        while not http.started:
+            await asyncio.sleep(0.05)
+        outcome.append(await openai.watch_engine(http, every_s=0.05))
+        await task
+
+    batcher.start()
+    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: http.started, 30)
+        code, reply, _ = post(f"http://127.0.0.1:{port}", "/v1/completions",
+                              {"model": "tiny", "prompt": [5, 6], "max_tokens": 4})
+        assert code == 500 and "out of memory" in reply["error"]["message"]
+        thread.join(30)
+        assert outcome == [True] and not thread.is_alive()
+    finally:
+        http.should_exit = True
+        batcher.stop()

@@ -116,20 +116,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     http = uvicorn.Server(config)
     server.stopping = lambda: http.should_exit
 
-    async def main() -> None:
+    async def main() -> bool:
+        """Serve until stopped; True if the engine failed."""
         task = asyncio.create_task(http.serve())
         while not http.started and not task.done():
             await asyncio.sleep(0.05)
+        failed = False
         if http.started:
             host, port = http.servers[0].sockets[0].getsockname()[:2]
             print(f"{READY}http://{host}:{port}", flush=True)
             log.info("listening on http://%s:%d", host, port)
+            failed = await server.watch_engine(http)
         await task
+        return failed
 
+    failed = False
     try:
-        asyncio.run(main())
+        failed = asyncio.run(main())
     except KeyboardInterrupt:
         pass
     finally:
         batcher.stop()
-    return 0 if http.started else 1
+    return 0 if http.started and not failed else 1

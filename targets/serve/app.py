@@ -70,6 +70,20 @@ class OpenAIServer:
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         """Prompts are tokenized here, in turn, never on the event loop."""
 
+    async def watch_engine(self, http, every_s: float = 0.5) -> bool:
+        """Until the HTTP server ``http`` (a ``uvicorn.Server``) stops: True, once it is
+        told to, if the engine thread failed. The requests it held have had their errors;
+        a server that cannot decode any more exits for its supervisor to restart it, rather
+        than answer 503 for ever."""
+        while not http.should_exit:
+            if self.batcher.failed:
+                log.error("%s; stopping the server so that it can be restarted",
+                          self.batcher.failed)
+                http.should_exit = True
+                return True
+            await asyncio.sleep(every_s)
+        return False
+
     @property
     def shutting_down(self) -> bool:
         return self.stopping() or bool(self.batcher.failed)
