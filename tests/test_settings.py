@@ -198,3 +198,43 @@ def test_default_configs_are_valid():
     HubConfig()
     VerifierConfig()
     SessionLimits()
+
+
+SAME_MEANING = {
+    ("hub", "device"), ("targets", "device"), ("verifier", "device"), ("drafters", "device"),
+    ("hub", "model"), ("drafters", "model"), ("targets", "model"), ("verifier", "model"),
+    ("hub", "bind"), ("verifier", "bind"), ("targets", "name"), ("drafters", "name"),
+    ("verifier", "budget"), ("verifier", "max_batch"),
+}
+"""Keys whose file default reads differently from their flag's, with one meaning: a device
+and a bind address the launcher chooses for each backend (the flags' auto and loopback),
+models a file must name or takes from the other table, process names the launcher numbers,
+and auto, which the verifier's flags spell 0."""
+
+
+def test_a_launch_file_defaults_every_key_it_shares_with_a_flag_as_the_flag_does():
+    """Every key of a launch file's process tables (read from the schema, so that a new one
+    is checked too) against its process's flag: a file that leaves a key out runs what the
+    command line runs. The verifier's schedule read fifo from a file and goodspeed from
+    the command line."""
+    import msgspec
+
+    from starhub.launch import config
+
+    commands = _commands()
+    drift = []
+    for table, section, command in (("hub", config.HubSection, "hub"),
+                                    ("targets", config.TargetsSection, "target"),
+                                    ("verifier", config.VerifierSection, "verifier"),
+                                    ("drafters", config.DraftersSection, "drafter")):
+        flags = {o: a for a in commands[command]._actions for o in a.option_strings}
+        for field in msgspec.structs.fields(section):
+            action = flags.get("--" + field.name.replace("_", "-"))
+            if action is None or (table, field.name) in SAME_MEANING:
+                continue
+            default = field.default_factory() if field.default is msgspec.NODEFAULT \
+                else field.default
+            if str(default) != str(action.default):
+                drift.append(f"{table}.{field.name} = {default!r}, --{field.name} "
+                             f"{action.default!r}")
+    assert not drift

@@ -166,7 +166,7 @@ class VerifierSection(ServerSection, kw_only=True):
     budget: Annotated[BUDGET.type | Auto, doc("tokens one pass may feed; auto: measured at "
                                               "start")] = AUTO
     max_batch: Positive | Auto = AUTO
-    schedule: Literal[SCHEDULES] = "fifo"
+    schedule: Literal[SCHEDULES] = "goodspeed"
     nodes: Tree = DEFAULT_SHAPE.max_nodes
     max_nodes: Tree = 32
     ttl: Ttl = 120.0
