@@ -11,6 +11,7 @@ from starhub.launch import READY
 from starhub.models.prompts import encode_prompt, read_prompts
 from starhub.options import (
     COUNT,
+    DEFAULT_SHAPE,
     DEFAULT_THREADS,
     DRAFT_DTYPES,
     DRAFTERS,
@@ -36,8 +37,6 @@ from starhub.options import (
 )
 from starhub.server.limits import VERIFIER_LIMITS, add_limit_args, limits_from_args
 from starhub.wire import security
-
-DEFAULT_SHAPE = TreeShape()
 
 
 def add_parsers(sub) -> None:
