@@ -808,11 +808,11 @@ class Batcher:
         request decoded ahead of it (``_catch_up``) COMMITs those tokens first."""
         slot.tree = None
         ahead, feats = slot.plain_tokens, slot.plain_feats
-        nodes = len(slot.lag.tokens) if slot.lag is not None else len(tree)
+        whole = DraftTree(slot.lag.tokens, slot.lag.parents) if slot.lag is not None else tree
         slot.plain_tokens, slot.plain_feats, slot.lag = [], [], None
         tokens = ahead + verdict.tokens
         accepted = len(ahead) + len(verdict.path)
-        self._count_round(slot, accepted, nodes)
+        self._count_round(slot, accepted, whole)
         if verdict.features is not None:
             feats = [*feats, verdict.features]
         commit = Commit(tag=slot.tag, seq=slot.seq, accepted=accepted, verify_ms=1e3 * took,
@@ -823,11 +823,12 @@ class Batcher:
             return
         self._commit(slot, commit)
 
-    def _count_round(self, slot: Slot, accepted: int, nodes: int) -> None:
-        """A hub tree of ``nodes`` settled, ``accepted`` of them kept (and a bonus token),
-        on the request's figures, the gate's and the server's."""
-        count_round(slot.stats, accepted, nodes)
-        self.gate.observe_round(nodes, accepted + 1)
+    def _count_round(self, slot: Slot, accepted: int, tree: DraftTree) -> None:
+        """A hub tree settled, ``accepted`` of its nodes kept (and a bonus token), on the
+        request's figures, the gate's and the server's."""
+        count_round(slot.stats, accepted, len(tree))
+        slot.stats.max_depth = max(slot.stats.max_depth, tree.depth)
+        self.gate.observe_round(len(tree), accepted + 1)
         self.stats.rounds += 1
         self.stats.committed += accepted + 1
 
@@ -872,13 +873,14 @@ class Batcher:
             accepted, n = 0, msg.plain
         else:
             path = accepted_path(msg.tokens, msg.parents, done)
+            proposal = DraftTree(msg.tokens, msg.parents)
             if len(path) == len(done):
-                below = subtree(DraftTree(msg.tokens, msg.parents), path[-1] if path else -1)
+                below = subtree(proposal, path[-1] if path else -1)
                 if len(below):
                     slot.tree, slot.ahead = below, False
                 return
             accepted, n = len(path), len(path) + 1
-            self._count_round(slot, accepted, len(msg.tokens))
+            self._count_round(slot, accepted, proposal)
         slot.lag, slot.ahead = None, len(done) > n
         steps, tok_s = self._commit_rates()
         self._commit_decoded(slot, accepted, n, self.pass_s,

@@ -30,6 +30,8 @@ class GenerationStats:
     """Wall-clock start (time.time()), to line up several targets' runs."""
     threads: int = 0
     tree_nodes: int = 0
+    max_depth: int = 0
+    """The deepest tree a round offered: the most draft tokens one round could accept."""
     accepted_at_depth: list[int] = field(default_factory=list)
     accept_len_hist: dict[str, int] = field(default_factory=dict)
     standalone: bool = False

@@ -439,3 +439,35 @@ def test_a_short_prompt_is_not_prefilled_behind_a_whole_long_one(tiny_model):
     for name, ids in (("long", long), ("short", short)):
         got = [t for who, e in heard if who == name for t in e.tokens]
         assert got == reference(model, ids, 6)
+
+
+SPEC_FIELDS = {"mean_acceptance_length", "draft_acceptance_rate", "acceptance_histogram",
+               "num_spec_steps", "num_accepted_draft_tokens", "num_draft_tokens",
+               "num_spec_tokens"}
+
+
+def test_each_response_reports_its_rounds_in_vllms_speculative_decoding_shape(stack):
+    """``metrics.speculative_decoding`` (vLLM's per-request fields), streamed or not, agrees
+    with the request's own round log (``spec_decode``): steps, accepted and drafted tokens,
+    and a histogram of steps by draft tokens accepted."""
+    url, _, name = stack
+    api = client(url)
+    prompt = "a b c a b c a b c a b c a b c a b c"
+    whole = api.completions.create(model=name, prompt=prompt, max_tokens=40, temperature=0)
+    streamed = list(api.completions.create(model=name, prompt=prompt, max_tokens=40,
+                                           temperature=0, stream=True))
+    for extra in (whole.model_extra, streamed[-1].model_extra):
+        spec, log = extra["metrics"]["speculative_decoding"], extra["spec_decode"]
+        assert set(spec) == SPEC_FIELDS
+        assert spec["num_spec_steps"] == log["rounds"] > 0
+        assert spec["num_accepted_draft_tokens"] == log["accepted_draft_tokens"] > 0
+        assert spec["num_draft_tokens"] == log["draft_tokens"]
+        hist = spec["acceptance_histogram"]
+        assert len(hist) == spec["num_spec_tokens"] + 1 and sum(hist) == log["rounds"]
+        assert sum(n * count for n, count in enumerate(hist)) == log["accepted_draft_tokens"]
+        steps, accepted = spec["num_spec_steps"], spec["num_accepted_draft_tokens"]
+        assert spec["mean_acceptance_length"] == pytest.approx(1 + accepted / steps)
+        assert spec["mean_acceptance_length"] == pytest.approx(log["mean_accept_len"], abs=1e-3)
+        assert spec["draft_acceptance_rate"] == pytest.approx(accepted /
+                                                              spec["num_draft_tokens"])
+    assert all("metrics" not in chunk.model_extra for chunk in streamed[:-1])

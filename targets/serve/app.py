@@ -410,6 +410,8 @@ class Call:
             body["usage"] = usage
         if spec:
             body["spec_decode"] = self.spec()
+            if self.stats is not None:
+                body["metrics"] = {"speculative_decoding": self.speculative_decoding()}
         if prompt_ids:
             body["prompt_token_ids"] = list(self.req.prompt)
         return body
@@ -418,6 +420,22 @@ class Call:
         prompt, out = len(self.req.prompt), len(self.text.ids)
         return {"prompt_tokens": prompt, "completion_tokens": out,
                 "total_tokens": prompt + out}
+
+    def speculative_decoding(self) -> dict:
+        """The request's rounds in vLLM's per-request shape (``metrics.speculative_decoding``,
+        which AIPerf reads): a step is a verified hub tree; its draft tokens are the tree's
+        nodes, so ``num_draft_tokens`` sums them, and ``num_spec_tokens`` is the deepest
+        tree's depth, the most draft tokens one step could accept (the histogram's last
+        index)."""
+        s = self.stats
+        accepted = sum((int(k) - 1) * v for k, v in s.accept_len_hist.items())
+        return {
+            "mean_acceptance_length": 1 + accepted / s.rounds if s.rounds else 0.0,
+            "draft_acceptance_rate": accepted / s.tree_nodes if s.tree_nodes else 0.0,
+            "acceptance_histogram": [s.accept_len_hist.get(str(n + 1), 0)
+                                     for n in range(s.max_depth + 1)],
+            "num_spec_steps": s.rounds, "num_accepted_draft_tokens": accepted,
+            "num_draft_tokens": s.tree_nodes, "num_spec_tokens": s.max_depth}
 
     def spec(self) -> dict:
         """Per-request speculation figures (an extension field, as vLLM reports them)."""
