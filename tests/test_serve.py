@@ -471,3 +471,33 @@ def test_each_response_reports_its_rounds_in_vllms_speculative_decoding_shape(st
         assert spec["draft_acceptance_rate"] == pytest.approx(accepted /
                                                               spec["num_draft_tokens"])
     assert all("metrics" not in chunk.model_extra for chunk in streamed[:-1])
+
+
+class CountingTokenizer:
+    """A real tokenizer that counts the ids it is asked to decode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.decoded = 0
+
+    def decode(self, ids, **kwargs):
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def test_streamed_text_costs_the_same_work_per_token_however_long_the_answer(tokenizer):
+    """Detokenizing re-decoded every id on each new token: quadratic, seconds of CPU on
+    the event loop for a long answer. Each push decodes a few ids, and the text is still
+    the decoding of every id."""
+    from targets.serve.text import TextStream
+
+    text = " ".join(f"Élan {i}: naïve café 🙂 résumé, {i * 7} ½." for i in range(300))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > 3000
+    counting = CountingTokenizer(tokenizer)
+    stream = TextStream(counting, stops=["never appears"])
+    pieces = [stream.push([i]) for i in ids]
+    pushed = counting.decoded
+    pieces.append(stream.flush())
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert pushed < 8 * len(ids), f"{pushed / len(ids):.1f} ids decoded per token"

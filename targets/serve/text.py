@@ -1,7 +1,10 @@
 """Token ids to the text a client sees: incremental detokenization with stop strings.
 
-The text is always the tokenizer's decoding of every id so far (special tokens skipped),
-so the streamed pieces add up to exactly what a non-streamed response holds. A piece is
+The text is the tokenizer's decoding of every id so far (special tokens skipped), so the
+streamed pieces add up to exactly what a non-streamed response holds. It is built a push
+at a time at constant work per token: each push decodes only its new ids with the ids of
+the push before as context, and keeps what that decoding adds to the context's own (as
+vLLM does); where the two disagree on the context, the whole is decoded again. A piece is
 held back while it ends in a partial character or could be the start of a stop string.
 """
 
@@ -14,6 +17,10 @@ class TextStream:
         self.stops = stops or []
         self.ids: list[int] = []
         self.text = ""
+        self.context = 0
+        """Where the ids that the next push decodes as context begin."""
+        self.read = 0
+        """The ids that ``text`` holds the decoding of."""
         self.shown = 0
         """Characters of ``text`` already handed out."""
         self.stopped = False
@@ -24,8 +31,8 @@ class TextStream:
         if self.stopped or not tokens:
             return ""
         self.ids.extend(tokens)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
+        text = self._decode_new()
+        if text is None:  # a character split across tokens: wait for the rest
             return ""
         self.text = text
         if (at := self._first_stop(text)) is not None:
@@ -44,6 +51,21 @@ class TextStream:
         while keep > 1 and self._decode(keep - 1).startswith(text[:at] + stop):
             keep -= 1
         del self.ids[keep:]
+
+    def _decode_new(self) -> str | None:
+        """The text of every id, from ``text`` and a decoding of the new ids beside the
+        context; None while it ends in a partial character."""
+        decode = self.tokenizer.decode
+        window = decode(self.ids[self.context:], skip_special_tokens=True)
+        if window.endswith("\ufffd"):
+            return None
+        known = decode(self.ids[self.context:self.read], skip_special_tokens=True)
+        if window.startswith(known):
+            text = self.text + window[len(known):]
+        else:  # the new ids changed how the context reads: decode everything
+            text = decode(self.ids, skip_special_tokens=True)
+        self.context, self.read = self.read, len(self.ids)
+        return text
 
     def _decode(self, count: int) -> str:
         return self.tokenizer.decode(self.ids[:count], skip_special_tokens=True)
