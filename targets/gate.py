@@ -65,11 +65,7 @@ first tree comes, and rows decoding plain take trees up again whenever a verdict
 they pay, so a wrong "plain" costs a spell without trees and a wrong "trees" the hub's
 prefill and a spell of tree passes, neither a stall. Below capacity trees also shrink the
 batch they are judged at (requests leave sooner), which a verdict at today's batch does
-not credit them with. On the Xeon's AVX2 path the serving bench's rate-2 row read 0.99×
-of plain in two runs of three at 1.00, where three-row verdicts came within 4% of plain
-(trees 36.9 against 38.0 tok/s) and a server decoded its last requests plain, and 1.02×
-(1.02, 1.02, 1.01) at 0.95; at 1.10 it read 1.00× and 0.99× on the default path where
-1.00 read 1.04× and 1.03× (``docs/benchmarks.md``)."""
+not credit them with. ``docs/benchmarks.md`` has the serving runs that chose 0.95."""
 BATCH_WINDOW_S = 5.0
 """The recent batch size averages the rows decoding over about this long: long enough
 to see the load that arrivals build, short enough that a lull after a burst lets a lone

@@ -1,10 +1,9 @@
 """A drafter in a process of its own, so that drafting never waits on the hub's event loop.
 
 In one process, every COMMIT the event loop decodes and every PROPOSE it encodes holds the
-interpreter lock that the drafting thread needs between two tensor operations: at eight
-busy targets the loop's 0.5 ms of Python a round kept the drafting thread off the CPU for
-a tenth of its time, and batched drafting made about a fifth fewer rounds than it does in a
-process of its own. Here the drafter runs in a child (``python -m
+interpreter lock that the drafting thread needs between two tensor operations, so a busy
+loop keeps drafting off the CPU (``docs/benchmarks.md`` has the runs that measured it).
+Here the drafter runs in a child (``python -m
 starhub.hub.drafting_child``) and the hub holds a ``RemoteDrafter``:
 the same ``Drafter`` interface, each call a message on a ZeroMQ PAIR socket over a
 private ipc:// path. The child keeps the sessions' drafting state; every job carries the
