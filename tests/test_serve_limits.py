@@ -29,11 +29,12 @@ class QuickH11(GuardedH11):
     header_timeout_s = 1.0
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model):
+@contextlib.contextmanager
+def serving(tiny_model, **options):
+    """A real uvicorn server of the tiny model in this process: (its URL, its port)."""
     model, tokenizer = tiny_model
     batcher = Batcher(model, tokenizer)
-    openai = OpenAIServer(batcher, tokenizer, "tiny", CONCURRENCY, 256)
+    openai = OpenAIServer(batcher, tokenizer, "tiny", CONCURRENCY, 256, **options)
     port = free_port()
     http = uvicorn.Server(uvicorn.Config(openai.app(), host="127.0.0.1", port=port,
                                          log_level="warning", http=QuickH11,
@@ -48,6 +49,32 @@ def server(tiny_model):
         http.should_exit = True
         thread.join(10)
         batcher.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    with serving(tiny_model) as running:
+        yield running
+
+
+def test_a_host_the_server_does_not_go_by_is_refused(tiny_model):
+    """DNS rebinding: a page whose own name now resolves to 127.0.0.1 reaches the socket,
+    but its requests name its host, not the server's."""
+    from starhub.cli.serve import allowed_hosts
+
+    with serving(tiny_model, allowed_hosts=allowed_hosts("127.0.0.1", None)) as (url, port):
+        body = json.dumps({"model": "tiny", "prompt": [5, 6], "max_tokens": 2}).encode()
+        for host, status in (("evil.example", 400), (f"evil.example:{port}", 400),
+                             (f"127.0.0.1:{port}", 200), (f"localhost:{port}", 200),
+                             (f"[::1]:{port}", 200)):
+            request = urllib.request.Request(url + "/v1/completions", data=body, headers={
+                "Host": host, "Content-Type": "application/json"})
+            code, reply = _open(request)
+            assert code == status, (host, reply)
+            if status == 400:
+                assert "--allowed-hosts" in json.loads(reply)["error"]["message"]
+    assert allowed_hosts("0.0.0.0", None) is None and allowed_hosts("::", "a, *") is None
+    assert allowed_hosts("10.0.0.5", "a.example,b.example") == ["a.example", "b.example"]
 
 
 def closed_by_server(sock: socket.socket, trickle: bytes = b"", within_s: float = 30.0) -> bool:
@@ -107,8 +134,12 @@ def test_past_the_connection_cap_a_request_gets_503_and_room_comes_back(server):
 
 
 def _get(url: str) -> tuple[int, bytes]:
+    return _open(urllib.request.Request(url))
+
+
+def _open(request: urllib.request.Request) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=30) as resp:
+        with urllib.request.urlopen(request, timeout=30) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()

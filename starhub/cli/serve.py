@@ -40,6 +40,11 @@ def add_parser(sub: argparse._SubParsersAction, add_weight_args) -> None:
                    help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=PORT.arg, default=DEFAULT_PORT,
                    help=f"HTTP port (default {DEFAULT_PORT}; 0 picks a free one)")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated names the Host header may give, '*' for any "
+                        "(default: localhost and the --host address; any when --host "
+                        "listens on every interface). Other hosts get a 400: a web page "
+                        "cannot reach a loopback server by a name it controls")
     p.add_argument("--threads", type=threads_arg, default=DEFAULT_THREADS,
                    help="torch threads of the model. auto (default): every core this process "
                         "may use")
@@ -67,6 +72,16 @@ def add_parser(sub: argparse._SubParsersAction, add_weight_args) -> None:
     add_weight_args(p)
     add_shared_cores_arg(p)
     security.add_client_args(p)
+
+
+def allowed_hosts(host: str, given: str | None) -> list[str] | None:
+    """The Host header names a server answers (None: any)."""
+    if given is not None:
+        names = [name.strip() for name in given.split(",") if name.strip()]
+        return None if "*" in names else names
+    if host in ("0.0.0.0", "::", ""):
+        return None  # every interface: the names clients use cannot be known here
+    return sorted({"localhost", "127.0.0.1", "::1", host})
 
 
 def served_name(spec: str) -> str:
@@ -103,7 +118,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or served_name(args.model)
     context = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
     server = OpenAIServer(batcher, tokenizer, name, args.max_concurrency, context,
-                          chat_template=not args.no_chat_template)
+                          chat_template=not args.no_chat_template,
+                          allowed_hosts=allowed_hosts(args.host, args.allowed_hosts))
     batcher.start()
     log.info("serving '%s' (%s weights, torch threads=%d), hub=%s%s, max concurrency %d",
              name, model.dtype, threads, args.hub or "none",

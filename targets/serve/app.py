@@ -52,13 +52,16 @@ class OpenAIServer:
 
     def __init__(self, batcher: engine.Batcher, tokenizer, model_name: str,
                  max_concurrency: int = 16, context_len: int = 2048,
-                 chat_template: bool = True):
+                 chat_template: bool = True, allowed_hosts: list[str] | None = None):
         self.batcher = batcher
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_concurrency = max_concurrency
         self.context_len = context_len
         self.chat_template = chat_template
+        self.allowed_hosts = None if allowed_hosts is None else \
+            {h.lower().strip("[]") for h in allowed_hosts}
+        """The names the Host header may give (None: any)."""
         self.metrics = ServeMetrics(batcher)
         self.inflight = 0
         self.stopping: Callable[[], bool] = lambda: False
@@ -94,6 +97,8 @@ class OpenAIServer:
                       description="OpenAI-compatible speculative decoding target",
                       docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(OpenAIError, self._on_error)
+        if self.allowed_hosts is not None:
+            app.middleware("http")(self._check_host)
         app.add_exception_handler(StarletteHTTPException, self._on_http_error)
         app.api_route("/health", methods=["GET", "HEAD"])(self.health)
         app.get("/metrics")(self.prometheus)
@@ -101,6 +106,18 @@ class OpenAIServer:
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
         return app
+
+    async def _check_host(self, request: Request, call_next) -> Response:
+        """Refuse a Host header this server does not go by: a page that rebinds a name of
+        its own to a loopback address reaches the socket, but not the API."""
+        host = request.headers.get("host", "")
+        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        if name.lower().strip("[]") not in self.allowed_hosts:
+            error = OpenAIError(400, f"this server does not answer for the host "
+                                     f"'{shown(host)}' (--allowed-hosts)")
+            self.metrics.requests.labels("other", "400").inc()
+            return JSONResponse(error.body(), status_code=400)
+        return await call_next(request)
 
     async def _on_http_error(self, request: Request, exc: StarletteHTTPException
                              ) -> JSONResponse:
