@@ -195,6 +195,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        help=f"requests per rate and mode (default {SERVE_REQUESTS})")
     serve.add_argument("--seed", type=COUNT.arg, default=0,
                        help="seed of the arrival times and the prompts drawn (default 0)")
+    serve.add_argument("--slo", default=None,
+                       help="service-level objectives, ttft=MS,tpot=MS[,e2el=MS] (any of "
+                            "them): each row adds its goodput (requests/s meeting every one) "
+                            "and attainment, and the run the highest rate each mode "
+                            "sustains (90%% attainment). Choose them from what your users "
+                            "need, or from the plain servers' unloaded figures (a row at a "
+                            "low rate): e.g. TPOT at 1.5x plain's p50 at rate 0.5")
     serve.add_argument("--max-concurrency", type=POSITIVE.arg, default=None,
                        help="each server's --max-concurrency (default: the server's)")
     serve.add_argument("--speculate", choices=("auto", "always"), default="auto",
@@ -325,6 +332,7 @@ SERVE_HUB_FLAGS = {"drafter": str, "draft": str, "depth": depth_arg, "topk": TRE
 def serve_doc(args: argparse.Namespace) -> dict:
     # deferred: torch and transformers load only when this runs
     from bench.serve import ServeConfig, run_serve
+    from bench.serve_load import parse_slo
 
     others = [flag for flag, on in (("--hub-load", args.hub_load), ("--emulate", args.emulate),
                                     ("--topology edge", args.topology == "edge")) if on]
@@ -349,7 +357,7 @@ def serve_doc(args: argparse.Namespace) -> dict:
                       hub_threads=args.hub_threads, hub_args=hub_args, seed=args.seed,
                       max_concurrency=args.max_concurrency, speculate=args.speculate,
                       dtype=args.dtype, linear=args.linear, repeat=args.repeat,
-                      log_dir=args.log_dir)
+                      slo=parse_slo(args.slo) if args.slo else {}, log_dir=args.log_dir)
     return run_serve(cfg, progress=not args.no_progress)
 
 

@@ -145,13 +145,15 @@ def plot_edge(doc: dict, out: str | Path) -> None:
 
 def plot_serve(doc: dict, out: str | Path) -> None:
     """Serving rows against the offered rate, star and plain: output tokens/s (left), p99
-    TTFT and TPOT (right)."""
+    TTFT and TPOT (middle) and, with SLOs, the share of requests meeting them (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    slo = doc["config"].get("slo_ms")
+    fig, axes = plt.subplots(1, 3 if slo else 2, figsize=(18 if slo else 12, 4.8))
+    left, right = axes[0], axes[1]
     lat = right.twinx()
     for mode, color, nudge in (("star", "tab:blue", -0.015), ("plain", "tab:orange", 0.015)):
         rows = sorted((r for r in doc["rows"] if r["mode"] == mode), key=lambda r: r["rate"])
@@ -171,6 +173,9 @@ def plot_serve(doc: dict, out: str | Path) -> None:
                         label=f"{mode}: range of its runs")
         right.plot(*series("tpot_p99_ms"), "s-", color=color, label=f"{mode} TPOT p99")
         lat.plot(*series("ttft_p99_ms"), "^:", color=color, label=f"{mode} TTFT p99")
+        if slo:
+            rates, shares = series("slo_attainment")
+            axes[2].plot(rates, [100 * x for x in shares], "o-", color=color, label=mode)
     left.set_xlabel("offered rate (requests/s, all servers)")
     left.set_ylabel("output tokens per second")
     left.set_title("throughput")
@@ -185,7 +190,16 @@ def plot_serve(doc: dict, out: str | Path) -> None:
     rates = sorted({r["rate"] for r in doc["rows"]})
     for ax in (left, right, lat):
         ax.set_ylim(bottom=0)
-    for ax in (left, right):
+    if slo:
+        goal = axes[2]
+        goal.axhline(90, color="grey", linestyle="--", linewidth=1, label="90% (sustained)")
+        goal.set_xlabel("offered rate (requests/s, all servers)")
+        goal.set_ylabel("requests meeting every SLO (%)")
+        goal.set_ylim(0, 105)
+        goal.set_title("SLO attainment: " + ", ".join(f"{k} <= {v:g} ms"
+                                                      for k, v in slo.items()))
+        goal.legend(fontsize=8)
+    for ax in axes:
         ax.set_xticks(rates, [f"{r:g}" for r in rates])
         ax.grid(alpha=0.3)
     cfg = doc["config"]

@@ -136,6 +136,10 @@ def columns(doc: dict) -> list[tuple[str, object, str]]:
     emulated = doc["config"].get("mode") == "emulated"
     if doc["config"].get("mode") == "serve":
         cols = SERVE_COLUMNS
+        if any("slo_attainment" in row for row in doc["rows"]):
+            at = [c[1] for c in cols].index("tok_s_vs_plain") + 1
+            cols = cols[:at] + [("goodput", "goodput_rps", "{:.3f}"),
+                                ("slo_ok", "slo_attainment", "{:.0%}")] + cols[at:]
         for after, key, fmt in (("tok_s_vs_plain", "tok_s_vs_plain_runs", "{:.2f}"),
                                 ("output_tok_s", "output_tok_s_runs", "{:.1f}")):
             if any(key in row for row in doc["rows"]):
@@ -238,7 +242,24 @@ def serve_preamble(doc: dict) -> list[str]:
             f"from {cfg['n_prompts']} in {cfg['prompts']}, {cfg['max_new_tokens']} new tokens, "
             f"greedy, streamed by the openai client",
             f"star: one hub ({' '.join(cfg['hub_args']) or 'default flags'}) shared by the "
-            f"N servers; {cfg['plain_note']}"]
+            f"N servers; {cfg['plain_note']}", *slo_lines(doc)]
+
+
+def slo_lines(doc: dict) -> list[str]:
+    """The SLOs a serving run judged its rows by, and the rates each mode sustained."""
+    slo = doc["config"].get("slo_ms")
+    if not slo:
+        return []
+    best = doc.get("sustained_rate") or {}
+
+    def rate(mode: str) -> str:
+        return "none" if best.get(mode) is None else f"{best[mode]:g}/s"
+
+    ratio = best.get("star_vs_plain")
+    return [f"SLO {', '.join(f'{k} <= {v:g} ms' for k, v in slo.items())}: goodput = "
+            f"requests/s meeting all; highest rate with >= 90% attainment: star "
+            f"{rate('star')}, plain {rate('plain')}"
+            + (f" ({ratio:.2f}x)" if ratio else "")]
 
 
 def hub_load_preamble(cfg: dict) -> list[str]:

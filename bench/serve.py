@@ -33,8 +33,10 @@ from bench.serve_load import (
     drive,
     per_request,
     poisson_schedule,
+    slo_summary,
     spec_summary,
     summarize,
+    sustained_rates,
 )
 from starhub.hub.metrics import derive
 from starhub.launch.spawn import HubProcess, spawn_hub, spawn_servers
@@ -79,6 +81,13 @@ SERVE_NOTES = {
     "tpot_p50_vs_plain": "the plain row's tpot_p50_ms over this row's (above 1: faster)",
     "max_send_lag_ms": "how late the load generator sent a request after its scheduled "
                        "arrival (it shares the cores with the servers)",
+    "goodput_rps": "with --slo: requests a second that met every SLO (a failed request meets "
+                   "none), over the row's span, as DistServe and vLLM's --goodput count them",
+    "slo_attainment": "with --slo: the share of the row's requests that met every SLO",
+    "sustained_rate": "with --slo: per mode, the highest offered rate whose attainment is "
+                      "at least 90%, and star's over plain's",
+    "requests": "one record per request of every run (mode, rate, ttft_ms, tpot_ms, e2el_ms, "
+                "output_tokens, lossless), to compute goodput at another SLO",
     "per_request": "each request in schedule order: its server, prompt (index), send time "
                    "from the row's first, TTFT, TPOT, end-to-end time, tokens, and its "
                    "spec_decode rounds and plain steps",
@@ -110,6 +119,8 @@ class ServeConfig:
     linear: str = "auto"
     repeat: int = 1
     """Runs of every row; each row shows its median run."""
+    slo: dict[str, float] = field(default_factory=dict)
+    """Seconds by ``bench.serve_load.SLO_KEYS`` (none: no goodput columns)."""
     log_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -226,6 +237,8 @@ def measure(fleet: Fleet, model: str, rate: float, schedule: list[Arrival],
            "threads": {"servers": fleet.threads,
                        "hub": h1.get("threads") if h1 is not None else None}}
     row.update(hub_window(h0, h1, cfg.targets))
+    if cfg.slo:
+        row.update(slo_summary(outs, cfg.slo))
     row["per_request"] = per_request(outs)
     return row, outs
 
@@ -370,6 +383,7 @@ def run_serve(cfg: ServeConfig, progress: bool = True) -> dict:
                     outcomes.append(outs)
     say(f"generate() for up to {GENERATE_SAMPLE} prompts")
     check_lossless(rows, outcomes, generate_references(cfg, outcomes, threads))
+    records = request_records(rows, outcomes)
     rows = merge_runs(rows)
     rows.sort(key=lambda r: (r["rate"], MODES.index(r["mode"])))
     add_ratios(rows)
@@ -382,7 +396,32 @@ def run_serve(cfg: ServeConfig, progress: bool = True) -> dict:
                   warmup_tokens=WARMUP_TOKENS)
     machine = machine_info()
     machine["loadavg_at_start"] = loadavg
-    return {"machine": machine, "config": config, "rows": rows}
+    doc = {"machine": machine, "config": config, "rows": rows, "requests": records}
+    if cfg.slo:
+        config["slo_ms"] = {key: 1e3 * limit for key, limit in cfg.slo.items()}
+        doc["sustained_rate"] = sustained_rates(rows)
+    return doc
+
+
+def request_records(rows: list[dict], outcomes: list[list[Outcome]]) -> list[dict]:
+    """One record per request of every run, so that goodput at any other SLO can be
+    computed from one run's file: its mode and rate, latencies, tokens and whether its
+    output matched the references."""
+    records = []
+    for row, outs in zip(rows, outcomes, strict=True):
+        wrong = set(row["lossless_mismatches"])
+        for o in outs:
+            e2el = None if o.done is None else o.done - o.sent
+            records.append({
+                "mode": row["mode"], "rate": row["rate"], "server": o.server,
+                "prompt": o.prompt, "ttft_ms": _ms(o.ttft_s), "tpot_ms": _ms(o.tpot_s),
+                "e2el_ms": _ms(e2el), "output_tokens": o.tokens,
+                "lossless": o.error is None and o.index not in wrong, "error": o.error})
+    return records
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1e3 * seconds, 2)
 
 
 def threads_note(cfg: ServeConfig, threads: int) -> str:

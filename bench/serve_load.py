@@ -195,3 +195,61 @@ def spec_summary(outs: list[Outcome]) -> dict:
             "spec_rounds": rounds,
             "plain_token_share": plain / tokens if tokens else None,
             "hub_requests": sum(bool(s.get("hub")) for s in specs)}
+
+
+SLO_KEYS = {"ttft": "ttft_s", "tpot": "tpot_s", "e2el": "e2el_s"}
+"""What an SLO may bound, each in milliseconds on the command line: time to first token,
+time per output token after it, and the whole request's latency."""
+SUSTAINED = 0.9
+"""A rate is sustained where at least this share of its requests meets every SLO."""
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """``ttft=MS,tpot=MS[,e2el=MS]`` (any of them) as seconds by key."""
+    slo: dict[str, float] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        key, sep, value = part.partition("=")
+        if not sep or key not in SLO_KEYS:
+            raise ValueError(f"--slo: '{part}' is not KEY=MS with KEY one of "
+                             f"{', '.join(SLO_KEYS)}")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ValueError(f"--slo: {key}={value} is not a number of milliseconds") from None
+        if not 0 < ms < 1e9:
+            raise ValueError(f"--slo: {key} must be a positive number of milliseconds")
+        slo[key] = ms / 1e3
+    if not slo:
+        raise ValueError("--slo: give at least one of ttft=MS, tpot=MS, e2el=MS")
+    return slo
+
+
+def meets(o: Outcome, slo: dict[str, float]) -> bool:
+    """Whether a request finished and met every SLO (a one-token answer has no TPOT to
+    miss)."""
+    if o.error is not None or o.done is None:
+        return False
+    measured = {"ttft": o.ttft_s, "tpot": o.tpot_s, "e2el": o.done - o.sent}
+    return all(measured[key] is None or measured[key] <= limit for key, limit in slo.items())
+
+
+def slo_summary(outs: list[Outcome], slo: dict[str, float]) -> dict:
+    """Goodput (requests a second that met every SLO, over the row's span, as DistServe
+    and vLLM's ``--goodput`` count it) and SLO attainment (their share of the requests)."""
+    ok = [o for o in outs if o.error is None and o.done is not None]
+    span = (max(o.done for o in ok) - min(o.sent for o in outs)) if ok else 0.0
+    good = sum(meets(o, slo) for o in outs)
+    return {"goodput_rps": good / span if span else 0.0,
+            "slo_attainment": good / len(outs) if outs else 0.0}
+
+
+def sustained_rates(rows: list[dict]) -> dict:
+    """Per mode, the highest offered rate whose attainment is at least ``SUSTAINED`` (None:
+    none is), and star's over plain's."""
+    best: dict[str, float | None] = {}
+    for mode in ("star", "plain"):
+        rates = [r["rate"] for r in rows if r["mode"] == mode
+                 and (r.get("slo_attainment") or 0.0) >= SUSTAINED]
+        best[mode] = max(rates, default=None)
+    star, plain = best["star"], best["plain"]
+    return {**best, "star_vs_plain": star / plain if star and plain else None}

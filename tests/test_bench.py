@@ -279,7 +279,7 @@ def test_serve_bench_end_to_end(tiny_dir, tmp_path):
         "--max-new-tokens", "8", "--model", str(tiny_dir), "--drafter", "ngram",
         "--depth", "3", "--threads", "1", "--prompts", str(prompts), "--json", str(out),
         "--plot", str(tmp_path / "serve.png"), "--log-dir", str(tmp_path / "logs"),
-        "--speculate", "always", "--repeat", "2",
+        "--speculate", "always", "--repeat", "2", "--slo", "ttft=60000,tpot=60000",
         "--no-progress"])  # n-gram trees on a random model never pay
     assert main(args) == 0
     doc = json.loads(out.read_text())
@@ -300,6 +300,13 @@ def test_serve_bench_end_to_end(tiny_dir, tmp_path):
     assert plain["tau"] is None and plain["hub_load"] is None
     assert len(star["tok_s_vs_plain_runs"]) == 2
     assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
+    assert doc["config"]["slo_ms"] == {"ttft": 60000.0, "tpot": 60000.0}
+    assert all(row["slo_attainment"] == 1.0 and row["goodput_rps"] > 0 for row in doc["rows"])
+    assert doc["sustained_rate"] == {"star": 2.0, "plain": 2.0, "star_vs_plain": 1.0}
+    records = doc["requests"]
+    assert len(records) == 12 and {r["mode"] for r in records} == {"star", "plain"}
+    assert all(r["lossless"] and r["ttft_ms"] > 0 and r["e2el_ms"] >= r["ttft_ms"]
+               for r in records)
 
 
 def test_the_long_session_bench_builds_its_prompt_to_length_and_splits_its_phases(tokenizer):
@@ -312,3 +319,69 @@ def test_the_long_session_bench_builds_its_prompt_to_length_and_splits_its_phase
     samples = [(0.0, 100.0), (1.0, 500.0), (2.0, 300.0), (3.0, 350.0)]
     peaks = phase_peaks(samples, {"long_sent": 0.5, "long_opened": 1.5, "long_done": 3.0})
     assert list(peaks.values()) == [100.0, 500.0, 350.0]
+
+
+def test_goodput_counts_the_requests_that_meet_every_slo():
+    from bench.serve_load import Outcome, parse_slo, slo_summary
+
+    slo = parse_slo("ttft=200,tpot=50")
+    assert slo == {"ttft": 0.2, "tpot": 0.05}
+
+    def out(i, ttft, tpot, tokens=11, error=None):
+        o = Outcome(i, 0, 0, sent=float(i), tokens=tokens, error=error)
+        if error is None:
+            o.first = o.sent + ttft
+            o.done = o.first + tpot * (tokens - 1)
+        return o
+
+    outs = [out(0, 0.1, 0.04), out(1, 0.3, 0.04), out(2, 0.1, 0.06), out(3, 0.1, 0.01),
+            out(4, 0.0, 0.0, error="boom"), out(5, 0.15, 9.0, tokens=1)]
+    summary = slo_summary(outs, slo)
+    span = outs[-1].done - outs[0].sent
+    assert summary["slo_attainment"] == pytest.approx(3 / 6), "0, 3 and the one-token 5"
+    assert summary["goodput_rps"] == pytest.approx(3 / span)
+    assert slo_summary(outs, parse_slo("e2el=450"))["slo_attainment"] == pytest.approx(2 / 6)
+
+
+@pytest.mark.parametrize("text, error", [
+    ("ttft", "KEY=MS"), ("latency=5", "KEY=MS"), ("tpot=fast", "milliseconds"),
+    ("tpot=nan", "positive"), ("tpot=-1", "positive"), ("tpot=inf", "positive"),
+    ("", "at least one"),
+])
+def test_a_bad_slo_is_refused_naming_what_is_allowed(text, error):
+    from bench.serve_load import parse_slo
+
+    with pytest.raises(ValueError, match=error):
+        parse_slo(text)
+
+
+def test_the_sustained_rate_is_the_highest_with_ninety_percent_attainment(tmp_path):
+    from bench.plot import plot_serve
+    from bench.serve import request_records
+    from bench.serve_load import Outcome, sustained_rates
+
+    attain = {("star", 0.5): 1.0, ("star", 1.0): 0.95, ("star", 2.0): 0.6,
+              ("plain", 0.5): 0.92, ("plain", 1.0): 0.5, ("plain", 2.0): 0.1}
+    rows = [{"mode": mode, "targets": 2, "rate": rate, "request_throughput": rate,
+             "output_tok_s": 10 * rate, "ttft_p50_ms": 100.0, "ttft_p99_ms": 300.0,
+             "tpot_p50_ms": 40.0, "tpot_p99_ms": 60.0, "tau": None, "lossless": True,
+             "completed": 4, "failed": 0, "slo_attainment": share, "goodput_rps": share * rate}
+            for (mode, rate), share in attain.items()]
+    best = sustained_rates(rows)
+    assert best == {"star": 1.0, "plain": 0.5, "star_vs_plain": 2.0}
+    assert sustained_rates([r for r in rows if r["rate"] == 2.0])["star"] is None
+    doc = serve_doc(rows)
+    doc["config"]["slo_ms"] = {"tpot": 50.0}
+    doc["sustained_rate"] = best
+    text = text_table(doc)
+    assert "goodput" in text and "95%" in text
+    assert "star 1/s, plain 0.5/s (2.00x)" in text and "tpot <= 50 ms" in text
+    plot_serve(doc, tmp_path / "slo.png")
+    assert (tmp_path / "slo.png").read_bytes()[:4] == b"\x89PNG"
+    runs = [{"mode": "star", "rate": 1.0, "lossless_mismatches": [1]}]
+    outs = [[Outcome(0, 0, 3, sent=0.0, first=0.1, done=0.5, tokens=5),
+             Outcome(1, 1, 4, sent=0.2, first=0.4, done=0.9, tokens=5)]]
+    first, second = request_records(runs, outs)
+    assert first["ttft_ms"] == 100.0 and first["e2el_ms"] == 500.0 and first["lossless"]
+    assert first["tpot_ms"] == 100.0 and first["output_tokens"] == 5
+    assert second["lossless"] is False and {first["mode"], first["rate"]} == {"star", 1.0}
