@@ -74,7 +74,7 @@ from targets.gate import COALESCE, MARGIN, PRIOR_TAU, Decision, SpeculationGate
 from targets.hub_link import HubLink, check_propose
 from targets.prefill_turns import PrefillTurns
 from targets.stats import GenerationStats
-from targets.verify import Verdict
+from targets.verify import TokenLogprob, Verdict
 
 log = logging.getLogger("starhub.target")
 
@@ -93,6 +93,8 @@ class Event:
     done: str = ""
     error: str = ""
     stats: GenerationStats | None = None
+    logprobs: list[TokenLogprob] | None = None
+    """One per token, where the request asked for them."""
 
 
 @dataclass
@@ -101,6 +103,8 @@ class Request:
     max_tokens: int
     sampling: Sampling = Sampling()
     seed: int = 0
+    logprobs: int | None = None
+    """None: no log-probabilities; else each token's, and this many of the likeliest."""
     sink: Sink = print
     """Called on the engine thread with each ``Event``: it must not block."""
     rid: int = 0
@@ -628,7 +632,8 @@ class Batcher:
         if slot.prefill is None:
             layers = list(self.link.card.feature_layers) if client is not None else []
             slot.prefill = self.engine.open_chunks(req.rid, req.prompt, self.prefill_chunk,
-                                                   req.sampling, req.seed, layers)
+                                                   req.sampling, req.seed, layers,
+                                                   req.logprobs)
             slot.client, slot.history = client, [] if client is not None else None
             if client is None and self.link is not None:
                 slot.stats.note = self.link.note  # why it decodes with no hub
@@ -648,7 +653,9 @@ class Batcher:
         if slot.history is not None and feats is not None:
             slot.history.append(on_wire(feats, self.wire_dtype))
         opened_on, slot.client = slot.client, None
-        if self._emit(slot, [first]) or opened_on is None:
+        first_logprob = self.engine.sessions[req.rid].first_logprob
+        if self._emit(slot, [first], None if first_logprob is None else [first_logprob]) \
+                or opened_on is None:
             return  # no hub, or sent plain with the batch while it prefilled
         if opened_on is not self.link.client or opened_on.sock.closed:
             self._features_off(slot)  # dropped or replaced while prefilling
@@ -800,7 +807,7 @@ class Batcher:
                 self._ahead_step(slot, verdict)
             else:  # ALONE
                 self.stats.plain_steps += 1
-                self._emit(slot, verdict.tokens)
+                self._emit(slot, verdict.tokens, verdict.logprobs)
 
     def _after_tree(self, slot: Slot, tree: DraftTree, verdict: Verdict, took: float,
                     step_s: float, tok_s: float) -> None:
@@ -819,7 +826,7 @@ class Batcher:
                         step_ms=1e3 * step_s, floor=self._floor(slot, tok_s),
                         tokens=torch.tensor(tokens, dtype=torch.int32),
                         features=torch.cat(feats) if feats else None)
-        if self._emit(slot, verdict.tokens):
+        if self._emit(slot, verdict.tokens, verdict.logprobs):
             return
         self._commit(slot, commit)
 
@@ -845,7 +852,7 @@ class Batcher:
         slot.plain_tokens.extend(verdict.tokens)
         if verdict.features is not None:
             slot.plain_feats.append(verdict.features)
-        return self._emit(slot, verdict.tokens)
+        return self._emit(slot, verdict.tokens, verdict.logprobs)
 
     def _catch_up(self, slot: Slot) -> None:
         """The hub's proposal (``slot.lag``) is for where the request was when it OPENed or
@@ -949,23 +956,27 @@ class Batcher:
         slot.cohort = self._pass_no
         self._send(slot, commit)
 
-    def _emit(self, slot: Slot, tokens: list[int]) -> bool:
-        """Hand the request its new tokens; True when they end it (it is then released)."""
+    def _emit(self, slot: Slot, tokens: list[int],
+              logprobs: list[TokenLogprob] | None = None) -> bool:
+        """Hand the request its new tokens (and their log-probabilities, where it asked
+        for them); True when they end it (it is then released)."""
         req = slot.req
         ends = slot.produced + len(tokens) >= req.max_tokens or any(t in self.eos
                                                                    for t in tokens)
         tokens = clip_output(tokens, req.max_tokens - slot.produced, self.eos)
+        logprobs = logprobs[:len(tokens)] if logprobs is not None else None
         slot.output.extend(tokens)
         self.stats.tokens += len(tokens)
         if tokens and not ends:
-            req.sink(Event(tokens=tokens))
+            req.sink(Event(tokens=tokens, logprobs=logprobs))
         if ends:
             reason = "stop" if tokens and tokens[-1] in self.eos else "length"
-            self._finish(slot, reason, tokens=tokens)
+            self._finish(slot, reason, tokens=tokens, logprobs=logprobs)
         return ends
 
     def _finish(self, slot: Slot, reason: str, error: str = "",
-                tokens: list[int] | None = None) -> None:
+                tokens: list[int] | None = None,
+                logprobs: list[TokenLogprob] | None = None) -> None:
         stats = slot.stats
         stats.new_tokens = slot.produced
         stats.wall_s = time.time() - stats.started_at
@@ -974,7 +985,8 @@ class Batcher:
         stats.standalone = stats.rounds == 0 and stats.plain_rounds == 0
         stats.step_ms = 1e3 * self.step_s
         self._release(slot)
-        slot.req.sink(Event(tokens=tokens or [], done=reason, error=error, stats=stats))
+        slot.req.sink(Event(tokens=tokens or [], done=reason, error=error, stats=stats,
+                            logprobs=logprobs))
 
     def _release(self, slot: Slot) -> None:
         """Free the request here and at the hub."""

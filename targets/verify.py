@@ -48,13 +48,38 @@ class Verdict:
     """The accepted tokens followed by the bonus token."""
     features: torch.Tensor | None
     """One row per new token, for the tokens before each of them (root and accepted)."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per new token, where the session asks for them (``TargetModel.logprobs``)."""
+
+
+@dataclass
+class TokenLogprob:
+    """A decided token's log-probability under the target (its raw logits, before any
+    temperature or nucleus), and the ``top`` likeliest tokens' as (id, logprob)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each row's log-softmax at its token, and its ``top`` best, from the same logits
+    that decided the tokens (no pass of its own)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    if top:
+        values, ids = logp.topk(top, dim=-1)
+        best = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(),
+                                                            strict=True)]
+    else:
+        best = [[] for _ in tokens]
+    return [TokenLogprob(lp, b) for lp, b in zip(chosen, best, strict=True)]
 
 
 class TargetModel:
     """One decoding stream over a loaded causal LM."""
 
     def __init__(self, model: PreTrainedModel, sampling: Sampling = Sampling(), seed: int = 0,
-                 feature_layers: list[int] | None = None):
+                 feature_layers: list[int] | None = None, logprobs: int | None = None):
         self.model = model
         self.runner = decoder_pass(model)
         self.sampling = sampling
@@ -67,6 +92,11 @@ class TargetModel:
         self.step_features: torch.Tensor | None = None
         """Features of the token the last ``step`` fed, when features are wanted."""
         self._keep: tuple[int, list[int]] | None = None
+        self.logprobs = logprobs
+        """None: no log-probabilities; else each decided token's, with this many of the
+        likeliest (``TokenLogprob``)."""
+        self.first_logprob: TokenLogprob | None = None
+        """The prompt's next token's, once prefilled (where asked for)."""
 
     @property
     def cached(self) -> int:
@@ -95,7 +125,12 @@ class TargetModel:
         self.kv.reserve(len(prompt) + HEADROOM)
         out = self._run(Row(self.kv, list(prompt), logits=LAST, features=self.feature_layers))
         self.last = self.next_token(out.logits[-1], len(prompt))
+        self._first_logprob(out.logits[-1:])
         return self.last, out.features
+
+    def _first_logprob(self, logits: torch.Tensor) -> None:
+        if self.logprobs is not None:
+            self.first_logprob = token_logprobs(logits, [self.last], self.logprobs)[0]
 
     def prefill_chunks(self, prompt: list[int], chunk: int
                        ) -> Generator[None, None, tuple[int, torch.Tensor | None]]:
@@ -120,6 +155,7 @@ class TargetModel:
                 break
             chunk = (yield) or chunk
         self.last = self.next_token(out.logits[-1], len(prompt))
+        self._first_logprob(out.logits[-1:])
         return self.last, torch.cat(feats) if feats else None
 
     def step(self) -> int:
@@ -152,12 +188,16 @@ class TargetModel:
         """What the pass of ``tree_row(tree)`` decided; the rejected nodes stay in the cache
         until ``compact``."""
         cached = self.kv.length - len(tree) - 1
-        path, bonus = self.accept(tree, out.logits.float().cpu(), cached)
+        logits = out.logits.float().cpu()
+        path, bonus = self.accept(tree, logits, cached)
         keep = [0] + [i + 1 for i in path]
         self._keep = (cached, keep)
         self.last = bonus
-        return Verdict(path=path, tokens=[int(tree.tokens[i]) for i in path] + [bonus],
-                       features=out.features[keep] if out.features is not None else None)
+        tokens = [int(tree.tokens[i]) for i in path] + [bonus]
+        return Verdict(path=path, tokens=tokens,
+                       features=out.features[keep] if out.features is not None else None,
+                       logprobs=None if self.logprobs is None else
+                       token_logprobs(logits[keep], tokens, self.logprobs))
 
     def verify(self, tree: DraftTree) -> Verdict:
         return self.verdict(tree, self._run(self.tree_row(tree)))

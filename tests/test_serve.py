@@ -60,7 +60,9 @@ def test_models_and_health_name_the_served_model(stack):
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
     ({"prompt": [1, 2, 10 ** 9]}, 400, "prompt"),
-    ({"prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, 400, "logprobs"),
+    ({"prompt": "x", "echo": True}, 400, "echo"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ({"prompt": "x", "logit_bias": {"50": 100}}, 400, "logit_bias"),
@@ -91,7 +93,10 @@ TOOL = {"type": "function", "function": {"name": "f"}}
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
-    ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": 3}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 2}, None),
     ({"tools": [TOOL], "tool_choice": "none"}, None),
     ({"functions": [{"name": "f"}], "function_call": "none"}, None),
     ({"response_format": {"type": "text"}, "user": "u1"}, None),
@@ -501,3 +506,75 @@ def test_streamed_text_costs_the_same_work_per_token_however_long_the_answer(tok
     pieces.append(stream.flush())
     assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
     assert pushed < 8 * len(ids), f"{pushed / len(ids):.1f} ids decoded per token"
+
+
+def reference_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Stock transformers' log-softmax at each output position, for the same prefix."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("chat", [False, True])
+def test_logprobs_are_the_targets_own_and_leave_the_tokens_alone(stack, tiny_model, chat,
+                                                                  stream):
+    """Greedy, through hub trees: each token's logprob and its top 5 equal transformers'
+    log-softmax for the same prefix (float32, 1e-4), and the tokens equal the same
+    request's without logprobs."""
+    model, _ = tiny_model
+    url, _, name = stack
+    top = 5
+    body = {"model": name, "max_tokens": 24, "temperature": 0, "return_token_ids": True,
+            "stream": stream}
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    if chat:
+        body["messages"] = [{"role": "user", "content": "a b c a b c a b c a b c"}]
+        asks = {"logprobs": True, "top_logprobs": top}
+    else:
+        body["prompt"] = "a b c a b c a b c a b c"
+        asks = {"logprobs": top}
+    plain, plain_ids = _logprob_request(url, route, {**body, "stream": False})
+    got, ids = _logprob_request(url, route, {**body, **asks})
+    assert ids["out"] == plain_ids["out"] and len(ids["out"]) == 24
+    assert plain["logprobs"] is None
+    ref = reference_logprobs(model, ids["prompt"], ids["out"])
+    if chat:
+        entries = [(e["logprob"], [t["logprob"] for t in e["top_logprobs"]])
+                   for e in got["logprobs"]["content"]]
+    else:
+        lp = got["logprobs"]
+        assert len(lp["tokens"]) == len(lp["text_offset"]) == 24
+        entries = [(chosen, sorted(tops.values(), reverse=True)[:top])
+                   for chosen, tops in zip(lp["token_logprobs"], lp["top_logprobs"],
+                                           strict=True)]
+    assert len(entries) == 24
+    for k, (chosen, tops) in enumerate(entries):
+        assert chosen == pytest.approx(float(ref[k, ids["out"][k]]), abs=1e-4)
+        assert tops == pytest.approx(ref[k].topk(top).values.tolist(), abs=1e-4)
+
+
+def _logprob_request(url: str, route: str, body: dict) -> tuple[dict, dict]:
+    """(the choice, with its logprobs merged over a stream's chunks; prompt and output
+    ids) of one request."""
+    if not body["stream"]:
+        code, reply, _ = post(url, route, body)
+        assert code == 200, reply
+        choice = reply["choices"][0]
+        return choice, {"prompt": reply["prompt_token_ids"], "out": choice["token_ids"]}
+    request = urllib.request.Request(url + route, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    merged: dict = {}
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        for line in resp:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if not chunk["choices"]:
+                continue
+            choice = chunk["choices"][0]
+            for key, value in (choice.get("logprobs") or {}).items():
+                merged.setdefault(key, []).extend(value)
+            if choice.get("finish_reason"):
+                ids = {"prompt": chunk["prompt_token_ids"], "out": choice["token_ids"]}
+    return {"logprobs": merged}, ids

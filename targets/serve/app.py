@@ -38,6 +38,7 @@ from targets.serve.protocol import (
 )
 from targets.serve.text import TextStream
 from targets.stats import GenerationStats
+from targets.verify import TokenLogprob
 
 log = logging.getLogger("starhub.serve")
 
@@ -220,7 +221,8 @@ class OpenAIServer:
                 message = f"{param}: {message}"
             else:  # a check across fields starts its message with the field
                 named, sep, _ = message.partition(":")
-                param = named if sep and named in schema.model_fields else None
+                names = {f.alias or key for key, f in schema.model_fields.items()}
+                param = named if sep and named in names else None
             raise OpenAIError(400, message, param) from None
         if body.model != self.model_name:
             raise OpenAIError(404, f"the model '{shown(body.model)}' does not exist; this "
@@ -245,7 +247,8 @@ class OpenAIServer:
                               f"requests (--max-concurrency); retry shortly", retry_after_s=1)
         seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7])
         req = engine.Request(prompt=ids, max_tokens=max_tokens,
-                             sampling=Sampling(body.temperature, body.top_p), seed=seed)
+                             sampling=Sampling(body.temperature, body.top_p), seed=seed,
+                             logprobs=body.top_logprobs)
         call = Call(self, request, req, body, chat)
         if body.stream:
             return EventStream(call)
@@ -303,6 +306,9 @@ class Call:
         self.created = int(time.time())
         self.finish_reason: str | None = None
         self.stats: GenerationStats | None = None
+        self.logprobs: list[TokenLogprob] = []
+        """Each token's log-probability, as the engine sent them (where asked for)."""
+        self.logprobs_shown = 0
         self.server.inflight += 1  # counted from admission, so that 429 sees bursts
         self.released = False
 
@@ -329,6 +335,8 @@ class Call:
                 event = await inbox.get()
                 if event.tokens and self.first_at is None:
                     self.first_at = time.perf_counter()
+                if event.logprobs:
+                    self.logprobs.extend(event.logprobs)
                 piece = self.text.push(event.tokens)
                 if event.done:
                     done = True
@@ -372,7 +380,8 @@ class Call:
                 return {}
         text = task.result()
         self.server.metrics.requests.labels(self.route, "200").inc()
-        choice = {"index": 0, "finish_reason": self.finish_reason, "logprobs": None}
+        choice = {"index": 0, "finish_reason": self.finish_reason,
+                  "logprobs": self._logprobs()}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -404,8 +413,41 @@ class Call:
         yield "data: [DONE]\n\n"
 
     # -- shapes -----------------------------------------------------------------------
+    def _logprobs(self) -> dict | None:
+        """The log-probabilities of the tokens kept since the last call (None where the
+        request did not ask), in the completions shape (``tokens``, ``token_logprobs``,
+        ``top_logprobs``, ``text_offset``) or the chat one (``content``)."""
+        if self.req.logprobs is None:
+            return None
+        kept = min(len(self.logprobs), len(self.text.ids))
+        ids, entries = self.text.ids[self.logprobs_shown:kept], \
+            self.logprobs[self.logprobs_shown:kept]
+        self.logprobs_shown = max(self.logprobs_shown, kept)
+        word = self._token_text
+        if self.chat:
+            return {"content": [
+                {"token": word(t), "logprob": e.logprob, "bytes": list(word(t).encode()),
+                 "top_logprobs": [{"token": word(i), "logprob": lp,
+                                   "bytes": list(word(i).encode())} for i, lp in e.top]}
+                for t, e in zip(ids, entries, strict=True)]}
+        words = [word(t) for t in ids]
+        offsets, at = [], self._text_offset
+        for w in words:
+            offsets.append(at)
+            at += len(w)
+        self._text_offset = at
+        return {"tokens": words, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{word(i): lp for i, lp in e.top} | {w: e.logprob}
+                                 for w, e in zip(words, entries, strict=True)],
+                "text_offset": offsets}
+
+    _text_offset = 0
+
+    def _token_text(self, token: int) -> str:
+        return self.server.tokenizer.decode([token])
+
     def _chunk(self, delta: dict | str, finish: str | None, last: bool = False) -> str:
-        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "finish_reason": finish, "logprobs": self._logprobs()}
         if self.chat:
             choice["delta"] = delta
         else:

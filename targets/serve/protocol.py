@@ -1,7 +1,7 @@
 """The OpenAI API's request bodies and error shape, as far as a serving target speaks them.
 
 Requests are validated here, before anything reaches the model: a field this server cannot
-honour (``n`` > 1, logprobs, penalties and ``logit_bias``, ``echo``, ``best_of``, a
+honour (``n`` > 1, penalties and ``logit_bias``, ``echo``, ``best_of``, a
 ``response_format`` other than text, tool or function calls) is a 400 whose ``param``
 names it, not a silent change of meaning: a client that asked for JSON or for tool calls
 would otherwise take free text for an answer. Fields that change nothing the server returns
@@ -39,8 +39,11 @@ class OpenAIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
-STRICT = ConfigDict(extra="ignore", strict=True)
+STRICT = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
 """Every body's rules: unknown fields ignored, no value coerced to a field's type."""
+
+MAX_LOGPROBS = 20
+"""The most tokens listed beside each token's log-probability, as OpenAI allows."""
 
 SHOWN_CHARS = 64
 """The most of a client's own text an error message repeats."""
@@ -84,8 +87,6 @@ class SamplingRequest(BaseModel):
     def _supported(self):
         if self.n != 1:
             raise ValueError("n: this server returns one choice per request; n must be 1")
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs: not supported by this server")
         if self.presence_penalty or self.frequency_penalty:
             field = "presence_penalty" if self.presence_penalty else "frequency_penalty"
             raise ValueError(f"{field}: not supported (penalties would change the target's "
@@ -102,6 +103,11 @@ class SamplingRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed with stream=true")
         return self
+
+    @property
+    def top_logprobs(self) -> int | None:
+        """None: no log-probabilities; else each token's, with this many of the likeliest."""
+        return None
 
     @property
     def stops(self) -> list[str]:
@@ -136,7 +142,15 @@ class CompletionRequest(SamplingRequest):
         if self.best_of not in (None, 1):
             raise ValueError("best_of: this server returns one sequence per request; "
                              "best_of must be 1")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs: a whole number from 0 to {MAX_LOGPROBS} (the "
+                             f"likeliest tokens listed beside each)")
         return self
+
+    @property
+    def top_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -161,7 +175,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    top_logprobs: int | None = None
+    top_logprobs_: int | None = Field(None, alias="top_logprobs", ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     functions: list[dict] | None = None
@@ -169,8 +183,11 @@ class ChatCompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _no_tool_calls(self):
-        if self.top_logprobs:
-            raise ValueError("top_logprobs: not supported by this server")
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            raise ValueError("logprobs: true or false for chat (top_logprobs says how many "
+                             "of the likeliest tokens)")
+        if self.top_logprobs_ and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
         for field, tools, chooser, choice in (
                 ("tools", self.tools, "tool_choice", self.tool_choice),
                 ("functions", self.functions, "function_call", self.function_call)):
@@ -178,6 +195,10 @@ class ChatCompletionRequest(SamplingRequest):
                 raise ValueError(f"{field}: this server does not call tools; send none, or "
                                  f"{chooser} 'none'")
         return self
+
+    @property
+    def top_logprobs(self) -> int | None:
+        return (self.top_logprobs_ or 0) if self.logprobs else None
 
     @property
     def limit(self) -> int | None:
