@@ -95,6 +95,8 @@ class Event:
     stats: GenerationStats | None = None
     logprobs: list[TokenLogprob] | None = None
     """One per token, where the request asked for them."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """The prompt tokens' (None for the first), in the first event of an ``echo``."""
 
 
 @dataclass
@@ -105,6 +107,8 @@ class Request:
     seed: int = 0
     logprobs: int | None = None
     """None: no log-probabilities; else each token's, and this many of the likeliest."""
+    echo: bool = False
+    """With ``logprobs``: the prompt tokens' too, in the first event."""
     sink: Sink = print
     """Called on the engine thread with each ``Event``: it must not block."""
     rid: int = 0
@@ -633,7 +637,7 @@ class Batcher:
             layers = list(self.link.card.feature_layers) if client is not None else []
             slot.prefill = self.engine.open_chunks(req.rid, req.prompt, self.prefill_chunk,
                                                    req.sampling, req.seed, layers,
-                                                   req.logprobs)
+                                                   req.logprobs, req.echo)
             slot.client, slot.history = client, [] if client is not None else None
             if client is None and self.link is not None:
                 slot.stats.note = self.link.note  # why it decodes with no hub
@@ -653,8 +657,10 @@ class Batcher:
         if slot.history is not None and feats is not None:
             slot.history.append(on_wire(feats, self.wire_dtype))
         opened_on, slot.client = slot.client, None
-        first_logprob = self.engine.sessions[req.rid].first_logprob
-        if self._emit(slot, [first], None if first_logprob is None else [first_logprob]) \
+        session = self.engine.sessions[req.rid]
+        first_logprob = session.first_logprob
+        if self._emit(slot, [first], None if first_logprob is None else [first_logprob],
+                      session.prompt_logprobs if session.echo else None) \
                 or opened_on is None:
             return  # no hub, or sent plain with the batch while it prefilled
         if opened_on is not self.link.client or opened_on.sock.closed:
@@ -957,9 +963,11 @@ class Batcher:
         self._send(slot, commit)
 
     def _emit(self, slot: Slot, tokens: list[int],
-              logprobs: list[TokenLogprob] | None = None) -> bool:
+              logprobs: list[TokenLogprob] | None = None,
+              prompt_logprobs: list[TokenLogprob | None] | None = None) -> bool:
         """Hand the request its new tokens (and their log-probabilities, where it asked
-        for them); True when they end it (it is then released)."""
+        for them; the prompt's with the first, for an ``echo``); True when they end it (it
+        is then released)."""
         req = slot.req
         ends = slot.produced + len(tokens) >= req.max_tokens or any(t in self.eos
                                                                    for t in tokens)
@@ -968,15 +976,17 @@ class Batcher:
         slot.output.extend(tokens)
         self.stats.tokens += len(tokens)
         if tokens and not ends:
-            req.sink(Event(tokens=tokens, logprobs=logprobs))
+            req.sink(Event(tokens=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs))
         if ends:
             reason = "stop" if tokens and tokens[-1] in self.eos else "length"
-            self._finish(slot, reason, tokens=tokens, logprobs=logprobs)
+            self._finish(slot, reason, tokens=tokens, logprobs=logprobs,
+                         prompt_logprobs=prompt_logprobs)
         return ends
 
     def _finish(self, slot: Slot, reason: str, error: str = "",
                 tokens: list[int] | None = None,
-                logprobs: list[TokenLogprob] | None = None) -> None:
+                logprobs: list[TokenLogprob] | None = None,
+                prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
         stats = slot.stats
         stats.new_tokens = slot.produced
         stats.wall_s = time.time() - stats.started_at
@@ -986,7 +996,7 @@ class Batcher:
         stats.step_ms = 1e3 * self.step_s
         self._release(slot)
         slot.req.sink(Event(tokens=tokens or [], done=reason, error=error, stats=stats,
-                            logprobs=logprobs))
+                            logprobs=logprobs, prompt_logprobs=prompt_logprobs))
 
     def _release(self, slot: Slot) -> None:
         """Free the request here and at the hub."""

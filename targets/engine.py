@@ -96,15 +96,16 @@ class VerifyEngine:
 
     def open_chunks(self, sid: int, prompt: list[int], chunk: int,
                     sampling: Sampling = Sampling(), seed: int = 0,
-                    feature_layers: list[int] | None = None, logprobs: int | None = None
+                    feature_layers: list[int] | None = None, logprobs: int | None = None,
+                    echo: bool = False
                     ) -> Generator[None, None, tuple[int, torch.Tensor | None]]:
         """``open``, ``chunk`` prompt tokens a step of the returned generator, so that a long
         prompt's prefill can alternate with other sessions' passes (``send`` a number to
         change the size of the chunks that follow). The session is not to be verified
-        before the generator has returned. ``logprobs``: see ``TargetModel``."""
+        before the generator has returned. ``logprobs``, ``echo``: see ``TargetModel``."""
         if sid in self.sessions:
             raise KeyError(f"session {sid} is already open")
-        target = TargetModel(self.model, sampling, seed, feature_layers, logprobs)
+        target = TargetModel(self.model, sampling, seed, feature_layers, logprobs, echo)
         self.sessions[sid] = target
         return target.prefill_chunks(list(prompt), chunk)
 

@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 from starhub.models.coupling import sample_at
 from starhub.wire.tree import DraftTree, ancestor_mask, depths
 from targets.acceptance import Sampling, accept_greedy, accept_sampled, target_probs
-from targets.forward import LAST, NONE, DecoderPass, Row, RowOut
+from targets.forward import ALL, LAST, NONE, DecoderPass, Row, RowOut
 
 HEADROOM = 256
 """Cache entries a session is given beyond its prompt at prefill."""
@@ -79,7 +79,8 @@ class TargetModel:
     """One decoding stream over a loaded causal LM."""
 
     def __init__(self, model: PreTrainedModel, sampling: Sampling = Sampling(), seed: int = 0,
-                 feature_layers: list[int] | None = None, logprobs: int | None = None):
+                 feature_layers: list[int] | None = None, logprobs: int | None = None,
+                 echo: bool = False):
         self.model = model
         self.runner = decoder_pass(model)
         self.sampling = sampling
@@ -97,6 +98,10 @@ class TargetModel:
         likeliest (``TokenLogprob``)."""
         self.first_logprob: TokenLogprob | None = None
         """The prompt's next token's, once prefilled (where asked for)."""
+        self.echo = echo and logprobs is not None
+        """Whether prefill computes every prompt token's log-probability too."""
+        self.prompt_logprobs: list[TokenLogprob | None] = []
+        """Each prompt token's given the ones before (None for the first), with ``echo``."""
 
     @property
     def cached(self) -> int:
@@ -123,10 +128,22 @@ class TargetModel:
     def prefill(self, prompt: list[int]) -> tuple[int, torch.Tensor | None]:
         """Process the prompt; return the first generated token and the prompt's features."""
         self.kv.reserve(len(prompt) + HEADROOM)
-        out = self._run(Row(self.kv, list(prompt), logits=LAST, features=self.feature_layers))
+        out = self._run(Row(self.kv, list(prompt), logits=ALL if self.echo else LAST,
+                            features=self.feature_layers))
+        self._echo(prompt, 0, out.logits)
         self.last = self.next_token(out.logits[-1], len(prompt))
         self._first_logprob(out.logits[-1:])
         return self.last, out.features
+
+    def _echo(self, prompt: list[int], start: int, logits: torch.Tensor) -> None:
+        """The log-probabilities of the prompt tokens that the rows of a chunk beginning at
+        ``start`` predict (with ``echo``)."""
+        if not self.echo:
+            return
+        if start == 0:
+            self.prompt_logprobs = [None]
+        nxt = list(prompt[start + 1:start + len(logits) + 1])
+        self.prompt_logprobs += token_logprobs(logits[:len(nxt)], nxt, self.logprobs)
 
     def _first_logprob(self, logits: torch.Tensor) -> None:
         if self.logprobs is not None:
@@ -145,10 +162,11 @@ class TargetModel:
         start = 0
         while True:
             part = list(prompt[start:start + chunk])
-            start += len(part)
+            begin, start = start, start + len(part)
             done = start >= len(prompt)
-            out = self._run(Row(self.kv, part, logits=LAST if done else NONE,
-                                features=self.feature_layers))
+            out = self._run(Row(self.kv, part, logits=ALL if self.echo else
+                                LAST if done else NONE, features=self.feature_layers))
+            self._echo(prompt, begin, out.logits)
             if out.features is not None:
                 feats.append(out.features)
             if done:

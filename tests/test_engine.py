@@ -207,3 +207,29 @@ def test_a_model_the_engine_cannot_run_is_refused_by_name():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(ValueError, match="'gpt2'"):
         DecoderPass(model)
+
+
+def test_prompt_logprobs_are_the_same_prefilled_whole_or_in_chunks(tiny_model):
+    """An echo's prompt logprobs come from every prefill chunk's rows, each chunk's last
+    row predicting the next chunk's first token."""
+    from targets.verify import TargetModel
+
+    model, _ = tiny_model
+    prompt = [(7 * i + 3) % 1000 for i in range(40)]
+    whole = TargetModel(model, logprobs=2, echo=True)
+    first = whole.prefill(prompt)[0]
+    chunked = TargetModel(model, logprobs=2, echo=True)
+    chunks = chunked.prefill_chunks(prompt, 8)
+    try:
+        while True:
+            next(chunks)
+    except StopIteration as done:
+        assert done.value[0] == first
+    assert whole.prompt_logprobs[0] is None and chunked.prompt_logprobs[0] is None
+    assert len(whole.prompt_logprobs) == len(chunked.prompt_logprobs) == len(prompt)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    for i in range(1, len(prompt)):
+        for got in (whole.prompt_logprobs[i], chunked.prompt_logprobs[i]):
+            assert abs(got.logprob - float(ref[i - 1, prompt[i]])) < 1e-4
+            assert [t for t, _ in got.top] == ref[i - 1].topk(2).indices.tolist()

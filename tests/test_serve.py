@@ -62,7 +62,7 @@ def test_models_and_health_name_the_served_model(stack):
     ({"prompt": [1, 2, 10 ** 9]}, 400, "prompt"),
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "x", "logprobs": True}, 400, "logprobs"),
-    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "echo": True, "stream": True}, 400, "echo"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ({"prompt": "x", "logit_bias": {"50": 100}}, 400, "logit_bias"),
@@ -578,3 +578,30 @@ def _logprob_request(url: str, route: str, body: dict) -> tuple[dict, dict]:
             if choice.get("finish_reason"):
                 ids = {"prompt": chunk["prompt_token_ids"], "out": choice["token_ids"]}
     return {"logprobs": merged}, ids
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_gives_the_prompt_tokens_logprobs_as_a_likelihood_harness_asks(stack, tiny_model,
+                                                                             max_tokens):
+    """lm-evaluation-harness scores a continuation with ``echo: true, logprobs: 1,
+    max_tokens: 0`` (or 1): each prompt token's logprob given the ones before (None for the
+    first) equals transformers' log-softmax, and the text begins with the prompt."""
+    model, tokenizer = tiny_model
+    url, _, name = stack
+    prompt = "the quick brown fox jumps over the lazy dog"
+    code, reply, _ = post(url, "/v1/completions", {
+        "model": name, "prompt": prompt, "echo": True, "logprobs": 1, "temperature": 0,
+        "max_tokens": max_tokens, "return_token_ids": True})
+    assert code == 200, reply
+    choice = reply["choices"][0]
+    ids, out = reply["prompt_token_ids"], choice["token_ids"]
+    assert choice["text"].startswith(prompt) and len(out) == max_tokens
+    lp = choice["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids) + max_tokens
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + out])).logits[0].float()
+    ref = torch.log_softmax(logits, dim=-1)
+    for i, token in enumerate((ids + out)[1:], start=1):
+        assert lp["token_logprobs"][i] == pytest.approx(float(ref[i - 1, token]), abs=1e-4)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])

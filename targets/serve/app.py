@@ -174,7 +174,11 @@ class OpenAIServer:
             vocab = self.batcher.vocab_size
             if any(not 0 <= t < vocab for t in ids):
                 raise OpenAIError(400, f"prompt: token ids must be in [0, {vocab})", "prompt")
-        return await self._respond(request, body, ids, body.max_tokens, chat=False)
+        echo = None
+        if body.echo:
+            echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        return await self._respond(request, body, ids, body.max_tokens, chat=False,
+                                   echo=echo)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
@@ -230,7 +234,8 @@ class OpenAIServer:
         return body
 
     async def _respond(self, request: Request, body: SamplingRequest, ids: list[int],
-                       max_tokens: int | None, chat: bool) -> Response:
+                       max_tokens: int | None, chat: bool, echo: str | None = None
+                       ) -> Response:
         if not ids:
             raise OpenAIError(400, "the prompt is empty", "prompt" if not chat else "messages")
         room = self.context_len - len(ids)
@@ -248,8 +253,8 @@ class OpenAIServer:
         seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7])
         req = engine.Request(prompt=ids, max_tokens=max_tokens,
                              sampling=Sampling(body.temperature, body.top_p), seed=seed,
-                             logprobs=body.top_logprobs)
-        call = Call(self, request, req, body, chat)
+                             logprobs=body.top_logprobs, echo=echo is not None)
+        call = Call(self, request, req, body, chat, echo)
         if body.stream:
             return EventStream(call)
         try:
@@ -292,7 +297,7 @@ class Call:
     """One request from arrival to its last byte."""
 
     def __init__(self, server: OpenAIServer, http: Request, req: engine.Request,
-                 body: SamplingRequest, chat: bool):
+                 body: SamplingRequest, chat: bool, echo: str | None = None):
         self.server = server
         self.http = http
         self.req = req
@@ -309,6 +314,9 @@ class Call:
         self.logprobs: list[TokenLogprob] = []
         """Each token's log-probability, as the engine sent them (where asked for)."""
         self.logprobs_shown = 0
+        self.echo = echo
+        """The prompt's text, which an ``echo`` response begins with."""
+        self.prompt_logprobs: list[TokenLogprob | None] = []
         self.server.inflight += 1  # counted from admission, so that 429 sees bursts
         self.released = False
 
@@ -337,6 +345,8 @@ class Call:
                     self.first_at = time.perf_counter()
                 if event.logprobs:
                     self.logprobs.extend(event.logprobs)
+                if event.prompt_logprobs:
+                    self.prompt_logprobs = event.prompt_logprobs
                 piece = self.text.push(event.tokens)
                 if event.done:
                     done = True
@@ -385,7 +395,7 @@ class Call:
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
+            choice["text"] = (self.echo or "") + text
         if self.body.return_token_ids:
             choice["token_ids"] = list(self.text.ids)
         return self._envelope([choice], usage=self.usage(), spec=True,
@@ -430,18 +440,24 @@ class Call:
                  "top_logprobs": [{"token": word(i), "logprob": lp,
                                    "bytes": list(word(i).encode())} for i, lp in e.top]}
                 for t, e in zip(ids, entries, strict=True)]}
+        if self.echo is not None and self.prompt_logprobs and not self._echoed:
+            self._echoed = True
+            ids, entries = list(self.req.prompt) + ids, self.prompt_logprobs + entries
         words = [word(t) for t in ids]
         offsets, at = [], self._text_offset
         for w in words:
             offsets.append(at)
             at += len(w)
         self._text_offset = at
-        return {"tokens": words, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{word(i): lp for i, lp in e.top} | {w: e.logprob}
+        return {"tokens": words,
+                "token_logprobs": [None if e is None else e.logprob for e in entries],
+                "top_logprobs": [None if e is None else
+                                 {word(i): lp for i, lp in e.top} | {w: e.logprob}
                                  for w, e in zip(words, entries, strict=True)],
                 "text_offset": offsets}
 
     _text_offset = 0
+    _echoed = False
 
     def _token_text(self, token: int) -> str:
         return self.server.tokenizer.decode([token])

@@ -1,7 +1,7 @@
 """The OpenAI API's request bodies and error shape, as far as a serving target speaks them.
 
 Requests are validated here, before anything reaches the model: a field this server cannot
-honour (``n`` > 1, penalties and ``logit_bias``, ``echo``, ``best_of``, a
+honour (``n`` > 1, penalties and ``logit_bias``, ``best_of``, a streamed ``echo``, a
 ``response_format`` other than text, tool or function calls) is a 400 whose ``param``
 names it, not a silent change of meaning: a client that asked for JSON or for tool calls
 would otherwise take free text for an answer. Fields that change nothing the server returns
@@ -122,7 +122,9 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
+    """0 only with ``echo``: the prompt's log-probabilities alone (as lm-evaluation-harness
+    asks for a continuation's likelihood)."""
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -135,8 +137,10 @@ class CompletionRequest(SamplingRequest):
             if isinstance(self.prompt[0], str | list) and len(self.prompt) != 1:
                 raise ValueError("prompt: one prompt per request (a batch of prompts is "
                                  "not supported; send them as concurrent requests)")
-        if self.echo:
-            raise ValueError("echo: not supported by this server")
+        if self.echo and self.stream:
+            raise ValueError("echo: not with stream (ask for the whole response)")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: at least 1 (0 only with echo)")
         if self.suffix:
             raise ValueError("suffix: not supported by this server")
         if self.best_of not in (None, 1):
