@@ -72,7 +72,7 @@ from targets.card import eos_ids, feature_dtype, measure_step, on_wire, target_c
 from targets.engine import VerifyEngine
 from targets.gate import COALESCE, MARGIN, PRIOR_TAU, Decision, SpeculationGate
 from targets.hub_link import HubLink, check_propose
-from targets.prefill_turns import PrefillTurns
+from targets.prefill import ChunkSize, PrefillTurns
 from targets.stats import GenerationStats
 from targets.verify import TokenLogprob, Verdict
 
@@ -232,14 +232,16 @@ class Batcher:
     _refs = itertools.count(1)
 
     def __init__(self, model, tokenizer, hub: str | None = None, name: str = "serve",
-                 timeout_s: float = 3.0, prefill_chunk: int = 512,
+                 timeout_s: float = 3.0, prefill_chunk: int = 0,
                  client_options: dict | None = None, speculate: str = "auto",
                  shared_cores: str = AUTO, decode_ahead: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.hub = hub
         self.name = name
-        self.prefill_chunk = prefill_chunk
+        self.chunks = ChunkSize(prefill_chunk)
+        """How many prompt tokens the next prefill chunk takes (``prefill_chunk`` 0: about
+        a pass's worth while requests decode, the most while none do)."""
         self.decode_ahead = decode_ahead
         """Whether a request decodes plain from its OPEN until its first tree comes (a
         server's requests never idle for the hub), or waits for that tree (the star
@@ -633,9 +635,11 @@ class Batcher:
         start = time.perf_counter()
         if client is not None and client.sock.closed:  # dropped earlier in this turn
             client = None
-        if slot.prefill is None:
+        size = self.chunks.now(alone=not any(s.decoding for s in self._slots.values()))
+        fresh = slot.prefill is None
+        if fresh:
             layers = list(self.link.card.feature_layers) if client is not None else []
-            slot.prefill = self.engine.open_chunks(req.rid, req.prompt, self.prefill_chunk,
+            slot.prefill = self.engine.open_chunks(req.rid, req.prompt, size,
                                                    req.sampling, req.seed, layers,
                                                    req.logprobs, req.echo)
             slot.client, slot.history = client, [] if client is not None else None
@@ -643,15 +647,19 @@ class Batcher:
                 slot.stats.note = self.link.note  # why it decodes with no hub
         self.stats.prefill_chunks += 1
         try:
-            next(slot.prefill)
-            slot.prefill_left -= self.prefill_chunk
-            slot.stats.prefill_s += time.perf_counter() - start
-            self._busy_s += time.perf_counter() - start
+            next(slot.prefill) if fresh else slot.prefill.send(size)
+            done = None
+        except StopIteration as stop:
+            done = stop.value
+        took = time.perf_counter() - start
+        slot.stats.prefill_s += took
+        self._busy_s += took
+        fed = min(size, slot.prefill_left)
+        slot.prefill_left -= fed
+        self.chunks.observe(fed, size, took, self.pass_s)
+        if done is None:
             return
-        except StopIteration as done:
-            first, feats = done.value
-        slot.stats.prefill_s += time.perf_counter() - start
-        self._busy_s += time.perf_counter() - start
+        first, feats = done
         self._new.remove(slot)
         slot.prefill, slot.decoding = None, True
         if slot.history is not None and feats is not None:

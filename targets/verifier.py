@@ -58,7 +58,7 @@ from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.card import feature_dtype, measure_step, on_wire, target_card
 from targets.engine import VerifyEngine, measure_budget
-from targets.prefill_turns import PrefillTurns
+from targets.prefill import ChunkSize, PrefillTurns
 from targets.schedule import Scheduler, Waiting
 from targets.verifier_state import (
     DrafterPeer,
@@ -71,9 +71,6 @@ from targets.verifier_state import (
 
 log = logging.getLogger("starhub.verifier")
 
-PREFILL_CHUNK = (16, 64, 1024)
-"""Prompt tokens prefilled between two passes: the least, the first guess and the most, when
-sized to take about one pass (``--prefill-chunk 0``)."""
 TOKEN_BYTES = 64
 """What the verifier holds per session token besides its KV cache: its id, in lists."""
 RETRY_AFTER_S = 1.0
@@ -113,7 +110,8 @@ class Verifier(Server):
         order they came."""
         self.turns = PrefillTurns()
         """Which OPEN's prompt the next chunk goes to (``prefill_step``)."""
-        self.chunk = config.prefill_chunk or PREFILL_CHUNK[1]
+        self.chunks = ChunkSize(config.prefill_chunk)
+        """How many prompt tokens the next prefill chunk takes."""
         self.pass_started = 0.0
 
     @classmethod
@@ -283,7 +281,7 @@ class Verifier(Server):
         self.stats.prefill_chunks += 1
         fed = job.left if done is not None else min(job.left, size)
         job.left -= fed
-        self._size_chunks(fed, size, took)
+        self.chunks.observe(fed, size, took, self.scheduler.pass_s or self.step_s)
         if done is None:
             return
         del self.prefills[tag]
@@ -303,20 +301,9 @@ class Verifier(Server):
         """The next prefill chunk's tokens: about a pass's worth while another drafter may
         wait for passes (one between two prompts too), the most while every drafter the
         verifier knows is waiting for its own prefill (``opening``: one whose OPEN came)."""
-        if self.config.prefill_chunk:
-            return self.config.prefill_chunk
-        if set(self.table.peers) <= {opening, *(job.identity for job in self.prefills.values())}:
-            return PREFILL_CHUNK[2]
-        return self.chunk
-
-    def _size_chunks(self, fed: int, size: int, took: float) -> None:
-        """Prefill chunks that take about one pass (unless ``prefill_chunk`` fixes them)."""
-        if self.config.prefill_chunk or size != self.chunk or fed < size or took <= 0:
-            return
-        least, _, most = PREFILL_CHUNK
-        pass_s = self.scheduler.pass_s or self.step_s
-        ratio = min(2.0, max(0.5, pass_s / took))
-        self.chunk = int(min(most, max(least, self.chunk * ratio)))
+        alone = set(self.table.peers) <= {opening,
+                                          *(job.identity for job in self.prefills.values())}
+        return self.chunks.now(alone)
 
     def handle_propose(self, identity: bytes, msg: Propose) -> None:
         session = self.table.get(msg.tag, identity)

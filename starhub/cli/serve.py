@@ -10,7 +10,7 @@ from pathlib import Path
 
 from starhub.cores import add_shared_cores_arg
 from starhub.launch import READY
-from starhub.options import DEFAULT_THREADS, PORT, POSITIVE, SECONDS, threads_arg
+from starhub.options import COUNT, DEFAULT_THREADS, PORT, POSITIVE, SECONDS, threads_arg
 from starhub.wire import security
 
 DEFAULT_PORT = 8000
@@ -52,9 +52,10 @@ def add_parser(sub: argparse._SubParsersAction, add_weight_args) -> None:
                    default=DEFAULT_MAX_CONCURRENCY,
                    help="requests in flight at once; past it, 429 with Retry-After "
                         f"(default {DEFAULT_MAX_CONCURRENCY})")
-    p.add_argument("--prefill-chunk", type=POSITIVE.arg, default=512,
+    p.add_argument("--prefill-chunk", type=COUNT.arg, default=0,
                    help="prompt tokens per prefill pass: a long prompt alternates with the "
-                        "other requests' passes chunk by chunk (default 512)")
+                        "other requests' passes chunk by chunk. 0 (default): about one "
+                        "pass's worth while other requests decode, 1024 while none do")
     p.add_argument("--speculate", choices=("auto", "always"), default="auto",
                    help="auto (default): a request that would decode alone uses the hub, "
                         "whose control plane judges each round; one that joins other "
