@@ -241,7 +241,7 @@ class Batcher:
         self.name = name
         self.chunks = ChunkSize(prefill_chunk)
         """How many prompt tokens the next prefill chunk takes (``prefill_chunk`` 0: about
-        a pass's worth while requests decode, the most while none do)."""
+        a pass's worth while other requests are in, the most while none is)."""
         self.decode_ahead = decode_ahead
         """Whether a request decodes plain from its OPEN until its first tree comes (a
         server's requests never idle for the hub), or waits for that tree (the star
@@ -635,7 +635,7 @@ class Batcher:
         start = time.perf_counter()
         if client is not None and client.sock.closed:  # dropped earlier in this turn
             client = None
-        size = self.chunks.now(alone=not any(s.decoding for s in self._slots.values()))
+        size = self.chunks.now(alone=len(self._slots) == 1)
         fresh = slot.prefill is None
         if fresh:
             layers = list(self.link.card.feature_layers) if client is not None else []

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-CHUNK = (16, 64, 1024)
+CHUNK = (16, 64, 256)
 """Prompt tokens a chunk takes: the least, the first guess and the most, when sized to
 take about one pass."""
 

@@ -55,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction, add_weight_args) -> None:
     p.add_argument("--prefill-chunk", type=COUNT.arg, default=0,
                    help="prompt tokens per prefill pass: a long prompt alternates with the "
                         "other requests' passes chunk by chunk. 0 (default): about one "
-                        "pass's worth while other requests decode, 1024 while none do")
+                        "pass's worth while other requests are in, 256 while none is")
     p.add_argument("--speculate", choices=("auto", "always"), default="auto",
                    help="auto (default): a request that would decode alone uses the hub, "
                         "whose control plane judges each round; one that joins other "
