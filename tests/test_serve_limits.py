@@ -114,7 +114,7 @@ def test_a_body_shorter_than_its_length_is_a_408_at_the_body_deadline(server, mo
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     sock.send(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
               b"Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"model\": ")
-    reply = sock.recv(65536)
+    reply = _response(sock)
     sock.close()
     assert reply.startswith(b"HTTP/1.1 408")
     body = json.loads(reply.partition(b"\r\n\r\n")[2])
@@ -131,6 +131,20 @@ def test_past_the_connection_cap_a_request_gets_503_and_room_comes_back(server):
         for sock in idle:
             sock.close()
     assert wait_until(lambda: _get(url + "/health")[0] == 200, 10)
+
+
+def _response(sock: socket.socket) -> bytes:
+    """A whole HTTP response read off a raw socket: its head, then Content-Length bytes
+    (they may come in separate reads)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
 
 
 def _get(url: str) -> tuple[int, bytes]:
