@@ -1,7 +1,7 @@
-"""A target's link to its hub, shared by the star target (``targets.generate``) and the
-serving batcher (``targets.batcher``): the one greeting (our TARGET_CARD), the clock
-that follows whether the hub computes on our cores, the OPEN every session starts with, and
-the check every PROPOSE passes before it is verified."""
+"""The target core's link to its hub (``targets.batcher``, under the star target and the
+server alike): the one greeting (our TARGET_CARD), the clock that follows whether the hub
+computes on our cores, the OPEN every session starts with, and the check every PROPOSE
+passes before it is verified."""
 
 from __future__ import annotations
 
