@@ -30,11 +30,12 @@ from bench.emulate_spec import VOCAB, EmulateSpec, load_trace
 from bench.emulate_targets import targets_main
 from bench.model import StarModel
 from bench.notes import METRIC_NOTES
+from bench.settings import hub_value
 from starhub.hub.metrics import derive
 from starhub.launch import READY, child_env
 from starhub.launch.spawn import wait_ready
 from starhub.launch.status import observer_client
-from starhub.options import AUTO, MAX_AUTO_DEPTH, max_targets_arg
+from starhub.options import AUTO, MAX_AUTO_DEPTH
 from starhub.wire.messages import StatsQuery
 
 __all__ = ["EmulateOptions", "EmulateSpec", "emulated_doc", "load_trace", "model_check",
@@ -55,7 +56,7 @@ def hub_main(args: argparse.Namespace) -> int:
     shape = TreeShape(depth=depth, topk=1, max_nodes=depth)
     hub = Hub(EmulatedDrafter(args.t_s, VOCAB),
               HubConfig(bind=args.bind, shape=shape, adaptive=adaptive,
-                        max_targets=max_targets_arg(args.max_targets),
+                        max_targets=hub_value("max_targets")(args.max_targets),
                         metrics_port=args.metrics_port, log_every_s=args.log_every))
 
     async def main() -> None:

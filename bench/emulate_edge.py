@@ -36,7 +36,8 @@ from starhub.drafters.emulated import CalibratedSleep
 from starhub.edge.drafter import EdgeDrafter
 from starhub.launch import READY
 from starhub.launch.status import observer_client
-from starhub.options import max_batch_arg
+from starhub.options import AUTO, Positive, auto_or
+from starhub.settings.cli import value_type
 from starhub.wire.messages import StatsQuery, TargetCard
 from starhub.wire.tree import DraftTree, chain_tree, children
 from targets.engine import BatchStats
@@ -208,7 +209,7 @@ def verifier_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.emulate_edge verifier")
     p.add_argument("--spec", required=True)
     p.add_argument("--schedule", default="fifo")
-    p.add_argument("--max-batch", type=max_batch_arg, default=0)
+    p.add_argument("--max-batch", type=value_type(auto_or(Positive)), default=0)
     p.add_argument("--budget", type=int, default=0)
     p.add_argument("--nodes", type=int, default=10)
     args = p.parse_args(argv)
@@ -216,7 +217,8 @@ def verifier_main(argv: list[str]) -> int:
     spec = EdgeSpec.parse(args.spec)
     card = TargetCard(name="emulated", vocab_size=VOCAB, step_ms=1e3 * (spec.t_v + spec.t_tok))
     config = VerifierConfig(bind="tcp://127.0.0.1:0", budget=args.budget or spec.budget,
-                            max_batch=args.max_batch, schedule=args.schedule, nodes=args.nodes)
+                            max_batch=0 if args.max_batch == AUTO else args.max_batch,
+                            schedule=args.schedule, nodes=args.nodes)
     try:
         Verifier(EmulatedEngine(spec), card, config).serve(
             ready=lambda address: print(READY + address, flush=True))

@@ -14,21 +14,22 @@ import sys
 from bench.baselines import hf_generate
 from starhub.models.loading import load_model, set_threads
 from starhub.models.prompts import encode_prompt, read_prompts
-from starhub.options import POSITIVE, shard_arg
+from starhub.options import Positive, Shard
+from starhub.settings.cli import value_type
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.plain_generate", description=__doc__)
     p.add_argument("prompts", help="JSONL prompt file, as `starhub target --prompts` takes")
     p.add_argument("out", help="JSONL to write: id, output_ids, wall_s")
-    p.add_argument("--shard", type=shard_arg, default=(0, 1), metavar="I/N",
+    p.add_argument("--shard", type=value_type(Shard), default=(0, 1), metavar="I/N",
                    help="every N-th prompt starting at I")
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--linear", default="auto")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=POSITIVE.arg, default=1)
-    p.add_argument("--max-new-tokens", type=POSITIVE.arg, required=True)
+    p.add_argument("--threads", type=value_type(Positive), default=1)
+    p.add_argument("--max-new-tokens", type=value_type(Positive), required=True)
     return p.parse_args(argv)
 
 

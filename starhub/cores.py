@@ -26,7 +26,6 @@ from pathlib import Path
 from starhub.options import AUTO
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-SHARED_CORES_CHOICES = (AUTO, "yes", "no")
 
 
 @cache
@@ -96,11 +95,3 @@ class CoreClock:
         return wall, min(wall, time.thread_time() - self._cpu)
 
 
-def add_shared_cores_arg(parser) -> None:
-    """``--shared-cores`` of a target process (``starhub target``, ``starhub serve``)."""
-    parser.add_argument(
-        "--shared-cores", choices=SHARED_CORES_CHOICES, default=AUTO,
-        help="whether this target computes on its hub's CPU cores. auto (default): when the "
-             "hub runs on this host and may use some of this process's CPUs (from its "
-             "card). Shared, plain steps are timed by CPU time, so that the hub's drafting "
-             "counts against trees and never makes plain decoding look slower than it is")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starhub.control.estimators import Ema
-from starhub.options import BUDGET, COUNT, FRACTION, MESSAGE_BYTES, SEED, TREE, TTL
+from starhub.options import Budget, Count, Fraction, MessageBytes, Schedule, Seed, Tree, Ttl, check
 from starhub.server.limits import VERIFIER_LIMITS, SessionLimits
 from starhub.server.sessions import Peer, Session
 from starhub.wire.messages import DrafterCard
@@ -26,7 +26,7 @@ class VerifierConfig:
     """Tokens one forward pass feeds, over all its rows (C); 0: measured at start."""
     max_batch: int = 0
     """Rows per pass; 0 (``auto``): as many as the budget holds."""
-    schedule: str = "goodspeed"
+    schedule: str = Schedule.GOODSPEED
     nodes: int = 10
     """The draft budget every session starts with, and ``fifo``'s fixed S_i."""
     max_nodes: int = 32
@@ -48,13 +48,13 @@ class VerifierConfig:
     def __post_init__(self) -> None:
         """Every number finite and in range (``starhub.options``), or a ``ValueError`` that
         names the field: the flags and deployment files check the same bounds first."""
-        for name, number in (("max_batch", COUNT), ("nodes", TREE),
-                             ("max_nodes", TREE), ("max_depth", TREE), ("ttl_s", TTL),
-                             ("max_message_bytes", MESSAGE_BYTES), ("seed", SEED),
-                             ("gather_fraction", FRACTION)):
-            number.check(getattr(self, name), f"verifier config: {name}")
+        for name, number in (("max_batch", Count), ("nodes", Tree),
+                             ("max_nodes", Tree), ("max_depth", Tree), ("ttl_s", Ttl),
+                             ("max_message_bytes", MessageBytes), ("seed", Seed),
+                             ("gather_fraction", Fraction)):
+            check(getattr(self, name), number, f"verifier config: {name}")
         if self.budget:  # 0: measured at start
-            BUDGET.check(self.budget, "verifier config: budget")
+            check(self.budget, Budget, "verifier config: budget")
 
 
 @dataclass(kw_only=True)

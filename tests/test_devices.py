@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from starhub.models.devices import device_map_kwargs, resolve_device
-from starhub.options import device_arg
+from starhub.options import Device
+from starhub.settings.cli import value_type
+
+device_arg = value_type(Device)
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA GPU visible to this process")

@@ -23,7 +23,8 @@ from starhub.drafters.ngram import NgramDrafter
 from starhub.hub import drafting_process
 from starhub.hub.config import HubConfig
 from starhub.hub.drafting_process import RemoteDrafter, Watch
-from starhub.options import AUTO, auto_on_off_arg, draft_process_for
+from starhub.options import AUTO, AutoOnOff, draft_process_for
+from starhub.settings.cli import value_type
 from starhub.wire.messages import TargetCard
 from tests.test_batched_drafting import same
 from tests.test_eagle_drafter import random_head
@@ -234,9 +235,10 @@ def test_auto_gives_only_the_batching_drafter_a_process_of_its_own():
     assert draft_process_for(AUTO, "eagle")
     assert not draft_process_for(AUTO, "ngram") and not draft_process_for(AUTO, "model")
     assert draft_process_for(True, "ngram") and not draft_process_for(False, "eagle")
-    assert [auto_on_off_arg(v) for v in ("auto", "on", "off")] == [AUTO, True, False]
+    read = value_type(AutoOnOff)
+    assert [read(v) for v in ("auto", "on", "off")] == [AUTO, True, False]
     with pytest.raises(argparse.ArgumentTypeError, match="'auto', 'on' or 'off'"):
-        auto_on_off_arg("maybe")
+        read("maybe")
 
 
 def test_the_hub_prunes_trees_only_for_a_drafter_whose_probabilities_track_acceptance(

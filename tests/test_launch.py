@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -20,6 +21,9 @@ import pytest
 
 from starhub.launch.config import ConfigError, load_config, parse_config
 from starhub.launch.plan import build_plan, check_commands, describe
+from starhub.settings.base import load
+from starhub.settings.cli import settings_from
+from starhub.settings.processes import PROCESSES
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -47,11 +51,12 @@ def starhub(*args: str, **kw) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("text, key, hint", [
     ('[targets]\nmodle = "default"\n', "targets.modle", "did you mean 'model'"),
     ('[targets]\nmodel = "default"\n[hub]\ntopk = "four"\n', "hub.topk",
-     "expected a whole number"),
+     "Input should be a valid integer, got 'four'"),
     ('[targets]\ncount = 2\n', "targets.model", "missing"),
     ('backend = "kubernetes"\n[targets]\nmodel = "default"\n', "backend",
-     "choose from local, ray"),
-    ('[targets]\nmodel = "default"\ncount = true\n', "targets.count", "got a boolean"),
+     "Input should be 'local' or 'ray'"),
+    ('[targets]\nmodel = "default"\ncount = true\n', "targets.count",
+     "Input should be a valid integer, got True"),
     ('[targets]\nmodel = "default"\n[hub]\ndepth = "deep"\n', "hub.depth", "'auto'"),
     ('[targets]\nmodel = "default"\n[hubs]\n', "hubs", "allowed here: backend"),
     ('[targets]\nmodel = "default"\ncount = 2\ngpus = [1]\n', "targets.gpus",
@@ -84,7 +89,7 @@ def test_overrides_are_checked_like_the_file(tmp_path):
     dep = load_config(CONFIGS / "local-cpu.toml", ["targets.count=3", "hub.depth=5",
                                                    "targets.prompts=p.jsonl"])
     assert (dep.targets.count, dep.hub.depth, dep.targets.prompts) == (3, 5, "p.jsonl")
-    with pytest.raises(ConfigError, match="targets.count: expected a whole number"):
+    with pytest.raises(ConfigError, match="targets.count: Input should be a valid integer"):
         load_config(CONFIGS / "local-cpu.toml", ["targets.count=many"])
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         load_config(CONFIGS / "local-cpu.toml", ["targets.count"])
@@ -107,15 +112,17 @@ def test_every_shipped_config_is_valid_and_plans_its_processes(name):
     dep = load_config(CONFIGS / f"{name}.toml")
     plan = build_plan(dep, "prompts.jsonl")
     assert len(plan.workers) == dep.workers.count >= 2
-    assert [p.args[p.args.index(p.role) + 1:].count("--shard") for p in plan.workers] \
-        == [1] * len(plan.workers)
+    assert [p.config["shard"] for p in plan.workers] == \
+        [f"{i}/{len(plan.workers)}" for i in range(len(plan.workers))]
     text = describe(plan, "out", "10.0.0.1:6379")
     assert text.count(" -m starhub ") == len(plan.processes)
     parser = build_parser()
     check_commands(plan, parser)
-    for spec in plan.processes:  # every value parses too (a GPU config's --device included)
-        parser.parse_args(spec.command(hub="tcp://10.0.0.1:5555", prompts="p.jsonl",
-                                       out="o.jsonl")[3:])
+    for spec in plan.processes:  # each process reads its config (a GPU config's device too)
+        env = spec.environment(hub="tcp://10.0.0.1:5555", prompts="p.jsonl", out="o.jsonl")
+        settings = load(PROCESSES[spec.role], {}, environ=env)
+        assert spec.command()[-1] == spec.role
+        assert settings.threads == spec.threads
 
 
 def test_single_host_config_pins_one_gpu_per_process():
@@ -128,7 +135,7 @@ def test_ray_config_asks_ray_for_resources_and_binds_every_interface():
     hub = plan.server
     assert hub.ray_options == {"num_cpus": 4, "num_gpus": 1.0,
                                "label_selector": {"role": "draft"}}
-    assert hub.args[hub.args.index("--bind") + 1] == "tcp://0.0.0.0:5555"
+    assert hub.config["bind"] == "tcp://0.0.0.0:5555"
     assert all(t.ray_options["num_gpus"] == 1.0 for t in plan.workers)
 
 
@@ -138,13 +145,13 @@ def test_auto_threads_share_the_machine_locally_and_follow_num_cpus_on_ray(monke
     monkeypatch.setattr(starhub.options, "usable_cores", lambda: 8)
 
     def threads(plan):
-        return [(p.threads, p.args[p.args.index("--threads") + 1]) for p in plan.processes]
+        return [(p.threads, str(p.config["threads"])) for p in plan.processes]
 
     local = build_plan(load_config(CONFIGS / "local-cpu.toml", ["targets.count=3"]), "p.jsonl")
     assert threads(local) == [(2, "2")] * 4  # 8 cores over a hub and 3 targets
     edge = build_plan(load_config(CONFIGS / "edge.toml"), "p.jsonl")
     assert {t for t, _ in threads(edge)} == {1}  # 8 cores over 5 processes
-    assert "--budget auto" in " ".join(edge.server.args)
+    assert edge.server.config["budget"] == "auto"
     pinned = load_config(CONFIGS / "local-cpu.toml", ["targets.threads=3"])
     assert [t for t, _ in threads(build_plan(pinned, "p.jsonl"))] == [2, 3, 3]
     ray = load_config(CONFIGS / "local-cpu.toml", ["backend=ray", "targets.num_cpus=6",
@@ -171,13 +178,16 @@ def test_dry_run_prints_each_exact_command_and_starts_nothing(tmp_path):
                   str(tmp_path / "out"), "--dry-run", timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    commands = [line.strip() for line in lines if " -m starhub " in line]
+    commands = [shlex.split(line) for line in lines if " -m starhub " in line]
     assert len(commands) == 3
-    assert "hub --bind tcp://127.0.0.1:0 --model default --drafter eagle" in commands[0]
+    configs = [json.loads(c[1].removeprefix("STARHUB_CONFIG=")) for c in commands]
+    assert commands[0][-1] == "hub" and configs[0]["bind"] == "tcp://127.0.0.1:0"
+    assert (configs[0]["model"], configs[0]["drafter"]) == ("default", "eagle")
     for i in range(2):
-        assert f"--shard {i}/2" in commands[i + 1]
-        assert f"--out {tmp_path / 'out' / f'target{i}.jsonl'}" in commands[i + 1]
-        assert f"--prompts {prompts}" in commands[i + 1]
+        assert commands[i + 1][-1] == "target"
+        assert configs[i + 1]["shard"] == f"{i}/2"
+        assert configs[i + 1]["out"] == str(tmp_path / "out" / f"target{i}.jsonl")
+        assert configs[i + 1]["prompts"] == str(prompts)
     assert not (tmp_path / "out").exists()
 
 
@@ -203,7 +213,8 @@ def test_bench_cli_no_longer_imports_the_starhub_cli():
     from bench.cli import hub_defaults
     from starhub.cli.main import build_parser
 
-    hub = build_parser().parse_args(["hub"])
+    args = build_parser().parse_args(["hub"])
+    hub = settings_from(args)
     assert hub_defaults() == {k: getattr(hub, k) for k in hub_defaults()}
 
 
@@ -440,12 +451,11 @@ def test_serve_config_plans_http_servers_on_consecutive_ports():
     dep = load_config(CONFIGS / "serve-cpu.toml")
     plan = build_plan(dep)  # serving targets need no prompts
     assert [p.role for p in plan.workers] == ["serve", "serve"] and plan.prompts is None
-    ports = [p.args[p.args.index("--port") + 1] for p in plan.workers]
-    assert ports == ["8000", "8001"]
+    assert [p.config["port"] for p in plan.workers] == [8000, 8001]
     parser = build_parser()
     check_commands(plan, parser)
     for spec in plan.processes:
-        parser.parse_args(spec.command(hub="tcp://10.0.0.1:5555")[3:])
+        load(PROCESSES[spec.role], {}, environ=spec.environment(hub="tcp://10.0.0.1:5555"))
     with pytest.raises(ConfigError, match="targets.http_port"):
         build_plan(load_config(CONFIGS / "serve-cpu.toml", ["targets.http_port=65535"]))
 

@@ -9,7 +9,8 @@ import pytest
 from starhub.cli.main import build_parser
 from starhub.drafters.ngram import NgramDrafter
 from starhub.hub.server import TOKEN_BYTES
-from starhub.server.limits import SessionLimits, limits_from_args
+from starhub.server.limits import SessionLimits
+from starhub.settings.cli import settings_from
 from starhub.wire.messages import (
     Close,
     Commit,
@@ -133,22 +134,25 @@ def test_expired_sessions_give_their_budget_back(make_hub):
 
 
 def test_hub_flags_carry_the_limits():
-    args = build_parser().parse_args(["hub", "--max-sessions", "7", "--max-sessions-per-peer",
-                                      "2", "--max-prompt-tokens", "100", "--max-session-tokens",
-                                      "200", "--max-cache-mb", "5000", "--max-peers", "9"])
-    assert limits_from_args(args) == SessionLimits(7, 2, 100, 200, 5000, 9)
-    assert limits_from_args(build_parser().parse_args(["hub"])) == SessionLimits()
+    hub = settings_from(build_parser().parse_args([
+        "hub", "--max-sessions", "7", "--max-sessions-per-peer", "2", "--max-prompt-tokens",
+        "100", "--max-session-tokens", "200", "--max-cache-mb", "5000", "--max-peers", "9"]))
+    assert SessionLimits(**hub.limit_values()) == SessionLimits(7, 2, 100, 200, 5000, 9)
+    default = settings_from(build_parser().parse_args(["hub"]))
+    assert SessionLimits(**default.limit_values()) == SessionLimits()
 
 
 def test_a_limit_below_one_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["hub", "--max-sessions", "0"])
-    assert "at least 1" in capsys.readouterr().err
+        settings_from(build_parser().parse_args(["hub", "--max-sessions", "0"]))
+    assert "greater than or equal to 1" in capsys.readouterr().err
 
 
 def test_verifier_flags_carry_its_limits():
-    args = build_parser().parse_args(["verifier", "--max-depth", "4", "--max-sessions", "3"])
-    assert args.max_depth == 4 and limits_from_args(args).max_sessions == 3
+    args = settings_from(build_parser().parse_args(["verifier", "--max-depth", "4",
+                                                    "--max-sessions", "3"]))
+    assert args.max_depth == 4 and SessionLimits(**args.limit_values()).max_sessions == 3
+    assert settings_from(build_parser().parse_args(["verifier"])).max_cache_mb == 12288
 
 
 # -- the edge verifier -----------------------------------------------------------------

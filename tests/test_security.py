@@ -186,7 +186,7 @@ def test_launch_config_applies_the_loopback_rule_and_passes_keys():
     with pytest.raises(ConfigError, match=r"hub\.bind: tcp://0\.0\.0\.0:0 is reachable"):
         build_plan(parse_config({**base, "hub": {}}), "p.jsonl")
     plan = build_plan(parse_config({**base, "hub": {"insecure": True}}), "p.jsonl")
-    assert "--insecure" in plan.server.args
+    assert plan.server.config["insecure"] is True
     with pytest.raises(ConfigError, match="its targets need curve_secret"):
         build_plan(parse_config({**base, "hub": {"curve_secret": "h.key_secret",
                                                  "curve_allow": "allow"}}), "p.jsonl")
@@ -194,9 +194,9 @@ def test_launch_config_applies_the_loopback_rule_and_passes_keys():
         "backend": "ray", "hub": {"curve_secret": "h.key_secret", "curve_allow": "allow"},
         "targets": {"model": "default", "curve_secret": "t.key_secret",
                     "curve_server": "h.key"}}), "p.jsonl")
-    hub, target = plan.server.args, plan.workers[0].args
-    assert hub[hub.index("--curve-allow") + 1] == "allow" and "--insecure" not in hub
-    assert target[target.index("--curve-server") + 1] == "h.key"
+    hub, target = plan.server.config, plan.workers[0].config
+    assert hub["curve_allow"] == "allow" and not hub["insecure"]
+    assert target["curve_server"] == "h.key"
 
 
 # -- CURVE on real sockets ------------------------------------------------------------------
@@ -441,17 +441,18 @@ def test_insecure_on_both_sides_connects_without_curve(tiny_model, tmp_path):
 def test_launch_passes_insecure_to_clients_and_nothing_for_the_local_keys():
     base = {"targets": {"model": "default", "count": 1}}
     plan = build_plan(parse_config(base), "p.jsonl")
-    assert "--insecure" not in plan.server.args + plan.workers[0].args
-    assert not any(a.startswith("--curve") for a in plan.server.args + plan.workers[0].args)
+    configs = [plan.server.config, plan.workers[0].config]
+    assert not any(c["insecure"] for c in configs)
+    assert not any(v for c in configs for k, v in c.items() if k.startswith("curve"))
     dep = parse_config({**base, "hub": {"insecure": True}})
     plan = build_plan(dep, "p.jsonl")
-    assert "--insecure" in plan.server.args and "--insecure" in plan.workers[0].args
+    assert plan.server.config["insecure"] and plan.workers[0].config["insecure"]
     assert status_security(dep.server, dep.workers) == ClientSecurity(insecure=True)
     serving = parse_config({"hub": {"insecure": True},
                             "targets": {"model": "default", "serve": True}})
-    assert "--insecure" in build_plan(serving).workers[0].args
+    assert build_plan(serving).workers[0].config["insecure"]
     edge = parse_config({"topology": "edge", "verifier": {"model": "default", "insecure": True},
                          "drafters": {"model": "default", "count": 1}})
-    assert "--insecure" in build_plan(edge, "p.jsonl").workers[0].args
+    assert build_plan(edge, "p.jsonl").workers[0].config["insecure"]
     with pytest.raises(SecurityError, match="not both"):
         ClientSecurity(ClientCurve(b"", b"", b""), insecure=True)

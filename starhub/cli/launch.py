@@ -15,8 +15,10 @@ from starhub.launch.ray_backend import RayBackend, ray_address
 from starhub.launch.runner import Launcher, LocalBackend
 from starhub.launch.status import query_stats, report, serve_report, server_health
 from starhub.models.prompts import read_prompts
-from starhub.options import SECONDS
-from starhub.wire.security import ClientSecurity, add_client_args
+from starhub.options import Seconds
+from starhub.settings.cli import add_settings, value_type
+from starhub.settings.processes import ClientKeys
+from starhub.wire.security import ClientSecurity
 
 LAUNCH_EPILOG = """\
 a deployment file (see configs/) looks like:
@@ -76,9 +78,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("address", help="e.g. tcp://127.0.0.1:5555 or http://127.0.0.1:8000 (the "
                                    "address its 'STARHUB READY' line or `starhub launch` "
                                    "printed)")
-    s.add_argument("--timeout", type=SECONDS.arg, default=5.0, help="seconds to wait for a reply")
+    s.add_argument("--timeout", type=value_type(Seconds), default=5.0,
+                   help="seconds to wait for a reply")
     s.add_argument("--json", action="store_true", help="print the raw STATS body as JSON")
-    add_client_args(s)
+    add_settings(s, ClientKeys)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

@@ -9,54 +9,24 @@ import argparse
 import logging
 import sys
 import time
-from pathlib import Path
 
 from bench import cli as bench_cli
 from starhub.cli import edge as edge_cli
 from starhub.cli import launch as launch_cli
 from starhub.cli import serve as serve_cli
 from starhub.cli.demo import run_demo
-from starhub.cores import add_shared_cores_arg
 from starhub.hub.shutdown import drain
 from starhub.launch import READY, spawn_hub
-from starhub.options import (  # noqa: F401  (re-exported: earlier homes of these names)
-    AUTO,
-    COUNT,
-    DEFAULT_DEPTH,
-    DEFAULT_DRAFT_PROCESS,
-    DEFAULT_LOOKUP,
-    DEFAULT_PREDRAFT,
-    DEFAULT_PRUNE,
-    DEFAULT_SHAPE,
-    DEFAULT_THREADS,
-    DTYPES,
-    LINEARS,
-    MAX_AUTO_DEPTH,
-    MESSAGE_MB,
-    PORT,
-    POSITIVE,
-    SECONDS,
-    SEED,
-    TEMPERATURE,
-    TOP_P,
-    TTL,
-    add_device_args,
-    auto_on_off_arg,
-    auto_or_count,
-    batch_arg,
-    depth_arg,
-    draft_process_for,
-    max_targets_arg,
-    on_off_arg,
-    resolve_threads,
-    shard_arg,
-    threads_arg,
+from starhub.options import AUTO, MAX_AUTO_DEPTH, LogLevel, draft_process_for, resolve_threads
+from starhub.server.limits import SessionLimits
+from starhub.settings.cli import SettingsParser, add_settings
+from starhub.settings.processes import (
+    DemoSettings,
+    GenerateSettings,
+    HubSettings,
+    TargetSettings,
 )
-from starhub.options import add_tree_args as _add_tree_args
-from starhub.server.limits import add_limit_args, limits_from_args
 from starhub.wire import security
-
-DEMO_PROMPTS = Path(__file__).resolve().parents[2] / "scripts" / "prompts" / "demo.jsonl"
 
 
 def _setup_logging(level: str) -> None:
@@ -67,140 +37,28 @@ def _setup_logging(level: str) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
-def _add_weight_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="the target's weights. auto: float32 on CPU, where greedy output then "
-                        "matches generate() bit for bit; bfloat16 on GPU. On CPUs with "
-                        "AVX512-BF16 or AMX, bfloat16 verifies a tree for little more than "
-                        "the cost of one token")
-    p.add_argument("--linear", choices=LINEARS, default="auto",
-                   help="the target's matrix-multiply kernel. auto: oneDNN on CPU, for float32 "
-                        "and, where the CPU has it natively, bfloat16 (weights prepacked at "
-                        "load; faster than PyTorch's default for the few-row products of "
-                        "decoding and verification), torch otherwise")
-    add_device_args(p, "the target model", device_map=True)
-
-
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=POSITIVE.arg, default=128)
-    p.add_argument("--temperature", type=TEMPERATURE.arg, default=0.0,
-                   help="0 decodes greedily")
-    p.add_argument("--top-p", type=TOP_P.arg, default=1.0)
-    p.add_argument("--seed", type=SEED.arg, default=0)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SettingsParser(
         prog="starhub",
         description="Distributed speculative decoding: one draft hub serves many target "
                     "processes over ZeroMQ. Output is lossless: greedy text is exactly what "
                     "the target alone produces.")
-    parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--log-level", default=LogLevel.INFO, choices=[str(v) for v in LogLevel])
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=argparse.ArgumentParser)
 
     hub = sub.add_parser("hub", help="serve drafts to targets",
                          description="Run a draft hub. It prints 'STARHUB READY <address>' on "
                                      "stdout once it accepts targets.")
-    hub.add_argument("--bind", default="tcp://127.0.0.1:5555",
-                     help="ZeroMQ address to bind (port 0 picks a free one)")
-    hub.add_argument("--model", default="default",
-                     help="the targets' model, used by --draft self ('default' is the "
-                          "embedded SmolLM2-135M-Instruct)")
-    _add_tree_args(hub)
-    hub.add_argument("--threads", type=COUNT.arg, default=1,
-                     help="torch threads for drafting. A head pass is a few small matrix "
-                          "products; a second thread saves little and, on a machine the hub "
-                          "shares with targets, takes cores from them")
-    add_device_args(hub, "the drafter")
-    hub.add_argument("--ttl", type=TTL.arg, default=120.0,
-                     help="seconds without messages after which a session is released")
-    hub.add_argument("--max-targets", type=max_targets_arg, default=0,
-                     help="admission. auto: admit a target only while every admitted target "
-                          "stays at or above its own standalone speed (the load model's "
-                          "N_max); N: at most N targets; 0: no limit. A rejected target "
-                          "decodes on its own and asks again later")
-    hub.add_argument("--batch", type=batch_arg, default=AUTO,
-                     help="requests drafted together, one pass per tree layer for all of them. "
-                          "auto (default): every request waiting when the drafter frees up "
-                          "(never waits for more); 1: one at a time")
-    hub.add_argument("--predraft", type=on_off_arg, default=DEFAULT_PREDRAFT, metavar="on|off",
-                     help="on: while a target verifies and no request waits, draft its next "
-                          "tree for the likeliest outcomes of its round, so a matching COMMIT "
-                          "gets its PROPOSE at once (greedy sessions; output never changes). "
-                          "Off by default: with the shipped head too few guesses hit to pay")
-    hub.add_argument("--lookup", type=on_off_arg, default=DEFAULT_LOOKUP, metavar="on|off",
-                     help="on (default): graft onto each greedy session's tree what followed "
-                          "the latest earlier occurrence of its last 2-4 tokens (prompt "
-                          "lookup), one branch of at most --depth tokens, where the tree lacks "
-                          "it. Pays where answers copy from their prompt: passages, code")
-    hub.add_argument("--prune", type=on_off_arg, default=DEFAULT_PRUNE, metavar="on|off",
-                     help="on (default): a greedy tree leaves out the nodes whose draft "
-                          "probability is below what they cost, each round: the target's "
-                          "measured verify time per node over its round, times the tokens a "
-                          "round commits. A node is accepted about as often as that "
-                          "probability says, so on a CPU target, where a node costs about a "
-                          "twentieth of a step, the unlikely ones slow it; on a GPU almost "
-                          "none are left out. EAGLE drafter only (its probabilities were "
-                          "measured to track acceptance). Output never changes")
-    hub.add_argument("--draft-process", type=auto_on_off_arg, default=DEFAULT_DRAFT_PROCESS,
-                     metavar="auto|on|off",
-                     help="on: draft in a process of its own, so that drafting never waits "
-                          "on the hub's message handling (in one process the two share one "
-                          "interpreter lock, which cost batched drafting about a fifth of "
-                          "its rounds at 8 targets); off: draft in a thread of the hub's "
-                          "process; auto (default): on for the eagle drafter, off for the "
-                          "ngram and model drafters, which do not batch")
-    hub.add_argument("--max-message-mb", type=MESSAGE_MB.arg, default=64.0,
-                     help="larger messages are refused with an ERROR")
-    add_limit_args(hub)
-    hub.add_argument("--metrics-port", type=PORT.arg, default=0,
-                     help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: off)")
-    security.add_server_args(hub)
-
+    add_settings(hub, HubSettings)
     tgt = sub.add_parser("target", help="run a prompt file through one target process",
                          description="Decode every prompt of a JSONL file with drafts from a "
                                      "hub and write one JSON line per prompt.")
-    tgt.add_argument("--hub", default=None,
-                     help="hub address, e.g. tcp://127.0.0.1:5555 (omit to decode alone)")
-    tgt.add_argument("--model", default="default",
-                     help="'default', a model folder, a .gguf file, or a model id already in "
-                          "the local Hugging Face cache")
-    tgt.add_argument("--prompts", required=True,
-                     help='JSONL: {"id", "prompt"} or MT-Bench {"question_id", "turns"}')
-    tgt.add_argument("--out", required=True, help="JSONL output")
-    _add_sampling_args(tgt)
-    _add_weight_args(tgt)
-    tgt.add_argument("--threads", type=threads_arg, default=DEFAULT_THREADS,
-                     help="torch threads for this target. auto (default): every core this "
-                          "process may use (the hub drafts while the target waits, so they "
-                          "take turns). Several targets on one machine should split the "
-                          "cores, as `demo`, `bench` and `launch` do")
-    tgt.add_argument("--no-chat-template", action="store_true",
-                     help="tokenize prompts as plain text")
-    tgt.add_argument("--name", default=None, help="name shown by the hub and progress bar")
-    tgt.add_argument("--shard", type=shard_arg, default=(0, 1), metavar="I/N",
-                     help="I/N: take every N-th prompt starting at I (to split across targets)")
-    tgt.add_argument("--hub-timeout", type=SECONDS.arg, default=3.0,
-                     help="seconds a hub reply may take at least: past max(this, 10x the "
-                          "typical round trip) the hub counts as gone; the target finishes "
-                          "on its own and reconnects in the background")
-    add_shared_cores_arg(tgt)
-    security.add_client_args(tgt)
-
+    add_settings(tgt, TargetSettings)
     gen = sub.add_parser("generate", help="one prompt through a local hub and target",
                          description="Start a hub process, decode PROMPT as a target in this "
                                      "process, and print the text as it is committed.")
-    gen.add_argument("prompt")
-    gen.add_argument("--model", default="default")
-    _add_tree_args(gen)
-    _add_sampling_args(gen)
-    _add_weight_args(gen)
-    gen.add_argument("--threads", type=threads_arg, default=DEFAULT_THREADS,
-                     help="torch threads of the target (this process). auto (default): every "
-                          "core it may use; the hub it starts drafts with 1")
-    gen.add_argument("--no-chat-template", action="store_true")
-
+    add_settings(gen, GenerateSettings)
     demo = sub.add_parser(
         "demo", help="two targets sharing one hub, with per-target speed",
         description="Start a hub and --targets target processes on this machine, each "
@@ -209,19 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "per target, all at once as the targets ran (timed before and after "
                     "them, and averaged), and one at a time with the machine to itself; "
                     "and whether every output was identical.")
-    demo.add_argument("--model", default="default")
-    _add_tree_args(demo)
-    demo.add_argument("--prompts", default=str(DEMO_PROMPTS),
-                      help="JSONL prompt file (default: the 8 shipped demo prompts)")
-    demo.add_argument("--max-new-tokens", type=POSITIVE.arg, default=48)
-    demo.add_argument("--targets", type=POSITIVE.arg, default=2,
-                      help="target processes; prompt i goes to target i mod N")
-    demo.add_argument("--threads", type=threads_arg, default=DEFAULT_THREADS,
-                      help="torch threads of each target and of the generate() it is "
-                           "compared with. auto (default): the usable cores split evenly "
-                           "between the targets")
-    _add_weight_args(demo)
-    serve_cli.add_parser(sub, _add_weight_args)
+    add_settings(demo, DemoSettings)
+    serve_cli.add_parser(sub)
     edge_cli.add_parsers(sub)
     bench_cli.add_parser(sub)
     launch_cli.add_parsers(sub)
@@ -247,13 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _tree_flags(args: argparse.Namespace) -> list[str]:
-    draft = ["--draft", args.draft] if args.draft else []
-    return ["--model", args.model, "--drafter", args.drafter, *draft,
-            "--depth", str(args.depth), "--topk", str(args.topk),
-            "--max-nodes", str(args.max_nodes), "--draft-dtype", args.draft_dtype]
-
-
 def cmd_hub(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -264,15 +104,16 @@ def cmd_hub(args: argparse.Namespace) -> int:
 
     secure = security.ServerSecurity.from_args(args)
     security.check_bind(args.bind, secure)  # before the drafter loads: fail at once
-    threads = args.threads or set_threads(None)
+    threads = resolve_threads(args.threads) if args.threads == AUTO else args.threads
+    threads = threads or set_threads(None)
     set_threads(1)
     if draft_process_for(args.draft_process, args.drafter):
         # deferred: torch load only when this runs
         from starhub.hub.drafting_process import RemoteDrafter
 
         draft = ["--draft", args.draft] if args.draft else []
-        drafter = RemoteDrafter(["--drafter", args.drafter, *draft, "--model", args.model,
-                                 "--draft-dtype", args.draft_dtype, "--device", args.device,
+        drafter = RemoteDrafter(["--drafter", str(args.drafter), *draft, "--model", args.model,
+                                 "--draft-dtype", str(args.draft_dtype), "--device", args.device,
                                  "--log-level", args.log_level], threads)
     else:
         drafter = make_drafter(args.drafter, args.draft, args.model, args.draft_dtype,
@@ -283,7 +124,7 @@ def cmd_hub(args: argparse.Namespace) -> int:
                        ttl_s=args.ttl, max_targets=args.max_targets,
                        max_message_bytes=int(args.max_message_mb * (1 << 20)),
                        metrics_port=args.metrics_port, threads=threads,
-                       limits=limits_from_args(args), security=secure,
+                       limits=SessionLimits(**args.settings.limit_values()), security=secure,
                        batch=args.batch, predraft=args.predraft,
                        lookup=args.lookup, prune=args.prune)
     hub = Hub(drafter, config)
@@ -324,7 +165,7 @@ def cmd_target(args: argparse.Namespace) -> int:
     security.use_client_security(secure)
     return run(args.hub, args.model, args.prompts, args.out, args.max_new_tokens,
                args.temperature, args.top_p, args.seed, args.threads,
-               not args.no_chat_template, args.name or f"target{args.shard[0]}",
+               args.chat_template, args.name or f"target{args.shard[0]}",
                args.shard, args.dtype, args.linear,
                hub_timeout_s=args.hub_timeout, device=args.device, device_map=args.device_map,
                shared_cores=args.shared_cores)
@@ -336,11 +177,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from targets.api import attach
 
     set_threads(resolve_threads(args.threads))
-    with spawn_hub(_tree_flags(args), threads=1) as hub:
+    with spawn_hub(args.settings.tree_flags(args.model), threads=1) as hub:
         model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear,
                                       device=args.device, device_map=args.device_map)
         with attach(model, tokenizer, hub.address, name="generate",
-                    chat_template=not args.no_chat_template) as session:
+                    chat_template=args.chat_template) as session:
             start = time.perf_counter()
             pieces = []
             for piece in session.stream(args.prompt, args.max_new_tokens, args.temperature,
@@ -356,7 +197,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    return run_demo(args, _tree_flags(args))
+    return run_demo(args, args.settings.tree_flags(args.model))
 
 
 def cmd_keys(args: argparse.Namespace) -> int:

@@ -8,18 +8,15 @@ import argparse
 import logging
 from pathlib import Path
 
-from starhub.cores import add_shared_cores_arg
 from starhub.launch import READY
-from starhub.options import COUNT, DEFAULT_THREADS, PORT, POSITIVE, SECONDS, threads_arg
+from starhub.settings.cli import add_settings
+from starhub.settings.processes import ServeSettings
 from starhub.wire import security
-
-DEFAULT_PORT = 8000
-DEFAULT_MAX_CONCURRENCY = 16
 
 log = logging.getLogger("starhub.serve")
 
 
-def add_parser(sub: argparse._SubParsersAction, add_weight_args) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server for a target, drafted for by a hub",
         description="Serve a target model over HTTP: POST /v1/completions and "
@@ -29,50 +26,7 @@ def add_parser(sub: argparse._SubParsersAction, add_weight_args) -> None:
                     "drafts their trees together. Without a hub, or while it is away, "
                     "requests are decoded on their own (still batched); the output is the "
                     "same either way. Prints 'STARHUB READY http://HOST:PORT' when ready.")
-    p.add_argument("--hub", default=None,
-                   help="hub address, e.g. tcp://127.0.0.1:5555 (omit to serve without drafts)")
-    p.add_argument("--model", default="default",
-                   help="'default' (the embedded model), a model folder, a .gguf file, or a "
-                        "model id already in the local Hugging Face cache")
-    p.add_argument("--served-model-name", default=None,
-                   help="the name requests give as 'model' (default: the model's own name)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (0.0.0.0 for every interface)")
-    p.add_argument("--port", type=PORT.arg, default=DEFAULT_PORT,
-                   help=f"HTTP port (default {DEFAULT_PORT}; 0 picks a free one)")
-    p.add_argument("--allowed-hosts", default=None,
-                   help="comma-separated names the Host header may give, '*' for any "
-                        "(default: localhost and the --host address; any when --host "
-                        "listens on every interface). Other hosts get a 400: a web page "
-                        "cannot reach a loopback server by a name it controls")
-    p.add_argument("--threads", type=threads_arg, default=DEFAULT_THREADS,
-                   help="torch threads of the model. auto (default): every core this process "
-                        "may use")
-    p.add_argument("--max-concurrency", type=POSITIVE.arg,
-                   default=DEFAULT_MAX_CONCURRENCY,
-                   help="requests in flight at once; past it, 429 with Retry-After "
-                        f"(default {DEFAULT_MAX_CONCURRENCY})")
-    p.add_argument("--prefill-chunk", type=COUNT.arg, default=0,
-                   help="prompt tokens per prefill pass: a long prompt alternates with the "
-                        "other requests' passes chunk by chunk. 0 (default): about one "
-                        "pass's worth while other requests are in, 256 while none is")
-    p.add_argument("--speculate", choices=("auto", "always"), default="auto",
-                   help="auto (default): a request that would decode alone uses the hub, "
-                        "whose control plane judges each round; one that joins other "
-                        "requests uses the hub's trees only while they serve the batch "
-                        "faster than plain batched decoding, as measured on this server's "
-                        "own passes; always: every request uses the hub while one is "
-                        "connected")
-    p.add_argument("--name", default="serve", help="this target's name at the hub")
-    p.add_argument("--hub-timeout", type=SECONDS.arg, default=3.0,
-                   help="seconds a hub reply may take at least: past max(this, 10x the "
-                        "typical round trip) the hub counts as gone; requests go on alone "
-                        "and the server reconnects in the background")
-    p.add_argument("--no-chat-template", action="store_true",
-                   help="join chat messages as plain text instead of the model's template")
-    add_weight_args(p)
-    add_shared_cores_arg(p)
-    security.add_client_args(p)
+    add_settings(p, ServeSettings)
 
 
 def allowed_hosts(host: str, given: str | None) -> list[str] | None:
@@ -114,12 +68,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear,
                                   device=args.device, device_map=args.device_map)
     batcher = Batcher(model, tokenizer, args.hub, name=args.name, timeout_s=args.hub_timeout,
-                      prefill_chunk=args.prefill_chunk, speculate=args.speculate,
-                      shared_cores=args.shared_cores)
+                      prefill_chunk=args.prefill_chunk, speculate=str(args.speculate),
+                      shared_cores=str(args.shared_cores))
     name = args.served_model_name or served_name(args.model)
     context = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
     server = OpenAIServer(batcher, tokenizer, name, args.max_concurrency, context,
-                          chat_template=not args.no_chat_template,
+                          chat_template=args.chat_template,
                           allowed_hosts=allowed_hosts(args.host, args.allowed_hosts))
     batcher.start()
     log.info("serving '%s' (%s weights, torch threads=%d), hub=%s%s, max concurrency %d",

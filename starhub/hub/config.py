@@ -7,16 +7,18 @@ from dataclasses import dataclass, field
 from starhub.control.plane import AUTO, ControlConfig
 from starhub.drafters.base import TreeShape
 from starhub.options import (
-    AMOUNT,
-    COUNT,
     DEFAULT_LOOKUP,
     DEFAULT_PREDRAFT,
     DEFAULT_PRUNE,
-    MESSAGE_BYTES,
-    PORT,
-    POSITIVE,
-    SECONDS,
-    TTL,
+    Amount,
+    Count,
+    MessageBytes,
+    Port,
+    Positive,
+    Seconds,
+    Ttl,
+    auto_or,
+    check,
 )
 from starhub.server.limits import SessionLimits
 from starhub.wire.codec import Limits
@@ -62,15 +64,12 @@ class HubConfig:
         """Every number finite and in range (``starhub.options``), or a ``ValueError`` that
         names the field: the flags and deployment files check the same bounds first."""
         self.shape.check("hub config: shape")
-        for name, number in (("ttl_s", TTL), ("max_message_bytes", MESSAGE_BYTES),
-                             ("retry_after_s", SECONDS), ("peer_grace_s", AMOUNT),
-                             ("log_every_s", SECONDS), ("metrics_port", PORT),
-                             ("threads", COUNT)):
-            number.check(getattr(self, name), f"hub config: {name}")
-        if self.max_targets != AUTO:
-            COUNT.check(self.max_targets, "hub config: max_targets")
-        if self.batch != AUTO:
-            POSITIVE.check(self.batch, "hub config: batch")
+        for name, number in (("ttl_s", Ttl), ("max_message_bytes", MessageBytes),
+                             ("retry_after_s", Seconds), ("peer_grace_s", Amount),
+                             ("log_every_s", Seconds), ("metrics_port", Port),
+                             ("threads", Count), ("max_targets", auto_or(Count)),
+                             ("batch", auto_or(Positive))):
+            check(getattr(self, name), number, f"hub config: {name}")
 
     def control(self, calibrated: bool = True) -> ControlConfig:
         """The control plane's settings; ``calibrated``: the drafter's path probabilities

@@ -1,17 +1,23 @@
-"""From a validated deployment to the processes it starts: each one's exact ``starhub``
-command, threads, GPU pin and Ray resources. Both backends and ``--dry-run`` use this."""
+"""From a validated deployment to the processes it starts: each one's command, the
+validated settings it runs on (handed over as ``STARHUB_CONFIG``), threads, GPU pin and
+Ray resources. Both backends and ``--dry-run`` use this."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from starhub.launch.config import ConfigError, Deployment, Placement
+from pydantic import ValidationError
+
+from starhub.launch.config import LAUNCHER_CHOSEN, ConfigError, Deployment, Placement
 from starhub.options import AUTO, resolve_threads
+from starhub.settings.base import CONFIG_ENV, Settings, explain
+from starhub.settings.processes import PROCESSES
 from starhub.wire.security import is_loopback
 
 HUB = "{hub}"
@@ -26,8 +32,9 @@ class ProcessSpec:
     name: str
     role: str
     """hub, target, serve, verifier or drafter: also the ``starhub`` subcommand."""
-    args: list[str]
-    """Everything after ``python -m starhub``, with placeholders."""
+    config: dict
+    """The process's validated settings as JSON values, with placeholders."""
+    log_level: str
     threads: int
     serves: bool
     """Prints ``STARHUB READY <address>`` and runs until stopped (hub, verifier, serving
@@ -40,10 +47,17 @@ class ProcessSpec:
     def out_name(self) -> str:
         return f"{self.name}.jsonl"
 
-    def command(self, python: str = sys.executable, **values: str) -> list[str]:
-        """The argv, with the placeholders named in ``values`` filled in."""
+    def command(self, python: str = sys.executable) -> list[str]:
+        """The argv: the command alone; its settings come in ``environment``."""
+        return [python, "-m", "starhub", "--log-level", self.log_level, self.role]
+
+    def environment(self, **values: str) -> dict[str, str]:
+        """``STARHUB_CONFIG``: the settings, with the placeholders named in ``values``
+        (hub, prompts, out) filled in."""
         fill = {HUB: values.get("hub"), PROMPTS: values.get("prompts"), OUT: values.get("out")}
-        return [python, "-m", "starhub", *[fill.get(a) or a for a in self.args]]
+        config = {k: fill.get(v) or v if isinstance(v, str) else v
+                  for k, v in self.config.items()}
+        return {CONFIG_ENV: json.dumps(config, separators=(",", ":"))}
 
 
 @dataclass
@@ -72,13 +86,12 @@ def build_plan(dep: Deployment, prompts: str | None = None) -> Plan:
                           f"prompts; pass --prompts FILE or set {group}.prompts (or set "
                           f"{group}.count = 0 to serve only)")
     _check_security(dep)
-    pre = ["--log-level", dep.log_level]
     if dep.topology == "star":
-        server = _hub(dep, pre)
-        procs = [_target(dep, pre, i) for i in range(workers.count)]
+        server = _hub(dep)
+        procs = [_target(dep, i) for i in range(workers.count)]
     else:
-        server = _verifier(dep, pre)
-        procs = [_drafter(dep, pre, i) for i in range(workers.count)]
+        server = _verifier(dep)
+        procs = [_drafter(dep, i) for i in range(workers.count)]
     return Plan(dep, server, procs, prompts)
 
 
@@ -110,18 +123,10 @@ def _check_security(dep: Deployment) -> None:
                           f"{'need' if curve else 'take no'} curve_secret and curve_server")
 
 
-def _server_keys(s) -> list[tuple[str, object]]:
-    return [("--curve-secret", s.curve_secret), ("--curve-allow", s.curve_allow)]
-
-
-def _client_keys(w) -> list[tuple[str, object]]:
-    return [("--curve-secret", w.curve_secret), ("--curve-server", w.curve_server)]
-
-
-def _plain(dep: Deployment) -> list[str]:
+def _plain(dep: Deployment, section) -> bool:
     """Workers of a server that runs without CURVE connect without it too; given no keys and
     no ``insecure``, both sides use the local keystore (``starhub.wire.security``)."""
-    return ["--insecure"] if dep.server.insecure and not dep.server.curve_secret else []
+    return section.insecure or (dep.server.insecure and not dep.server.curve_secret)
 
 
 def _threads(dep: Deployment, section) -> int:
@@ -145,118 +150,80 @@ def _ray_options(p: Placement, threads: int) -> dict:
     return opts
 
 
-def _flags(pairs: list[tuple[str, object]]) -> list[str]:
-    """``--flag value`` for each pair whose value is not None."""
-    out: list[str] = []
-    for flag, value in pairs:
-        if value is not None:
-            out += [flag, str(value)]
-    return out
+def _settings(dep: Deployment, role: str, table: str, chosen: dict) -> dict:
+    """The settings a process of ``role`` runs on: its table's values for every setting the
+    process has, and what the launcher ``chosen`` for it, validated as the process will."""
+    section = getattr(dep, table)
+    model: type[Settings] = PROCESSES[role]
+    values = {k: getattr(section, k) for k in model.model_fields
+              if k in type(section).model_fields and k not in LAUNCHER_CHOSEN[table]}
+    try:
+        settings = model.model_validate({**values, **chosen})
+    except ValidationError as exc:
+        raise ConfigError(explain(exc, lambda loc: f"{dep.source}: {table}.{loc[0]}",
+                                  model)) from None
+    return settings.model_dump(mode="json")
 
 
-def _hub(dep: Deployment, pre: list[str]) -> ProcessSpec:
-    h, threads = dep.hub, _threads(dep, dep.hub)
-    args = [*pre, "hub", *_flags([
-        ("--bind", _bind(dep, h)), ("--model", h.model), ("--drafter", h.drafter),
-        ("--draft", h.draft), ("--depth", h.depth), ("--topk", h.topk),
-        ("--max-nodes", h.max_nodes), ("--draft-dtype", h.draft_dtype),
-        ("--max-targets", h.max_targets), ("--threads", threads), ("--ttl", h.ttl),
-        ("--max-message-mb", h.max_message_mb), ("--metrics-port", h.metrics_port),
-        ("--device", h.device), *_server_keys(h)])] + (["--insecure"] if h.insecure else [])
-    return ProcessSpec("hub", "hub", args, threads, True, "hub", h.gpu,
-                       _ray_options(h, threads))
+def _spec(dep: Deployment, name: str, role: str, table: str, chosen: dict, threads: int,
+          gpu: int | None) -> ProcessSpec:
+    section = getattr(dep, table)
+    if section is dep.workers:
+        chosen = {**chosen, "insecure": _plain(dep, section)}
+    config = _settings(dep, role, table, {**chosen, "threads": threads})
+    return ProcessSpec(name, role, config, str(dep.log_level), threads,
+                       role in ("hub", "serve", "verifier"), table, gpu,
+                       _ray_options(section, threads))
 
 
-def _sampling(w, index: int, name: str, threads: int) -> list[tuple[str, object]]:
-    return [("--prompts", PROMPTS), ("--out", OUT), ("--max-new-tokens", w.max_new_tokens),
-            ("--temperature", w.temperature), ("--top-p", w.top_p), ("--seed", w.seed),
-            ("--threads", threads), ("--name", name), ("--shard", f"{index}/{w.count}"),
-            ("--device", w.device)]
+def _hub(dep: Deployment) -> ProcessSpec:
+    h = dep.hub
+    return _spec(dep, "hub", "hub", "hub", {"bind": _bind(dep, h), "model": h.model},
+                 _threads(dep, h), h.gpu)
 
 
 def _gpu(w, index: int) -> int | None:
     return w.gpus[index] if w.gpus else None
 
 
-def _target(dep: Deployment, pre: list[str], i: int) -> ProcessSpec:
+def _target(dep: Deployment, i: int) -> ProcessSpec:
     t, threads = dep.targets, _threads(dep, dep.targets)
     name = f"{t.name}{i}"
-    if t.serve:
-        return _server_target(dep, pre, i, name, threads)
-    args = [*pre, "target", *_flags([("--hub", HUB), ("--model", t.model),
-                                     ("--dtype", t.dtype), ("--linear", t.linear),
-                                     ("--device-map", t.device_map),
-                                     *_sampling(t, i, name, threads), *_client_keys(t)]),
-                               *_plain(dep)]
-    if not t.chat_template:
-        args.append("--no-chat-template")
-    return ProcessSpec(name, "target", args, threads, False, "targets", _gpu(t, i),
-                       _ray_options(t, threads))
+    if t.serve:  # it prints its URL when ready and runs until stopped
+        host = t.http_host or ("0.0.0.0" if dep.backend == "ray" else "127.0.0.1")
+        chosen = {"hub": HUB, "name": name, "host": host,
+                  "port": t.http_port + i if t.http_port else 0}
+        return _spec(dep, name, "serve", "targets", chosen, threads, _gpu(t, i))
+    chosen = {"hub": HUB, "prompts": PROMPTS, "out": OUT, "name": name,
+              "shard": (i, t.count)}
+    return _spec(dep, name, "target", "targets", chosen, threads, _gpu(t, i))
 
 
-def _server_target(dep: Deployment, pre: list[str], i: int, name: str,
-                   threads: int) -> ProcessSpec:
-    """A target as ``starhub serve``: it prints its URL when ready and runs until stopped."""
-    t = dep.targets
-    host = t.http_host or ("0.0.0.0" if dep.backend == "ray" else "127.0.0.1")
-    args = [*pre, "serve", *_flags([
-        ("--hub", HUB), ("--model", t.model), ("--dtype", t.dtype), ("--linear", t.linear),
-        ("--device-map", t.device_map), ("--threads", threads), ("--name", name),
-        ("--host", host), ("--port", t.http_port + i if t.http_port else 0),
-        ("--max-concurrency", t.max_concurrency), ("--device", t.device),
-        *_client_keys(t)]), *_plain(dep)]
-    if not t.chat_template:
-        args.append("--no-chat-template")
-    return ProcessSpec(name, "serve", args, threads, True, "targets", _gpu(t, i),
-                       _ray_options(t, threads))
+def _verifier(dep: Deployment) -> ProcessSpec:
+    v = dep.verifier
+    return _spec(dep, "verifier", "verifier", "verifier", {"bind": _bind(dep, v)},
+                 _threads(dep, v), v.gpu)
 
 
-def _verifier(dep: Deployment, pre: list[str]) -> ProcessSpec:
-    v, threads = dep.verifier, _threads(dep, dep.verifier)
-    args = [*pre, "verifier", *_flags([
-        ("--bind", _bind(dep, v)), ("--model", v.model), ("--budget", v.budget),
-        ("--max-batch", v.max_batch), ("--schedule", v.schedule), ("--nodes", v.nodes),
-        ("--max-nodes", v.max_nodes), ("--ttl", v.ttl), ("--dtype", v.dtype),
-        ("--linear", v.linear), ("--threads", threads), ("--device", v.device),
-        ("--device-map", v.device_map),
-        *_server_keys(v)])] + (["--insecure"] if v.insecure else [])
-    return ProcessSpec("verifier", "verifier", args, threads, True, "verifier", v.gpu,
-                       _ray_options(v, threads))
-
-
-def _drafter(dep: Deployment, pre: list[str], i: int) -> ProcessSpec:
-    d, threads = dep.drafters, _threads(dep, dep.drafters)
+def _drafter(dep: Deployment, i: int) -> ProcessSpec:
+    d = dep.drafters
     name = f"{d.name}{i}"
-    args = [*pre, "drafter", *_flags([
-        ("--verifier", HUB), ("--model", d.model), ("--drafter", d.drafter),
-        ("--draft", d.draft), ("--draft-dtype", d.draft_dtype), ("--depth", d.depth),
-        ("--topk", d.topk), ("--max-nodes", d.max_nodes), ("--target-tok-s", d.target_tok_s),
-        ("--timeout", d.timeout), ("--retries", d.retries), *_sampling(d, i, name, threads),
-        *_client_keys(d)]), *_plain(dep)]
-    if not d.chat_template:
-        args.append("--no-chat-template")
-    return ProcessSpec(name, "drafter", args, threads, False, "drafters", _gpu(d, i),
-                       _ray_options(d, threads))
+    chosen = {"verifier": HUB, "model": d.model, "prompts": PROMPTS, "out": OUT,
+              "name": name, "shard": (i, d.count)}
+    return _spec(dep, name, "drafter", "drafters", chosen, _threads(dep, d), _gpu(d, i))
 
 
 def check_commands(plan: Plan, parser: argparse.ArgumentParser) -> None:
-    """Every command and option the plan uses must exist in this starhub, so that a config
-    written for a newer one fails here, before anything starts."""
+    """Every command the plan starts must exist in this starhub, so that a config written
+    for a newer one fails here, before anything starts (each process's settings were
+    checked by its own model when the plan was built)."""
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    source = plan.deployment.source
     for spec in plan.processes:
-        command = sub.choices.get(spec.role)
-        if command is None:
+        if spec.role not in sub.choices:
             need = ("edge launch needs `starhub verifier` and `starhub drafter`"
                     if spec.role in ("verifier", "drafter") else f"needs `starhub {spec.role}`")
-            raise ConfigError(f"{source}: [{spec.section}]: {need}, which this starhub does "
-                              f"not have")
-        known = command._option_string_actions
-        for arg in spec.args[spec.args.index(spec.role) + 1:]:
-            if arg.startswith("--") and arg not in known:
-                key = arg[2:].replace("-", "_")
-                raise ConfigError(f"{source}: {spec.section}.{key}: this starhub's "
-                                  f"`starhub {spec.role}` has no {arg} option")
+            raise ConfigError(f"{plan.deployment.source}: [{spec.section}]: {need}, which "
+                              f"this starhub does not have")
 
 
 def describe(plan: Plan, out_dir: str, ray_address: str | None) -> str:
@@ -286,6 +253,7 @@ def describe(plan: Plan, out_dir: str, ray_address: str | None) -> str:
             out = str(Path(out_dir).resolve() / spec.out_name)
         when = "" if spec is plan.server else f", once the {kind} is ready"
         lines.append(f"{spec.name}: {where}{when}")
-        cmd = spec.command(python, hub=f"<{kind} address>", prompts=prompts, out=out)
-        lines.append("  " + shlex.join(cmd))
+        env = spec.environment(hub=f"<{kind} address>", prompts=prompts, out=out)
+        lines.append("  " + shlex.join(["env", *(f"{k}={v}" for k, v in env.items()),
+                                        *spec.command(python)]))
     return "\n".join(lines)

@@ -243,9 +243,9 @@ class RayBackend:
         prompts = None
         if not spec.serves and self.prompts_text is not None:
             prompts = handle._call("put_file", "prompts.jsonl", self.prompts_text)
-        argv = spec.command(hub=hub, prompts=prompts,
-                            out=f"{WORKDIR}/{spec.out_name}")[3:]
-        handle.where = handle._call("start", argv, process_env(spec))
+        settings = spec.environment(hub=hub, prompts=prompts, out=f"{WORKDIR}/{spec.out_name}")
+        handle.where = handle._call("start", spec.command()[3:],
+                                    {**process_env(spec), **settings})
         return handle
 
     def close(self) -> None:

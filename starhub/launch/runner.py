@@ -93,9 +93,10 @@ class LocalBackend:
 
     def start(self, spec: ProcessSpec, hub: str | None) -> LocalHandle:
         host = ProcessHost(spec.name)
-        argv = spec.command(hub=hub, prompts=self.prompts,
-                            out=str(self.out_dir.resolve() / spec.out_name))[3:]
-        return LocalHandle(host, host.start(argv, process_env(spec)))
+        settings = spec.environment(hub=hub, prompts=self.prompts,
+                                    out=str(self.out_dir.resolve() / spec.out_name))
+        return LocalHandle(host, host.start(spec.command()[3:], {**process_env(spec),
+                                                                  **settings}))
 
     def close(self) -> None:
         pass

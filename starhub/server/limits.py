@@ -4,8 +4,8 @@ of them, and the size and depth of the trees it sends.
 Servers (the hub, the edge verifier) ask ``SessionBudget``, through their session table
 (``starhub.server.sessions``), before they change anything, and tell it afterwards, so a
 message past a limit is refused with a reason and changes no state. Each limit is a
-command-line flag (``add_limit_args``); nothing here imports torch, so ``starhub --help``
-stays fast.
+setting of the server's process (``starhub.settings.processes.Limits``); nothing here
+imports torch, so ``starhub --help`` stays fast.
 
 Budgets are kept per principal: the CURVE key a connection authenticated with, or the
 connection itself where there is none, so that a second connection with the same key gets
@@ -17,69 +17,35 @@ share stays free, so nobody can take the whole cache from those who come after.
 
 from __future__ import annotations
 
-import argparse
 from collections import Counter
 from dataclasses import dataclass, fields
 
-from starhub.options import POSITIVE
+from starhub.options import Positive, check
+from starhub.settings.processes import Limits, VerifierSettings
 from starhub.wire.messages import ErrorCode, ProtocolError
+
+DEFAULT = Limits.default_limits()
 
 
 @dataclass(frozen=True)
 class SessionLimits:
-    max_sessions: int = 1024
-    """Sessions open at once, over all peers."""
-    max_sessions_per_peer: int = 64
-    """Sessions one peer (one socket identity) may hold at once."""
-    max_prompt_tokens: int = 32768
-    """Tokens an OPEN may carry (the prompt plus the first token)."""
-    max_session_tokens: int = 65536
-    """Tokens one session may grow to, prompt included."""
-    max_cache_mb: int = 2048
-    """Megabytes (MiB) held for sessions over all of them: each token at the server's price
-    for it (the hub's ids, lookup index and draft head KV; the verifier's target KV cache)
-    plus the features it was sent, at their real size."""
-    max_peers: int = 1024
-    """Peers (connections that sent their card) known at once; past it the one idle the
-    longest is forgotten to make room, and with none idle the card is refused."""
+    """What a server holds at most; each field's meaning, bounds and default are its setting's
+    (``starhub.settings.processes.Limits``)."""
+
+    max_sessions: int = DEFAULT["max_sessions"]
+    max_sessions_per_peer: int = DEFAULT["max_sessions_per_peer"]
+    max_prompt_tokens: int = DEFAULT["max_prompt_tokens"]
+    max_session_tokens: int = DEFAULT["max_session_tokens"]
+    max_cache_mb: int = DEFAULT["max_cache_mb"]
+    max_peers: int = DEFAULT["max_peers"]
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            POSITIVE.check(getattr(self, f.name), f"{f.name} (--{f.name.replace('_', '-')})")
+            check(getattr(self, f.name), Positive, f"{f.name} (--{f.name.replace('_', '-')})")
 
 
-VERIFIER_LIMITS = SessionLimits(max_sessions=256, max_cache_mb=12288)
-"""The verifier holds a full target KV cache per token (about 46 kB a token for the
-embedded model in float32): 12 GiB is about 270,000 of its tokens."""
-
-_HELP = {
-    "max_sessions": "sessions open at once, over all peers; past it OPEN gets ERROR "
-                    "(REJECTED)",
-    "max_sessions_per_peer": "sessions one peer may hold at once",
-    "max_peers": "peers (connections that sent their card) known at once; past it the one "
-                 "idle the longest is forgotten, and with none idle the card gets REJECTED",
-    "max_prompt_tokens": "the longest prompt an OPEN may carry; longer ones get ERROR "
-                         "(TOO_LARGE)",
-    "max_session_tokens": "the most tokens one session may grow to, prompt included",
-    "max_cache_mb": "MiB held for sessions over all peers: each token at the server's "
-                    "price for it (ids, KV caches) plus its features at their real size. "
-                    "Each peer may hold a fair share; past it, or past the cap, OPEN, "
-                    "PROPOSE and COMMIT get ERROR (REJECTED)",
-}
-
-
-def add_limit_args(p: argparse.ArgumentParser, defaults: SessionLimits = SessionLimits()
-                   ) -> None:
-    """One ``--max-…`` flag per field of ``SessionLimits``."""
-    for f in fields(SessionLimits):
-        value = getattr(defaults, f.name)
-        p.add_argument("--" + f.name.replace("_", "-"), type=POSITIVE.arg, default=value,
-                       help=f"{_HELP[f.name]} (default {value})")
-
-
-def limits_from_args(args: argparse.Namespace) -> SessionLimits:
-    return SessionLimits(**{f.name: getattr(args, f.name) for f in fields(SessionLimits)})
-
+VERIFIER_LIMITS = SessionLimits(**VerifierSettings.default_limits())
+"""The verifier holds a full target KV cache per token (``VerifierSettings.max_cache_mb``)."""
 
 def fair_share(held: int, want: int, total: int, cap: int, holders: int) -> str | None:
     """Whether a principal holding ``held`` of ``total`` (over ``holders`` principals, itself

@@ -564,33 +564,3 @@ class Handshakes:
         self.monitor.close(0)
 
 
-# -- command-line options -------------------------------------------------------------------
-
-def add_server_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("security", "CURVE encrypts every connection and admits only "
-                             "clients whose public certificate is in --curve-allow. Without "
-                             "keys, this user's local keys are used (made on first use in "
-                             f"${KEYSTORE_ENV}, else $XDG_RUNTIME_DIR/starhub, else "
-                             "~/.cache/starhub/keys) and only loopback addresses are served "
-                             f"({KEYGEN_HINT})")
-    g.add_argument("--curve-secret", metavar="FILE", default=None,
-                   help="this server's secret certificate (NAME.key_secret)")
-    g.add_argument("--curve-allow", metavar="DIR", default=None,
-                   help="folder of the allowed clients' public certificates (NAME.key), "
-                        "read at start")
-    g.add_argument("--insecure", action="store_true",
-                   help="serve without CURVE (its clients pass --insecure too), on any "
-                        "address (logs a warning off loopback): anyone who reaches it can "
-                        "read prompts and send messages")
-
-
-def add_client_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("security", "both files, or neither: then this user's local "
-                             "keys, which a server started without keys on this host uses")
-    g.add_argument("--curve-secret", metavar="FILE", default=None,
-                   help="this client's secret certificate (NAME.key_secret); its NAME.key "
-                        "must be in the server's --curve-allow folder")
-    g.add_argument("--curve-server", metavar="FILE", default=None,
-                   help="the server's public certificate (its NAME.key)")
-    g.add_argument("--insecure", action="store_true",
-                   help="the server runs --insecure: connect without CURVE")
