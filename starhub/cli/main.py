@@ -19,12 +19,13 @@ from starhub.hub.shutdown import drain
 from starhub.launch import READY, spawn_hub
 from starhub.options import AUTO, MAX_AUTO_DEPTH, LogLevel, draft_process_for, resolve_threads
 from starhub.server.limits import SessionLimits
-from starhub.settings.cli import SettingsParser, add_settings
+from starhub.settings.cli import SettingsParser, add_settings, as_flags
 from starhub.settings.processes import (
     DemoSettings,
     GenerateSettings,
     HubSettings,
     TargetSettings,
+    TreeFields,
 )
 from starhub.wire import security
 
@@ -92,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help="train an EAGLE head for a target (see train-eagle --help)")
     train.set_defaults(train_args=[])
     return parser
+
+
+def _hub_flags(args: argparse.Namespace) -> list[str]:
+    """The hub ``generate`` and ``demo`` start: their drafting settings and model."""
+    return as_flags(args.settings, HubSettings, [*TreeFields.model_fields, "model"])
 
 
 def cmd_hub(args: argparse.Namespace) -> int:
@@ -177,7 +183,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from targets.api import attach
 
     set_threads(resolve_threads(args.threads))
-    with spawn_hub(args.settings.tree_flags(args.model), threads=1) as hub:
+    with spawn_hub(_hub_flags(args), threads=1) as hub:
         model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear,
                                       device=args.device, device_map=args.device_map)
         with attach(model, tokenizer, hub.address, name="generate",
@@ -197,7 +203,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    return run_demo(args, args.settings.tree_flags(args.model))
+    return run_demo(args, _hub_flags(args))
 
 
 def cmd_keys(args: argparse.Namespace) -> int:

@@ -93,6 +93,18 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
     return settings
 
 
+def as_flags(settings: Settings, model: type[Settings], names) -> list[str]:
+    """``settings``' values of the fields ``names`` as flags of the command whose settings
+    are ``model`` (``starhub generate`` starting its hub with its own drafting settings):
+    only those that differ from ``model``'s defaults."""
+    flags: list[str] = []
+    for name in names:
+        value, default = getattr(settings, name), model.model_fields[name].default
+        if value != default and value is not None:
+            flags += [model.option(name), _shown(value)]
+    return flags
+
+
 class SettingsParser(argparse.ArgumentParser):
     """A command line whose subcommands' settings are read and checked as it is parsed
     (``settings_from``): ``parse_args`` returns the values the process runs on."""

@@ -160,14 +160,6 @@ class TreeFields(Settings):
         "weights per output channel; twice as fast as float32 on an AVX2 CPU, nearly the "
         "same acceptance), else the target's dtype")
 
-    def tree_flags(self, model: str) -> list[str]:
-        """These settings as ``starhub hub`` flags (for the hubs ``generate`` and ``demo``
-        start)."""
-        draft = ["--draft", self.draft] if self.draft else []
-        return ["--model", model, "--drafter", str(self.drafter), *draft,
-                "--depth", str(self.depth), "--topk", str(self.topk),
-                "--max-nodes", str(self.max_nodes), "--draft-dtype", str(self.draft_dtype)]
-
 
 def device_field(what: str) -> object:
     return Field(DEFAULT_DEVICE, description=f"where {what} runs: cpu, cuda (the first "
