@@ -311,3 +311,12 @@ def test_no_flag_reads_a_bare_number():
             for command, parser in sub.choices.items() for action in parser._actions
             if action.type in (int, float)]
     assert not bare
+
+
+def test_an_unknown_flag_is_a_usage_error_naming_the_nearest_known_one(capsys):
+    from starhub.cli.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--max-concurency", "3"])
+    assert exc.value.code == 2
+    assert "--max-concurency (did you mean --max-concurrency?)" in capsys.readouterr().err

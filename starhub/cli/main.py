@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train-eagle":
         args.train_args = extra
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.unknown(args, extra)
     _setup_logging(args.log_level)
     try:
         return COMMANDS[args.command](args)

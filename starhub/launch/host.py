@@ -71,8 +71,10 @@ class ProcessHost:
         return str(path)
 
     def start(self, args: list[str], env: dict[str, str]) -> dict:
-        """Run ``python -m starhub ARGS`` with ``env`` over this host's environment."""
-        full_env = {**os.environ, **env}
+        """Run ``python -m starhub ARGS`` with ``env`` over this host's environment
+        (``{workdir}`` in either stands for this host's folder)."""
+        full_env = {**os.environ, **{k: v.replace(WORKDIR, self.workdir)
+                                      for k, v in env.items()}}
         argv = [sys.executable, "-m", "starhub",
                 *[a.replace(WORKDIR, self.workdir) for a in args]]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

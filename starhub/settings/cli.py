@@ -6,6 +6,7 @@ same words."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import enum
 import os
 import typing
@@ -113,6 +114,24 @@ class SettingsParser(argparse.ArgumentParser):
         parsed, extra = super().parse_known_args(args, namespace)
         settings_from(parsed)
         return parsed, extra
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self.unknown(parsed, extra)
+        return parsed
+
+    def unknown(self, parsed: argparse.Namespace, extra: list[str]) -> None:
+        """A usage error for arguments no option takes, naming the nearest known flag."""
+        command = getattr(parsed, "settings_parser", self)
+        known = [o for a in command._actions for o in a.option_strings if o.startswith("--")]
+        hints = []
+        for arg in extra:
+            near = difflib.get_close_matches(arg.split("=")[0], known, n=1)
+            if arg.startswith("--") and near:
+                hints.append(f"{arg.split('=')[0]} (did you mean {near[0]}?)")
+        hint = f"; {', '.join(hints)}" if hints else ""
+        command.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
 
 
 def value_type(annotation: Any, what: str = "value"):
