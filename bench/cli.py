@@ -13,6 +13,7 @@ from bench.plot import plot, plot_edge, plot_serve
 from bench.report import markdown_table, text_table
 from bench.settings import SERVE_TARGETS, Bench, hub_value, rate, setting_value
 from starhub.options import (
+    AUTO,
     DEFAULT_DRAFT_PROCESS,
     DEFAULT_LOOKUP,
     DEFAULT_PREDRAFT,
@@ -20,7 +21,7 @@ from starhub.options import (
     resolve_threads,
 )
 from starhub.settings.cli import add_settings
-from starhub.settings.processes import HubSettings, VerifierSettings
+from starhub.settings.processes import HubSettings, ServeSettings, VerifierSettings
 
 TREE_ARGS = ("drafter", "draft", "depth", "topk", "max_nodes", "draft_dtype")
 PREDRAFT_DEFAULT = "on" if DEFAULT_PREDRAFT else "off"
@@ -52,6 +53,12 @@ def on_off(args: argparse.Namespace) -> dict[str, list[bool]]:
     defaults = {"predraft": PREDRAFT_DEFAULT, "lookup": LOOKUP_DEFAULT, "prune": PRUNE_DEFAULT}
     return {key: parse_list(getattr(args, key) or default, hub_value(key),
                             "--" + key) for key, default in defaults.items()}
+
+
+def budget(text: str) -> int:
+    """The verifier's ``--budget``: a token count, or 0 for auto (measured at start)."""
+    value = parse_list(text, verifier_value("budget"), "--budget")[0]
+    return 0 if value == AUTO else value
 
 
 def hub_defaults() -> dict:
@@ -116,8 +123,7 @@ def edge_doc(args: argparse.Namespace) -> dict:
                      max_new_tokens=args.max_new_tokens or 64,
                      threads=resolve_threads(args.threads, sharing=max(ns_edge) + 1),
                      verifier_threads=resolve_threads(args.verifier_threads),
-                     budget=parse_list(args.budget, verifier_value("budget"),
-                                       "--budget")[0],
+                     budget=budget(args.budget),
                      nodes=args.nodes or single(args.max_nodes, "--max-nodes")
                      or tree["max_nodes"],
                      depth=int(args.depth) if args.depth else 5,
@@ -182,7 +188,10 @@ def serve_doc(args: argparse.Namespace) -> dict:
         if len(parse_list(value, parse, flag)) > 1:
             raise ValueError(f"{flag} takes one value with --serve (got {value})")
         hub_args += [flag, str(value).strip()]
+    clients = parse_list(args.concurrency, setting_value(ServeSettings, "max_concurrency"),
+                         "--concurrency") if args.concurrency else []
     cfg = ServeConfig(targets=ns[0], rates=parse_list(args.rate, rate, "--rate"),
+                      concurrency=clients,
                       requests=args.requests, model=args.model,
                       prompts=args.prompts or str(DEFAULT_PROMPTS),
                       max_new_tokens=args.max_new_tokens or 64, threads=args.threads,

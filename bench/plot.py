@@ -152,20 +152,23 @@ def plot_serve(doc: dict, out: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     slo = doc["config"].get("slo_ms")
+    closed = bool(doc["config"].get("concurrency"))
+    xlabel = ("clients (closed loop, all servers)" if closed
+              else "offered rate (requests/s, all servers)")
     fig, axes = plt.subplots(1, 3 if slo else 2, figsize=(18 if slo else 12, 4.8))
     left, right = axes[0], axes[1]
     lat = right.twinx()
     for mode, color, nudge in (("star", "tab:blue", -0.015), ("plain", "tab:orange", 0.015)):
-        rows = sorted((r for r in doc["rows"] if r["mode"] == mode), key=lambda r: r["rate"])
+        rows = sorted((r for r in doc["rows"] if r["mode"] == mode), key=lambda r: r["load"])
         if not rows:
             continue
 
         def series(key: str, rows=rows) -> tuple[list, list]:
-            pts = [(r["rate"], r[key]) for r in rows if r.get(key) is not None]
+            pts = [(r["load"], r[key]) for r in rows if r.get(key) is not None]
             return [x for x, _ in pts], [y for _, y in pts]
 
         left.plot(*series("output_tok_s"), "o-", color=color, label=f"{mode} output tok/s")
-        spread = [(r["rate"], min(r["output_tok_s_runs"]), max(r["output_tok_s_runs"]))
+        spread = [(r["load"], min(r["output_tok_s_runs"]), max(r["output_tok_s_runs"]))
                   for r in rows if r.get("output_tok_s_runs")]
         if spread:  # with --repeat: every run of the row, the line through its median
             left.vlines([x * (1 + nudge) for x, _, _ in spread], [lo for _, lo, _ in spread],
@@ -176,10 +179,10 @@ def plot_serve(doc: dict, out: str | Path) -> None:
         if slo:
             rates, shares = series("slo_attainment")
             axes[2].plot(rates, [100 * x for x in shares], "o-", color=color, label=mode)
-    left.set_xlabel("offered rate (requests/s, all servers)")
+    left.set_xlabel(xlabel)
     left.set_ylabel("output tokens per second")
     left.set_title("throughput")
-    right.set_xlabel("offered rate (requests/s, all servers)")
+    right.set_xlabel(xlabel)
     right.set_ylabel("TPOT p99 (ms)")
     lat.set_ylabel("TTFT p99 (ms)")
     right.set_title("p99 latency")
@@ -187,13 +190,13 @@ def plot_serve(doc: dict, out: str | Path) -> None:
     more = lat.get_legend_handles_labels()
     right.legend(handles[0] + more[0], handles[1] + more[1], fontsize=8, loc="upper left")
     left.legend(fontsize=8)
-    rates = sorted({r["rate"] for r in doc["rows"]})
+    rates = sorted({r["load"] for r in doc["rows"]})
     for ax in (left, right, lat):
         ax.set_ylim(bottom=0)
     if slo:
         goal = axes[2]
         goal.axhline(90, color="grey", linestyle="--", linewidth=1, label="90% (sustained)")
-        goal.set_xlabel("offered rate (requests/s, all servers)")
+        goal.set_xlabel(xlabel)
         goal.set_ylabel("requests meeting every SLO (%)")
         goal.set_ylim(0, 105)
         goal.set_title("SLO attainment: " + ", ".join(f"{k} <= {v:g} ms"
@@ -204,7 +207,8 @@ def plot_serve(doc: dict, out: str | Path) -> None:
         ax.grid(alpha=0.3)
     cfg = doc["config"]
     fig.suptitle(f"starhub serve: {cfg['targets']} servers, star (one hub) vs plain, "
-                 f"{cfg['requests']} Poisson requests per rate x {cfg['max_new_tokens']} "
+                 f"{cfg['requests']} {'closed-loop' if closed else 'Poisson'} requests per load "
+                 f"x {cfg['max_new_tokens']} "
                  f"tokens, {cfg['threads_resolved']['servers']} thread(s)/server", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -92,6 +92,8 @@ SERVE_COLUMNS = [
     ("tpot_p50_ms", "tpot_p50_ms", "{:.1f}"),
     ("tpot_p99_ms", "tpot_p99_ms", "{:.1f}"),
     ("tpot vs plain", "tpot_p50_vs_plain", "{:.2f}x"),
+    ("e2e_p50_ms", "e2e_p50_ms", "{:.0f}"),
+    ("e2e vs plain", "e2e_p50_vs_plain", "{:.2f}x"),
     ("tau", "tau", "{:.2f}"),
     ("plain_share", "plain_token_share", "{:.2f}"),
     ("hub_load", "hub_load", "{:.3f}"),
@@ -140,6 +142,8 @@ def columns(doc: dict) -> list[tuple[str, object, str]]:
             at = [c[1] for c in cols].index("tok_s_vs_plain") + 1
             cols = cols[:at] + [("goodput", "goodput_rps", "{:.3f}"),
                                 ("slo_ok", "slo_attainment", "{:.0%}")] + cols[at:]
+        if any(row.get("concurrency") for row in doc["rows"]):  # closed loop
+            cols = [("clients", "concurrency", "{}") if c[1] == "rate" else c for c in cols]
         for after, key, fmt in (("tok_s_vs_plain", "tok_s_vs_plain_runs", "{:.2f}"),
                                 ("output_tok_s", "output_tok_s_runs", "{:.1f}")):
             if any(key in row for row in doc["rows"]):
@@ -237,8 +241,10 @@ def serve_preamble(doc: dict) -> list[str]:
     return [f"serve: {machine_line(doc)}, {threads['cores']} usable cores; torch threads: "
             f"{threads['servers']} per server, {threads['hub']} for the hub "
             f"(N={cfg['targets']} servers per mode; the load generator shares the cores)",
-            f"open-loop Poisson arrivals (seed {cfg['seed']}), rate = requests/s over all N "
-            f"servers, sent round-robin; {cfg['requests']} requests per row, prompts drawn "
+            (f"closed loop: each of the 'clients' sends its next request when its last ends "
+             f"(prompts seeded by {cfg['seed']})" if cfg.get("concurrency") else
+             f"open-loop Poisson arrivals (seed {cfg['seed']}), rate = requests/s over all N "
+             f"servers") + f", sent round-robin; {cfg['requests']} requests per row, prompts drawn "
             f"from {cfg['n_prompts']} in {cfg['prompts']}, {cfg['max_new_tokens']} new tokens, "
             f"greedy, streamed by the openai client",
             f"star: one hub ({' '.join(cfg['hub_args']) or 'default flags'}) shared by the "
@@ -250,15 +256,17 @@ def slo_lines(doc: dict) -> list[str]:
     slo = doc["config"].get("slo_ms")
     if not slo:
         return []
-    best = doc.get("sustained_rate") or {}
+    closed = "sustained_concurrency" in doc
+    best = doc.get("sustained_concurrency" if closed else "sustained_rate") or {}
+    unit = " clients" if closed else "/s"
 
     def rate(mode: str) -> str:
-        return "none" if best.get(mode) is None else f"{best[mode]:g}/s"
+        return "none" if best.get(mode) is None else f"{best[mode]:g}{unit}"
 
     ratio = best.get("star_vs_plain")
     return [f"SLO {', '.join(f'{k} <= {v:g} ms' for k, v in slo.items())}: goodput = "
-            f"requests/s meeting all; highest rate with >= 90% attainment: star "
-            f"{rate('star')}, plain {rate('plain')}"
+            f"requests/s meeting all; highest {'concurrency' if closed else 'rate'} with "
+            f">= 90% attainment: star {rate('star')}, plain {rate('plain')}"
             + (f" ({ratio:.2f}x)" if ratio else "")]
 
 

@@ -30,6 +30,7 @@ from bench.serve_checks import scrape
 from bench.serve_load import (
     Arrival,
     Outcome,
+    closed_schedule,
     drive,
     per_request,
     poisson_schedule,
@@ -85,7 +86,12 @@ SERVE_NOTES = {
                    "none), over the row's span, as DistServe and vLLM's --goodput count them",
     "slo_attainment": "with --slo: the share of the row's requests that met every SLO",
     "sustained_rate": "with --slo: per mode, the highest offered rate whose attainment is "
-                      "at least 90%, and star's over plain's",
+                      "at least 90%, and star's over plain's (sustained_concurrency: the "
+                      "same for the closed loop's client counts)",
+    "e2e_p50_vs_plain": "the plain row's median end-to-end latency over this row's at the "
+                        "same load: above 1, this mode answers sooner",
+    "concurrency": "with --concurrency: clients in a closed loop, each sending its next "
+                   "request when its last ends (rate is then none)",
     "requests": "one record per request of every run (mode, rate, ttft_ms, tpot_ms, e2el_ms, "
                 "output_tokens, lossless), to compute goodput at another SLO",
     "per_request": "each request in schedule order: its server, prompt (index), send time "
@@ -102,6 +108,9 @@ class ServeConfig:
     targets: int
     rates: list[float]
     requests: int
+    concurrency: list[int] = field(default_factory=list)
+    """Closed-loop loads (clients each sending its next request when its last ends), in
+    place of ``rates``; none: open loop at each rate."""
     model: str = "default"
     prompts: str = str(DEFAULT_PROMPTS)
     max_new_tokens: int = 64
@@ -126,8 +135,10 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.targets < 1:
             raise ValueError("--targets: at least one server")
-        if not self.rates or min(self.rates) <= 0:
+        if not self.concurrency and (not self.rates or min(self.rates) <= 0):
             raise ValueError("--rate: request rates must be positive")
+        if self.concurrency and min(self.concurrency) < 1:
+            raise ValueError("--concurrency: at least one client")
         if self.requests < 1:
             raise ValueError("--requests must be at least 1")
         if self.max_new_tokens < 1:
@@ -222,15 +233,19 @@ def warm_up(fleet: Fleet, model: str, convs: list[list[dict]], tokens: int) -> N
         raise RuntimeError(f"{fleet.mode} servers failed their warm-up request: {failed[0]}")
 
 
-def measure(fleet: Fleet, model: str, rate: float, schedule: list[Arrival],
+def measure(fleet: Fleet, model: str, load: tuple[str, float], schedule: list[Arrival],
             convs: list[list[dict]], cfg: ServeConfig) -> tuple[dict, list[Outcome]]:
-    """One row: the schedule's requests against ``fleet``, with the hub's and the servers'
-    counters read just before and after."""
+    """One row: the schedule's requests against ``fleet`` at ``load`` (("rate", r) or
+    ("concurrency", c)), with the hub's and the servers' counters read just before and
+    after."""
+    kind, value = load
+    closed = int(value) if kind == "concurrency" else None
     h0, v0 = fleet.hub_stats(), fleet.verify_counters()
-    outs = drive(fleet.urls, model, schedule, convs, cfg.max_new_tokens)
+    outs = drive(fleet.urls, model, schedule, convs, cfg.max_new_tokens, concurrency=closed)
     time.sleep(0.2)  # the last COMMITs and CLOSEs reach the hub
     h1, v1 = fleet.hub_stats(), fleet.verify_counters()
-    row = {"mode": fleet.mode, "rate": rate, "targets": cfg.targets, **summarize(outs),
+    row = {"mode": fleet.mode, "load": value, "rate": None if closed else value,
+           "concurrency": closed, "targets": cfg.targets, **summarize(outs),
            **(spec_summary(outs) if fleet.mode == "star" else
               dict.fromkeys(("tau", "spec_rounds", "plain_token_share", "hub_requests"))),
            "mean_verify_batch": (v1[1] - v0[1]) / (v1[0] - v0[0]) if v1[0] > v0[0] else None,
@@ -313,7 +328,7 @@ def merge_runs(runs: list[dict]) -> list[dict]:
     lost with the runs the median leaves out."""
     groups: dict[tuple[float, str], list[dict]] = {}
     for run in runs:
-        groups.setdefault((run["rate"], run["mode"]), []).append(run)
+        groups.setdefault((run["load"], run["mode"]), []).append(run)
     rows = []
     for group in groups.values():
         row = median_run(group, "output_tok_s")
@@ -329,20 +344,21 @@ def merge_runs(runs: list[dict]) -> list[dict]:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Each row against the plain row at its rate (and, with repeated runs, each run
-    against the plain run of the same repeat)."""
-    plain = {r["rate"]: r for r in rows if r["mode"] == "plain"}
+    """Each row against the plain row at its load (and, with repeated runs, each run
+    against the plain run of the same repeat): throughput, and TPOT and end-to-end latency
+    (plain's over its own: above 1, this row is faster)."""
+    plain = {r["load"]: r for r in rows if r["mode"] == "plain"}
     for row in rows:
-        base = plain.get(row["rate"])
+        base = plain.get(row["load"])
         row["tok_s_vs_plain"] = (row["output_tok_s"] / base["output_tok_s"]
                                  if base and base["output_tok_s"] else None)
         if base and "output_tok_s_runs" in row:
             row["tok_s_vs_plain_runs"] = [
                 mine / theirs if theirs else None for mine, theirs in
                 zip(row["output_tok_s_runs"], base["output_tok_s_runs"], strict=True)]
-        row["tpot_p50_vs_plain"] = (base["tpot_p50_ms"] / row["tpot_p50_ms"]
-                                    if base and base["tpot_p50_ms"] and row["tpot_p50_ms"]
-                                    else None)
+        for key in ("tpot_p50_ms", "e2e_p50_ms"):
+            mine, theirs = row.get(key), base.get(key) if base else None
+            row[key.replace("_ms", "_vs_plain")] = theirs / mine if mine and theirs else None
 
 
 def run_serve(cfg: ServeConfig, progress: bool = True) -> dict:
@@ -372,20 +388,28 @@ def run_serve(cfg: ServeConfig, progress: bool = True) -> dict:
         hub_threads = (star.hub_stats() or {}).get("threads")
         for run in range(cfg.repeat):
             of = f" (run {run + 1} of {cfg.repeat})" if cfg.repeat > 1 else ""
-            for k, rate in enumerate(cfg.rates):
-                schedule = poisson_schedule(rate, cfg.requests, cfg.targets, len(convs),
-                                            cfg.seed)
+            loads = [("concurrency", c) for c in cfg.concurrency] or \
+                [("rate", r) for r in cfg.rates]
+            for k, load in enumerate(loads):
+                if load[0] == "rate":
+                    schedule = poisson_schedule(load[1], cfg.requests, cfg.targets,
+                                                len(convs), cfg.seed)
+                    what = (f"at {load[1]:g} requests/s{of}: {cfg.requests} requests "
+                            f"(~{schedule[-1].at_s:.0f}s of arrivals)")
+                else:
+                    schedule = closed_schedule(cfg.requests, cfg.targets, len(convs),
+                                               cfg.seed)
+                    what = f"with {load[1]} clients{of}: {cfg.requests} requests, closed loop"
                 for fleet in (star, plain) if (k + run) % 2 == 0 else (plain, star):
-                    say(f"{fleet.mode} at {rate:g} requests/s{of}: {cfg.requests} requests "
-                        f"(~{schedule[-1].at_s:.0f}s of arrivals)")
-                    row, outs = measure(fleet, model, rate, schedule, convs, cfg)
+                    say(f"{fleet.mode} {what}")
+                    row, outs = measure(fleet, model, load, schedule, convs, cfg)
                     rows.append(row)
                     outcomes.append(outs)
     say(f"generate() for up to {GENERATE_SAMPLE} prompts")
     check_lossless(rows, outcomes, generate_references(cfg, outcomes, threads))
     records = request_records(rows, outcomes)
     rows = merge_runs(rows)
-    rows.sort(key=lambda r: (r["rate"], MODES.index(r["mode"])))
+    rows.sort(key=lambda r: (r["load"], MODES.index(r["mode"])))
     add_ratios(rows)
     config = {k: v for k, v in asdict(cfg).items() if k != "log_dir"}
     config.update(mode="serve", served_model=model, n_prompts=len(prompts),
@@ -399,7 +423,8 @@ def run_serve(cfg: ServeConfig, progress: bool = True) -> dict:
     doc = {"machine": machine, "config": config, "rows": rows, "requests": records}
     if cfg.slo:
         config["slo_ms"] = {key: 1e3 * limit for key, limit in cfg.slo.items()}
-        doc["sustained_rate"] = sustained_rates(rows)
+        doc["sustained_concurrency" if cfg.concurrency else "sustained_rate"] = \
+            sustained_rates(rows)
     return doc
 
 
@@ -413,7 +438,8 @@ def request_records(rows: list[dict], outcomes: list[list[Outcome]]) -> list[dic
         for o in outs:
             e2el = None if o.done is None else o.done - o.sent
             records.append({
-                "mode": row["mode"], "rate": row["rate"], "server": o.server,
+                "mode": row["mode"], "rate": row["rate"], "concurrency": row.get("concurrency"),
+                "server": o.server,
                 "prompt": o.prompt, "ttft_ms": _ms(o.ttft_s), "tpot_ms": _ms(o.tpot_s),
                 "e2el_ms": _ms(e2el), "output_tokens": o.tokens,
                 "lossless": o.error is None and o.index not in wrong, "error": o.error})

@@ -110,9 +110,17 @@ async def _one(client, model: str, messages: list[dict], max_tokens: int,
         out.error = f"{type(exc).__name__}: {exc}"
 
 
+def closed_schedule(requests: int, servers: int, prompts: int, seed: int) -> list[Arrival]:
+    """``requests`` requests for a closed loop (each sent when a client is free), spread
+    round-robin over ``servers``, prompts drawn as ``poisson_schedule`` draws them."""
+    rng = np.random.default_rng([seed, 0])
+    picks = rng.integers(prompts, size=requests)
+    return [Arrival(0.0, i % servers, int(p)) for i, p in enumerate(picks)]
+
+
 async def _drive(urls: list[str], model: str, schedule: list[Arrival],
                  conversations: list[list[dict]], max_tokens: int,
-                 timeout_s: float) -> list[Outcome]:
+                 timeout_s: float, concurrency: int | None = None) -> list[Outcome]:
     # deferred: openai is a [dev] dependency, needed only by this benchmark
     from openai import AsyncOpenAI
 
@@ -122,10 +130,18 @@ async def _drive(urls: list[str], model: str, schedule: list[Arrival],
                            timeout=timeout_s) for url in urls]
     outs = [Outcome(i, a.server, a.prompt) for i, a in enumerate(schedule)]
     start = time.perf_counter() + 0.05
+    clients_free = asyncio.Semaphore(concurrency) if concurrency else None
+
+    async def send(a: Arrival, out: Outcome) -> None:
+        if clients_free is None:  # open loop: at its arrival time
+            return await _one(clients[a.server], model, conversations[a.prompt], max_tokens,
+                              out, start, a.at_s)
+        async with clients_free:  # closed loop: as soon as a client is free, in order
+            await _one(clients[a.server], model, conversations[a.prompt], max_tokens, out,
+                       start, max(0.0, time.perf_counter() - start))
+
     try:
-        await asyncio.gather(*(
-            _one(clients[a.server], model, conversations[a.prompt], max_tokens, out, start,
-                 a.at_s) for a, out in zip(schedule, outs, strict=True)))
+        await asyncio.gather(*(send(a, out) for a, out in zip(schedule, outs, strict=True)))
     finally:
         for client in clients:
             await client.close()
@@ -134,10 +150,13 @@ async def _drive(urls: list[str], model: str, schedule: list[Arrival],
 
 def drive(urls: list[str], model: str, schedule: list[Arrival],
           conversations: list[list[dict]], max_tokens: int,
-          timeout_s: float = 600.0) -> list[Outcome]:
-    """Send ``schedule``'s requests open-loop (greedy chat completions, streamed, with
-    their token ids) and wait for all of them; failures are outcomes with ``error``."""
-    return asyncio.run(_drive(urls, model, schedule, conversations, max_tokens, timeout_s))
+          timeout_s: float = 600.0, concurrency: int | None = None) -> list[Outcome]:
+    """Send ``schedule``'s requests (greedy chat completions, streamed, with their token
+    ids) and wait for all of them; failures are outcomes with ``error``. Open loop at their
+    arrival times, or with ``concurrency``, closed loop: that many clients, each sending
+    its next request when its last one ends."""
+    return asyncio.run(_drive(urls, model, schedule, conversations, max_tokens, timeout_s,
+                              concurrency))
 
 
 def percentile_ms(values: list[float], q: float) -> float | None:
@@ -244,11 +263,11 @@ def slo_summary(outs: list[Outcome], slo: dict[str, float]) -> dict:
 
 
 def sustained_rates(rows: list[dict]) -> dict:
-    """Per mode, the highest offered rate whose attainment is at least ``SUSTAINED`` (None:
-    none is), and star's over plain's."""
+    """Per mode, the highest offered load (rate, or closed-loop concurrency) whose
+    attainment is at least ``SUSTAINED`` (None: none is), and star's over plain's."""
     best: dict[str, float | None] = {}
     for mode in ("star", "plain"):
-        rates = [r["rate"] for r in rows if r["mode"] == mode
+        rates = [r["load"] for r in rows if r["mode"] == mode
                  and (r.get("slo_attainment") or 0.0) >= SUSTAINED]
         best[mode] = max(rates, default=None)
     star, plain = best["star"], best["plain"]

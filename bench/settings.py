@@ -201,6 +201,10 @@ class ServeBenchSettings(Settings):
     serve: A[bool, Flag(switch=True)] = Field(False, description="run the serving bench")
     rate: str = Field("0.5,1,2", description="comma list of request rates: requests per "
                       "second in total, sent round-robin to the N servers")
+    concurrency: str | None = Field(
+        None, description="comma list of client counts for a closed loop instead of --rate "
+        "(as vLLM's --max-concurrency): each client sends its next request when its last "
+        "ends; one row per count and mode")
     requests: Positive = Field(SERVE_REQUESTS, description="requests per rate and mode")
     seed: Count = Field(0, description="seed of the arrival times and the prompts drawn")
     slo: str | None = Field(

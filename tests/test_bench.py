@@ -211,7 +211,7 @@ def test_serve_lossless_compares_every_output_with_plain_and_generate():
 def test_serve_table_and_plot(tmp_path):
     from bench.plot import plot_serve
 
-    rows = [{"mode": mode, "targets": 2, "rate": rate, "request_throughput": rate,
+    rows = [{"mode": mode, "targets": 2, "rate": rate, "load": rate, "request_throughput": rate,
              "output_tok_s": 10 * rate * (1.5 if mode == "star" else 1), "ttft_p50_ms": 100.0,
              "ttft_p99_ms": 300.0, "tpot_p50_ms": 40.0, "tpot_p99_ms": 60.0,
              "tau": 2.5 if mode == "star" else None, "lossless": True, "completed": 4,
@@ -231,7 +231,7 @@ def test_repeated_serve_rows_keep_the_median_run_and_every_run_failure(tmp_path)
     from bench.serve import add_ratios, merge_runs
 
     def run(mode, tok_s, lossless=True, failed=0):
-        return {"mode": mode, "targets": 2, "rate": 1.0, "output_tok_s": tok_s,
+        return {"mode": mode, "targets": 2, "rate": 1.0, "load": 1.0, "output_tok_s": tok_s,
                 "tpot_p50_ms": 1e3 / tok_s, "requests": 4, "completed": 4 - failed,
                 "failed": failed, "lossless": lossless, "lossless_compared": 4 - failed,
                 "lossless_mismatches": [] if lossless else [2]}
@@ -256,6 +256,7 @@ def test_repeated_serve_rows_keep_the_median_run_and_every_run_failure(tmp_path)
 @pytest.mark.parametrize("argv, error", [
     (["--targets", "1,2"], "one N"),
     (["--rate", "1,0"], "--rate"),
+    (["--concurrency", "2,0"], "--concurrency"),
     (["--depth", "3,4"], "--depth takes one value"),
     (["--topk", "0"], "--topk"),
     (["--hub-load"], "--hub-load"),
@@ -307,6 +308,32 @@ def test_serve_bench_end_to_end(tiny_dir, tmp_path):
     assert len(records) == 12 and {r["mode"] for r in records} == {"star", "plain"}
     assert all(r["lossless"] and r["ttft_ms"] > 0 and r["e2el_ms"] >= r["ttft_ms"]
                for r in records)
+
+
+def test_closed_loop_serve_bench_keeps_at_most_its_clients_in_flight(tiny_dir, tmp_path):
+    from bench.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n"
+                               for i, p in enumerate(PROMPTS)))
+    out = tmp_path / "serve.json"
+    args = build_parser().parse_args([
+        "bench", "--serve", "--targets", "1", "--concurrency", "1,2", "--requests", "4",
+        "--max-new-tokens", "6", "--model", str(tiny_dir), "--drafter", "ngram",
+        "--threads", "1", "--prompts", str(prompts), "--json", str(out),
+        "--log-dir", str(tmp_path / "logs"), "--slo", "e2el=60000", "--no-progress"])
+    assert main(args) == 0
+    doc = json.loads(out.read_text())
+    assert [(r["mode"], r["concurrency"], r["rate"]) for r in doc["rows"]] == \
+        [("star", 1, None), ("plain", 1, None), ("star", 2, None), ("plain", 2, None)]
+    for row in doc["rows"]:
+        assert row["completed"] == 4 and row["lossless"] is True
+        spans = [(r["sent_s"], r["sent_s"] + r["e2e_ms"] / 1e3) for r in row["per_request"]]
+        busiest = max(sum(s <= t < e - 0.002 for s, e in spans) for t, _ in spans)
+        assert busiest <= row["concurrency"], (row["concurrency"], spans)
+        assert row["e2e_p50_vs_plain"] is not None
+    assert doc["sustained_concurrency"]["plain"] == 2
+    assert {r["concurrency"] for r in doc["requests"]} == {1, 2}
 
 
 def test_the_long_session_bench_builds_its_prompt_to_length_and_splits_its_phases(tokenizer):
@@ -362,7 +389,7 @@ def test_the_sustained_rate_is_the_highest_with_ninety_percent_attainment(tmp_pa
 
     attain = {("star", 0.5): 1.0, ("star", 1.0): 0.95, ("star", 2.0): 0.6,
               ("plain", 0.5): 0.92, ("plain", 1.0): 0.5, ("plain", 2.0): 0.1}
-    rows = [{"mode": mode, "targets": 2, "rate": rate, "request_throughput": rate,
+    rows = [{"mode": mode, "targets": 2, "rate": rate, "load": rate, "request_throughput": rate,
              "output_tok_s": 10 * rate, "ttft_p50_ms": 100.0, "ttft_p99_ms": 300.0,
              "tpot_p50_ms": 40.0, "tpot_p99_ms": 60.0, "tau": None, "lossless": True,
              "completed": 4, "failed": 0, "slo_attainment": share, "goodput_rps": share * rate}
