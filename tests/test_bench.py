@@ -21,6 +21,14 @@ from starhub.options import AUTO, resolve_threads, usable_cores
 PROMPTS = ["a b c a b c a b", "one two three one two three one"]
 
 
+def _prompts_file(tmp_path):
+    """``PROMPTS`` as a JSONL prompt file."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n"
+                               for i, p in enumerate(PROMPTS)))
+    return prompts
+
+
 def encoded(tok) -> list[tuple[str, list[int]]]:
     return [(f"p{i}", tok(p, add_special_tokens=False)["input_ids"])
             for i, p in enumerate(PROMPTS)]
@@ -100,9 +108,7 @@ def test_cli_registers_bench_and_metrics_port():
 
 
 def test_real_bench_end_to_end(tiny_dir, tmp_path):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n"
-                               for i, p in enumerate(PROMPTS)))
+    prompts = _prompts_file(tmp_path)
     cfg = BenchConfig(targets=[2], drafter="ngram", draft=None, depth=3, topk=2, max_nodes=6,
                       model=str(tiny_dir), prompts=str(prompts), max_new_tokens=8,
                       log_dir=str(tmp_path / "logs"))
@@ -271,9 +277,7 @@ def test_serve_rejects_what_it_cannot_run(argv, error):
 def test_serve_bench_end_to_end(tiny_dir, tmp_path):
     from bench.cli import main
 
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n"
-                               for i, p in enumerate(PROMPTS)))
+    prompts = _prompts_file(tmp_path)
     out = tmp_path / "serve.json"
     args = build_parser().parse_args([
         "bench", "--serve", "--targets", "1", "--rate", "2", "--requests", "3",
@@ -313,9 +317,7 @@ def test_serve_bench_end_to_end(tiny_dir, tmp_path):
 def test_closed_loop_serve_bench_keeps_at_most_its_clients_in_flight(tiny_dir, tmp_path):
     from bench.cli import main
 
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n"
-                               for i, p in enumerate(PROMPTS)))
+    prompts = _prompts_file(tmp_path)
     out = tmp_path / "serve.json"
     args = build_parser().parse_args([
         "bench", "--serve", "--targets", "1", "--concurrency", "1,2", "--requests", "4",
