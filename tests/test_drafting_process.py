@@ -25,6 +25,7 @@ from starhub.hub.config import HubConfig
 from starhub.hub.drafting_process import RemoteDrafter, Watch
 from starhub.options import AUTO, AutoOnOff, draft_process_for
 from starhub.settings.cli import value_type
+from starhub.settings.processes import HubSettings
 from starhub.wire.messages import TargetCard
 from tests.test_batched_drafting import same
 from tests.test_eagle_drafter import random_head
@@ -42,8 +43,7 @@ def head(tiny_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def drafters(tiny_dir, head):
     local = EagleDrafter.load(head, str(tiny_dir), dtype=torch.float32)
-    remote = RemoteDrafter(["--drafter", "eagle", "--draft", str(head), "--model",
-                            str(tiny_dir), "--draft-dtype", "float32"])
+    remote = remote_drafter(tiny_dir, head)
     yield local, remote
     remote.close()
 
@@ -142,13 +142,13 @@ def test_targets_are_checked_against_what_the_child_drafts_for(drafters):
 def test_a_drafter_that_cannot_load_fails_the_start_with_its_reason(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the link's folder goes
     with pytest.raises(RuntimeError, match="no EAGLE head"):
-        RemoteDrafter(["--drafter", "eagle", "--draft", str(tmp_path)])
+        RemoteDrafter(HubSettings(draft=str(tmp_path)))
     assert not list(tmp_path.glob("starhub-draft-*")), "the failed start left its folder"
 
 
 def remote_drafter(tiny_dir, head) -> RemoteDrafter:
-    return RemoteDrafter(["--drafter", "eagle", "--draft", str(head), "--model",
-                          str(tiny_dir), "--draft-dtype", "float32"])
+    return RemoteDrafter(HubSettings(draft=str(head), model=str(tiny_dir),
+                                     draft_dtype="float32"))
 
 
 def test_a_killed_child_is_lost_and_a_restarted_one_drafts_as_before(tiny_dir, head, drafters):
@@ -219,8 +219,7 @@ def test_the_watch_tells_a_slow_child_from_a_hung_one():
 
 
 def test_closing_mid_call_stops_the_child_and_later_calls_fail_clearly(tiny_dir, head):
-    remote = RemoteDrafter(["--drafter", "eagle", "--draft", str(head), "--model",
-                            str(tiny_dir), "--draft-dtype", "float32"])
+    remote = remote_drafter(tiny_dir, head)
     with remote._busy:  # what a call in flight on the hub's drafting thread holds
         remote.close(timeout_s=5.0)
         assert remote._proc.poll() is not None, "the child was left running"

@@ -12,7 +12,7 @@ from starhub.models.prompts import encode_prompt, read_prompts
 from starhub.options import AUTO, TreeShape, resolve_threads
 from starhub.server.limits import SessionLimits
 from starhub.settings.cli import add_settings
-from starhub.settings.processes import DrafterSettings, VerifierSettings
+from starhub.settings.processes import DrafterSettings, VerifierSettings, drafter_args
 from starhub.wire import security
 
 
@@ -73,8 +73,7 @@ def cmd_drafter(args: argparse.Namespace) -> int:
     items = read_prompts(args.prompts)[index::count]
     name = args.name or f"drafter{index}"
     tokenizer = load_tokenizer(args.model)
-    drafter = make_drafter(str(args.drafter), args.draft, args.model, str(args.draft_dtype),
-                           args.device)
+    drafter = make_drafter(**drafter_args(args.settings))
     shape = TreeShape(args.depth, args.topk, args.max_nodes)
     edge = EdgeDrafter(drafter, args.verifier, shape, eos_ids(args.model), name=name,
                        timeout_s=args.timeout, retries=args.retries, security=secure)

@@ -26,6 +26,7 @@ from starhub.settings.processes import (
     HubSettings,
     TargetSettings,
     TreeFields,
+    drafter_args,
 )
 from starhub.wire import security
 
@@ -117,13 +118,9 @@ def cmd_hub(args: argparse.Namespace) -> int:
         # deferred: torch load only when this runs
         from starhub.hub.drafting_process import RemoteDrafter
 
-        draft = ["--draft", args.draft] if args.draft else []
-        drafter = RemoteDrafter(["--drafter", str(args.drafter), *draft, "--model", args.model,
-                                 "--draft-dtype", str(args.draft_dtype), "--device", args.device,
-                                 "--log-level", args.log_level], threads)
+        drafter = RemoteDrafter(args.settings, threads, args.log_level)
     else:
-        drafter = make_drafter(args.drafter, args.draft, args.model, args.draft_dtype,
-                               args.device)
+        drafter = make_drafter(**drafter_args(args.settings))
     adaptive = args.depth == AUTO
     shape = TreeShape(MAX_AUTO_DEPTH if adaptive else args.depth, args.topk, args.max_nodes)
     config = HubConfig(bind=args.bind, shape=shape, adaptive=adaptive,

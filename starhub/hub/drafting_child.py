@@ -33,6 +33,8 @@ from starhub.hub.drafting_messages import (
     owned,
 )
 from starhub.hub.drafting_process import BEAT_S, POLL_MS, Job
+from starhub.settings.base import CONFIG_ENV, load
+from starhub.settings.processes import HubSettings, drafter_args
 from starhub.wire.codec import encode
 from starhub.wire.messages import Framed
 from starhub.wire.tree import DraftTree
@@ -193,11 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beats", required=True,
                         help="the hub's ipc:// endpoint for this process's heartbeat")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for drafting")
-    parser.add_argument("--drafter", default="eagle")
-    parser.add_argument("--draft", default=None)
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--draft-dtype", default="auto")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--settings", required=True,
+                        help="the hub's settings as JSON (the drafter's fields are read)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the hub decides when its drafter stops
@@ -213,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     link.setsockopt(zmq.LINGER, 1000)
     link.connect(args.link)
     try:
-        drafter = make_drafter(args.drafter, args.draft, args.model, args.draft_dtype,
-                               args.device)
+        settings = load(HubSettings, environ={CONFIG_ENV: args.settings})
+        drafter = make_drafter(**drafter_args(settings))
     except Exception as exc:
         log.error("could not load the drafter: %s", exc)
         link.send_multipart(encode(Failed(error=str(exc))))

@@ -63,6 +63,7 @@ from starhub.hub.drafting_messages import (
     ToChild,
     owned,
 )
+from starhub.settings.processes import DRAFTER_KEYS, HubSettings
 from starhub.wire.codec import encode
 from starhub.wire.messages import Framed, ProtocolError
 from starhub.wire.tree import DraftTree
@@ -164,14 +165,16 @@ class Mirror:
 
 
 class RemoteDrafter(Drafter):
-    """A drafter in a child process (see the module docstring). ``argv`` says which one, as
-    ``python -m starhub.hub.drafting_child --help`` explains; ``threads`` are its torch
-    threads."""
+    """A drafter in a child process (see the module docstring): the one ``settings`` (the
+    hub's) pick, with ``threads`` torch threads, logging at ``log_level``."""
 
     supervised = True
 
-    def __init__(self, argv: list[str], threads: int = 1, start_timeout_s: float = 600.0):
-        self._argv, self._threads, self._start_timeout_s = list(argv), threads, start_timeout_s
+    def __init__(self, settings: HubSettings, threads: int = 1, log_level: str = "info",
+                 start_timeout_s: float = 600.0):
+        self._argv = ["--threads", str(threads), "--log-level", str(log_level), "--settings",
+                      settings.model_dump_json(include=set(DRAFTER_KEYS))]
+        self._start_timeout_s = start_timeout_s
         self._dir = tempfile.mkdtemp(prefix="starhub-draft-")
         os.chmod(self._dir, 0o700)
         self._zmq = zmq.Context()
@@ -360,7 +363,7 @@ class RemoteDrafter(Drafter):
                 raise RuntimeError("the drafting process has been stopped")
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "starhub.hub.drafting_child", "--link", link,
-                 "--beats", beats, "--threads", str(self._threads), *self._argv])
+                 "--beats", beats, *self._argv])
         try:
             ready = self._recv(self._start_timeout_s, starting=True)
             if not isinstance(ready, Ready):

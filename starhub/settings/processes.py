@@ -215,6 +215,17 @@ class SharedCoresField(Settings):
 
 # --- the processes ---------------------------------------------------------------------
 
+DRAFTER_KEYS = ("drafter", "draft", "model", "draft_dtype", "device")
+"""The settings that pick and load a drafter (``starhub.drafters.make_drafter``)."""
+
+
+def drafter_args(settings: Settings) -> dict:
+    """``make_drafter``'s arguments from the settings of a process that drafts."""
+    s = settings
+    return {"kind": str(s.drafter), "draft": s.draft, "model": s.model,
+            "dtype": str(s.draft_dtype), "device": s.device}
+
+
 class HubSettings(ServerKeys, Limits, TreeFields):
     """``starhub hub``: serve drafts to targets."""
 
