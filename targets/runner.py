@@ -17,21 +17,23 @@ from targets.generate import SpeculativeGenerator
 log = logging.getLogger("starhub.target")
 
 
-def run(hub: str | None, model_spec: str, prompts: str, out: str, max_new_tokens: int,
+def run(hub: str | None, weights: dict, prompts: str, out: str, max_new_tokens: int,
         temperature: float, top_p: float, seed: int, threads: int | str | None,
         chat_template: bool, name: str, shard: tuple[int, int] = (0, 1),
-        dtype: str = "auto", linear: str = "auto", hub_timeout_s: float = 3.0,
-        device: str = "cpu", device_map: str | None = None, shared_cores: str = "auto") -> int:
+        hub_timeout_s: float = 3.0, shared_cores: str = "auto") -> int:
+    """Decode ``prompts`` (this shard of them) with the target ``load_model(**weights)``
+    loads, through ``hub`` where one is given, writing one JSON line each to ``out``."""
     threads = set_threads(resolve_threads(threads))
     items = read_prompts(prompts)[shard[0]::shard[1]]
-    model, tokenizer = load_model(model_spec, dtype=dtype, linear=linear, device=device,
-                                  device_map=device_map)
+    model, tokenizer = load_model(**weights)
     gen = SpeculativeGenerator(model, tokenizer, hub, name=name, timeout_s=hub_timeout_s,
                                shared_cores=shared_cores)
     where = model_device(model)
-    log.info("%s: %d prompts, %s weights on %s, %s linear, torch threads=%d, hub=%s", name,
-             len(items), model.dtype, where, linear_kernel(linear, model.dtype, where.type),
-             threads, hub if gen.client else "none")
+    log.info("%s: %d prompts, %s weights on %s, %s linear%s, torch threads=%d, hub=%s", name,
+             len(items), model.dtype, where,
+             linear_kernel(weights["linear"], model.dtype, where.type, weights["compile"]),
+             ", compiled MLPs" if weights["compile"] else "", threads,
+             hub if gen.client else "none")
     tokens = 0
     with open(out, "w", encoding="utf-8") as fh, tqdm(total=len(items), desc=name, unit="prompt",
                                                       file=sys.stderr) as bar:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -28,7 +29,7 @@ NEW = 48
 
 
 def run_targets(tmp_path, hub_args: list[str], prompts: list[str], targets: int,
-                new: int) -> list[dict]:
+                new: int, target_args: tuple[str, ...] = ()) -> list[dict]:
     """Decode ``prompts`` with ``targets`` target processes sharing one hub process."""
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
@@ -37,7 +38,8 @@ def run_targets(tmp_path, hub_args: list[str], prompts: list[str], targets: int,
     with spawn_hub(hub_args) as hub:
         procs = [subprocess.Popen(target_command(hub.address, str(path), str(out),
                                                  extra=["--max-new-tokens", str(new),
-                                                        "--shard", f"{i}/{targets}"]),
+                                                        "--shard", f"{i}/{targets}",
+                                                        *target_args]),
                                   env=child_env(1), stderr=subprocess.DEVNULL)
                  for i, out in enumerate(outs)]
         assert [p.wait(600) for p in procs] == [0] * targets
@@ -68,6 +70,14 @@ def assert_identical_to_generate(rows: list[dict], new: int) -> None:
 def test_two_targets_with_a_truncated_self_drafter_are_lossless(tmp_path):
     rows = run_targets(tmp_path, ["--drafter", "model", "--draft", "self:layers=8", "--depth",
                                   "3", "--topk", "2", "--max-nodes", "6"], PROMPTS, 2, NEW)
+    assert_identical_to_generate(rows, NEW)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                    reason="torch.compile's CPU backend needs a C++ compiler")
+def test_a_target_with_compiled_mlps_is_lossless(tmp_path):
+    rows = run_targets(tmp_path, [], PROMPTS[3:6], 1, NEW, ("--compile", "on"))
     assert_identical_to_generate(rows, NEW)
 
 

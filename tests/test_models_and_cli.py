@@ -1,4 +1,5 @@
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -145,6 +146,9 @@ def test_onednn_linears_keep_float32_logits_and_greedy_tokens(tiny_dir):
         pytest.skip("this torch build has no oneDNN")
     assert linear_kernel("auto", torch.float32) == "onednn"
     assert linear_kernel("auto", torch.float32, device="cuda") == "torch"
+    assert linear_kernel("auto", torch.float32, compile=True) == "torch"
+    with pytest.raises(ValueError, match="compile"):
+        linear_kernel("onednn", torch.float32, compile=True)
     assert linear_kernel("auto", torch.float16) == "torch"
     with pytest.raises(ValueError, match="needs a CPU with oneDNN"):
         linear_kernel("onednn", torch.float16)
@@ -159,6 +163,24 @@ def test_onednn_linears_keep_float32_logits_and_greedy_tokens(tiny_dir):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
         kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=2)
         assert packed.generate(ids, **kw).tolist() == plain.generate(ids, **kw).tolist()
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                    reason="torch.compile's CPU backend needs a C++ compiler")
+def test_compiled_mlps_give_the_eager_models_logits_at_any_length(tiny_dir):
+    import torch
+
+    from starhub.models.loading import load_model
+
+    eager, _ = load_model(str(tiny_dir), linear="torch")
+    compiled, _ = load_model(str(tiny_dir), compile=True)
+    assert all(type(layer.mlp).__name__ == "OptimizedModule"
+               for layer in compiled.model.layers)
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for n in (1, 5, 12):  # one token, then the shape every longer pass shares
+            ids = torch.randint(3, 40000, (1, n), generator=g)
+            torch.testing.assert_close(compiled(ids).logits, eager(ids).logits)
 
 
 def test_target_without_hub_writes_generate_compatible_lines(tiny_dir, tiny_model, tmp_path):

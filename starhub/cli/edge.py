@@ -12,7 +12,7 @@ from starhub.models.prompts import encode_prompt, read_prompts
 from starhub.options import AUTO, TreeShape, resolve_threads
 from starhub.server.limits import SessionLimits
 from starhub.settings.cli import add_settings
-from starhub.settings.processes import DrafterSettings, VerifierSettings, drafter_args
+from starhub.settings.processes import DrafterSettings, VerifierSettings, drafter_args, weight_args
 from starhub.wire import security
 
 
@@ -40,8 +40,7 @@ def cmd_verifier(args: argparse.Namespace) -> int:
     secure = security.ServerSecurity.from_args(args)
     security.check_bind(args.bind, secure)  # before the model loads: fail at once
     threads = set_threads(resolve_threads(args.threads))
-    model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear,
-                                  device=args.device, device_map=args.device_map)
+    model, tokenizer = load_model(**weight_args(args.settings))
     config = VerifierConfig(bind=args.bind, budget=0 if args.budget == AUTO else args.budget,
                             max_batch=0 if args.max_batch == AUTO else args.max_batch,
                             schedule=str(args.schedule), nodes=args.nodes, max_nodes=args.max_nodes,

@@ -27,6 +27,7 @@ from starhub.settings.processes import (
     TargetSettings,
     TreeFields,
     drafter_args,
+    weight_args,
 )
 from starhub.wire import security
 
@@ -166,12 +167,10 @@ def cmd_target(args: argparse.Namespace) -> int:
     if args.hub:
         secure.keys()  # a keystore that cannot be used fails here, not while decoding
     security.use_client_security(secure)
-    return run(args.hub, args.model, args.prompts, args.out, args.max_new_tokens,
-               args.temperature, args.top_p, args.seed, args.threads,
+    return run(args.hub, weight_args(args.settings), args.prompts, args.out,
+               args.max_new_tokens, args.temperature, args.top_p, args.seed, args.threads,
                args.chat_template, args.name or f"target{args.shard[0]}",
-               args.shard, args.dtype, args.linear,
-               hub_timeout_s=args.hub_timeout, device=args.device, device_map=args.device_map,
-               shared_cores=args.shared_cores)
+               args.shard, hub_timeout_s=args.hub_timeout, shared_cores=args.shared_cores)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -181,8 +180,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     set_threads(resolve_threads(args.threads))
     with spawn_hub(_hub_flags(args), threads=1) as hub:
-        model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear,
-                                      device=args.device, device_map=args.device_map)
+        model, tokenizer = load_model(**weight_args(args.settings))
         with attach(model, tokenizer, hub.address, name="generate",
                     chat_template=args.chat_template) as session:
             start = time.perf_counter()

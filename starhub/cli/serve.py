@@ -10,7 +10,7 @@ from pathlib import Path
 
 from starhub.launch import READY
 from starhub.settings.cli import add_settings
-from starhub.settings.processes import ServeSettings
+from starhub.settings.processes import ServeSettings, weight_args
 from starhub.wire import security
 
 log = logging.getLogger("starhub.serve")
@@ -65,8 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         secure.keys()  # a keystore that cannot be used fails here, not while serving
     security.use_client_security(secure)
     threads = set_threads(resolve_threads(args.threads))
-    model, tokenizer = load_model(args.model, dtype=args.dtype, linear=args.linear,
-                                  device=args.device, device_map=args.device_map)
+    model, tokenizer = load_model(**weight_args(args.settings))
     batcher = Batcher(model, tokenizer, args.hub, name=args.name, timeout_s=args.hub_timeout,
                       prefill_chunk=args.prefill_chunk, speculate=str(args.speculate),
                       shared_cores=str(args.shared_cores))

@@ -214,8 +214,10 @@ def onednn_packs(dtype: torch.dtype, device: str = "cpu") -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16_cpu())
 
 
-def linear_kernel(linear: str, dtype: torch.dtype, device: str = "cpu") -> str:
-    """The kernel ``linear`` resolves to, ``onednn`` or ``torch``.
+def linear_kernel(linear: str, dtype: torch.dtype, device: str = "cpu",
+                  compile: bool = False) -> str:
+    """The kernel ``linear`` resolves to, ``onednn`` or ``torch`` (always ``torch`` for a
+    compiled model: inductor cannot trace oneDNN's prepacked weights).
 
     ``auto`` picks oneDNN with prepacked weights (``OneDNNLinear``) wherever it can. On CPU
     it is faster than PyTorch's default GEMM for the few-row products of decoding and tree
@@ -223,7 +225,10 @@ def linear_kernel(linear: str, dtype: torch.dtype, device: str = "cpu") -> str:
     instead of 64 for one token and 70 ms instead of 139 for 17, with float32 arithmetic."""
     if linear not in LINEARS:
         raise ValueError(f"unknown linear kernel '{linear}'; choose from {', '.join(LINEARS)}")
-    if linear == "torch":
+    if linear == "onednn" and compile:
+        raise ValueError("--compile runs the linears as torch does; it cannot be used with "
+                         "--linear onednn")
+    if linear == "torch" or compile:
         return "torch"
     usable = onednn_packs(dtype, device)
     if linear == "onednn" and not usable:
@@ -234,7 +239,8 @@ def linear_kernel(linear: str, dtype: torch.dtype, device: str = "cpu") -> str:
 
 def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device: str = "cpu",
                layers: int | None = None, linear: str = "auto",
-               device_map: str | None = None) -> tuple[PreTrainedModel, object]:
+               device_map: str | None = None, compile: bool = False
+               ) -> tuple[PreTrainedModel, object]:
     """(model, tokenizer) in eval mode; ``layers`` keeps only the first K decoder layers.
 
     ``device`` is cpu, cuda, cuda:N or auto; ``device_map`` (auto or GPU indices) spreads the
@@ -242,6 +248,7 @@ def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device:
     ``linear_kernel``) the weights are prepacked once and the model is for inference only:
     its ``nn.Linear`` layers no longer expose a plain ``.weight``. On a CPU, attention over
     several fed tokens reads a grouped-query cache without copying it (``fold_gqa``).
+    ``compile`` runs each decoder layer's MLP under ``torch.compile`` (``compile_mlps``).
     """
     path = resolve(spec)
     spread = device_map_kwargs(device_map)
@@ -254,10 +261,25 @@ def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device:
     fold_gqa(model)
     if layers is not None:
         truncate_layers(model, layers)
-    if linear_kernel(linear, dtype, device) == "onednn":
+    if linear_kernel(linear, dtype, device, compile) == "onednn":
         prepack_linears(model)
         release_weights_file(model)
+    if compile:
+        compile_mlps(model)
     return model, AutoTokenizer.from_pretrained(path)
+
+
+def compile_mlps(model: PreTrainedModel) -> None:
+    """Run each decoder layer's MLP (the larger part of its weights) under ``torch.compile``
+    (inductor), for any number of tokens (dynamic shapes: one compiled graph that every
+    layer shares, compiled on the first pass that feeds more than one token).
+
+    Inductor leaves the matrix products to the kernels eager PyTorch calls and fuses the
+    gated activation around them into one kernel; the suite holds the compiled target's
+    greedy output to ``generate()``'s. Attention stays eager: each of a pass's rows attends
+    to a cache of its own length."""
+    for layer in model.model.layers:
+        layer.mlp = torch.compile(layer.mlp, dynamic=True)
 
 
 def release_weights_file(model: torch.nn.Module) -> None:

@@ -187,6 +187,11 @@ class WeightFields(Settings):
         None, description="spread a target too large for one GPU over several with "
                           "accelerate: 'auto' uses every visible GPU, '0,1' only those. "
                           "Replaces --device")
+    compile: bool = Field(
+        False, description="run the target's MLPs under torch.compile (inductor; the linears "
+        "as torch runs them, never oneDNN's). Output never changes; the first passes wait "
+        "for the compiler (seconds to a minute). Off by default: on the CPUs measured it was "
+        "slower than the default oneDNN linears (docs/benchmarks.md)")
 
 
 class SamplingFields(Settings):
@@ -217,6 +222,13 @@ class SharedCoresField(Settings):
 
 DRAFTER_KEYS = ("drafter", "draft", "model", "draft_dtype", "device")
 """The settings that pick and load a drafter (``starhub.drafters.make_drafter``)."""
+
+
+def weight_args(settings: Settings) -> dict:
+    """``load_model``'s arguments from the settings of a process that holds the target."""
+    s = settings
+    return {"spec": s.model, "dtype": str(s.dtype), "linear": str(s.linear),
+            "device": s.device, "device_map": s.device_map, "compile": s.compile}
 
 
 def drafter_args(settings: Settings) -> dict:
@@ -370,7 +382,7 @@ class DemoSettings(WeightFields, TreeFields):
                              "cores split evenly between the targets")
 
 
-class VerifierSettings(ServerKeys, Limits):
+class VerifierSettings(ServerKeys, Limits, WeightFields):
     """``starhub verifier``: the edge topology's server, holding the target."""
 
     PROCESS: ClassVar[str] = "VERIFIER"
@@ -408,12 +420,6 @@ class VerifierSettings(ServerKeys, Limits):
         "it, or past the cap, OPEN, PROPOSE and COMMIT get ERROR (REJECTED)")
     ttl: Ttl = Field(120.0, description="seconds without messages after which a session is "
                                         "released")
-    dtype: Dtype = Field(Dtype.AUTO, description=WeightFields.model_fields["dtype"].description)
-    linear: Linear = Field(Linear.AUTO,
-                           description=WeightFields.model_fields["linear"].description)
-    device: Device = device_field("the target model")
-    device_map: A[str | None, Flag(metavar="auto|I,J,...")] = Field(
-        None, description=WeightFields.model_fields["device_map"].description)
     threads: Threads = Field(DEFAULT_THREADS, description="torch threads for verification. auto "
                              "(default): every core this process may use; the verifier is "
                              "the one shared server")
