@@ -1,4 +1,5 @@
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -181,6 +182,33 @@ def test_compiled_mlps_give_the_eager_models_logits_at_any_length(tiny_dir):
         for n in (1, 5, 12):  # one token, then the shape every longer pass shares
             ids = torch.randint(3, 40000, (1, n), generator=g)
             torch.testing.assert_close(compiled(ids).logits, eager(ids).logits)
+
+
+COMPILED_MATCHES_EAGER = """
+import sys, torch
+from starhub.models.loading import load_model
+eager, _ = load_model(sys.argv[1], linear="torch")
+compiled, _ = load_model(sys.argv[1], compile=True)
+ids = torch.randint(3, 40000, (1, 7), generator=torch.Generator().manual_seed(0))
+with torch.inference_mode():
+    torch.testing.assert_close(compiled(ids).logits, eager(ids).logits)
+"""
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                    reason="torch.compile's CPU backend needs a C++ compiler")
+def test_compiled_kernels_cached_for_one_vector_isa_are_not_read_back_under_another(
+        tiny_dir, tmp_path):
+    import torch
+
+    if torch.backends.cpu.get_cpu_capability() == "AVX2":
+        pytest.skip("this CPU has only the one vector ISA")
+    cache = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}  # one cache, as on any machine
+    for isa in ({}, {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}):
+        run = subprocess.run([sys.executable, "-c", COMPILED_MATCHES_EAGER, str(tiny_dir)],
+                             capture_output=True, text=True, timeout=600,
+                             env={**os.environ, **cache, **isa})
+        assert run.returncode == 0, f"compiled logits differ under {isa}:\n{run.stderr[-2000:]}"
 
 
 def test_target_without_hub_writes_generate_compatible_lines(tiny_dir, tiny_model, tmp_path):

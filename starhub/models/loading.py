@@ -7,11 +7,13 @@ Dequantising GGUF takes ~20 s, so the first load converts it once to safetensors
 
 from __future__ import annotations
 
+import getpass
 import hashlib
 import importlib.util
 import json
 import logging
 import os
+import tempfile
 import warnings
 import weakref
 from pathlib import Path
@@ -277,7 +279,18 @@ def compile_mlps(model: PreTrainedModel) -> None:
     Inductor leaves the matrix products to the kernels eager PyTorch calls and fuses the
     gated activation around them into one kernel; the suite holds the compiled target's
     greedy output to ``generate()``'s. Attention stays eager: each of a pass's rows attends
-    to a cache of its own length."""
+    to a cache of its own length.
+
+    Inductor's compiled kernels are cached on disk under one folder whatever vector ISA
+    ATen was told to use (``ATEN_CPU_CAPABILITY``), and with this torch a kernel cached for
+    AVX-512 and read back under AVX2 gave wrong sums; so each capability gets a folder of its
+    own, inside ``TORCHINDUCTOR_CACHE_DIR`` (which inductor sets to its default when it
+    loads)."""
+    own = f"starhub-{torch.backends.cpu.get_cpu_capability().lower()}"
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    if os.path.basename(cache) != own:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, own)
     for layer in model.model.layers:
         layer.mlp = torch.compile(layer.mlp, dynamic=True)
 
