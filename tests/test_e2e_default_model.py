@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import torch
 
 from starhub.launch import child_env, spawn_hub, target_command
 from starhub.models.loading import load_model
+from tests.test_models_and_cli import needs_compiler
 
 PROMPTS = [
     "What is the capital of France?",
@@ -74,8 +74,7 @@ def test_two_targets_with_a_truncated_self_drafter_are_lossless(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
-                    reason="torch.compile's CPU backend needs a C++ compiler")
+@needs_compiler
 def test_a_target_with_compiled_mlps_is_lossless(tmp_path):
     rows = run_targets(tmp_path, [], PROMPTS[3:6], 1, NEW, ("--compile", "on"))
     assert_identical_to_generate(rows, NEW)

@@ -12,6 +12,9 @@ from starhub.drafters import parse_draft
 from starhub.models.loading import ModelNotFound, resolve
 from targets.runner import read_prompts
 
+needs_compiler = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                                    reason="torch.compile's CPU backend needs a C++ compiler")
+
 
 def test_unknown_model_spec_names_what_is_accepted(tmp_path):
     with pytest.raises(ModelNotFound, match="nothing is downloaded"):
@@ -166,8 +169,7 @@ def test_onednn_linears_keep_float32_logits_and_greedy_tokens(tiny_dir):
         assert packed.generate(ids, **kw).tolist() == plain.generate(ids, **kw).tolist()
 
 
-@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
-                    reason="torch.compile's CPU backend needs a C++ compiler")
+@needs_compiler
 def test_compiled_mlps_give_the_eager_models_logits_at_any_length(tiny_dir):
     import torch
 
@@ -195,8 +197,7 @@ with torch.inference_mode():
 """
 
 
-@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
-                    reason="torch.compile's CPU backend needs a C++ compiler")
+@needs_compiler
 def test_compiled_kernels_cached_for_one_vector_isa_are_not_read_back_under_another(
         tiny_dir, tmp_path):
     import torch
