@@ -40,7 +40,7 @@ from starhub.options import AUTO, Positive, auto_or
 from starhub.settings.cli import value_type
 from starhub.wire.messages import StatsQuery, TargetCard
 from starhub.wire.tree import DraftTree, chain_tree, children
-from targets.engine import BatchStats
+from targets.cost import BatchStats
 from targets.verifier import Verifier, VerifierConfig
 from targets.verify import Verdict
 

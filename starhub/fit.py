@@ -1,5 +1,5 @@
 """Online least squares, shared by the hub's control plane (its draft and verify cost
-curves) and the edge verifier's scheduler (its pass-time model)."""
+curves) and the target side's pass-cost model (``targets.cost``)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ class LinearFit:
     machine whose speed drifts; the prior keeps directions the data never spans sane.
     The hub updates and asks its fits every round on its event loop, so the sums are
     plain floats and the weights are solved for only when asked after an update.
-    ``forget`` near 1 and a small ``strength`` make it plain least squares over a long
-    window (the edge verifier's pass-time model).
     """
 
     prior: list[float]

@@ -48,7 +48,6 @@ import torch
 
 from starhub.client.connection import HubClient, HubUnavailable
 from starhub.client.round_stats import clip_output, count_round, mean_accept_len
-from starhub.control.estimators import Ema
 from starhub.cores import CoreClock
 from starhub.models.devices import model_device
 from starhub.options import AUTO
@@ -69,8 +68,9 @@ from starhub.wire.tree import DraftTree, accepted_path, subtree
 from targets.acceptance import Sampling
 from targets.calibration import ROWS, TREE_NODES, calibrate
 from targets.card import eos_ids, feature_dtype, measure_step, on_wire, target_card
+from targets.cost import PassCost
 from targets.engine import VerifyEngine
-from targets.gate import COALESCE, MARGIN, PRIOR_TAU, Decision, SpeculationGate
+from targets.gate import COALESCE, BATCH_MARGIN, PRIOR_TAU, Decision, SpeculationGate
 from targets.hub_link import HubLink, check_propose
 from targets.prefill import ChunkSize, PrefillTurns
 from targets.stats import GenerationStats
@@ -258,7 +258,9 @@ class Batcher:
         self._gate_open: bool | None = None
         """The gate's last verdict on a batch of more than one request (``_log_verdict``)."""
         self.step_s = measure_step(model, clock=self.clock) if hub else 0.0
-        self.gate = SpeculationGate(self.step_s, margin=MARGIN if speculate == "auto" else 0) \
+        self.cost = PassCost(self.step_s)
+        """What a pass costs here, learned from every pass the engine runs."""
+        self.gate = SpeculationGate(self.cost, margin=BATCH_MARGIN if speculate == "auto" else 0) \
             if hub else None
         """Whether a request should use the hub at today's batch (``--speculate``)."""
         if self.gate is not None:
@@ -278,8 +280,6 @@ class Batcher:
         self._rids = itertools.count(1)
         self._phases: dict[int, Phase] = {}
         """Each request's phase at the end of the last turn (``_log_phases``)."""
-        self._passes = Ema(alpha=0.2)
-        """A pass's seconds, which the wait for the rest of a cohort is measured in."""
         self._pass_no = 0
         self._rows_seen = 0
         self._busy_s = 0.0
@@ -293,9 +293,9 @@ class Batcher:
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
 
     def _calibrate(self) -> None:
-        """Time passes over throwaway sessions for the gate (``targets.calibration``)."""
+        """Time passes over throwaway sessions for the cost model (``targets.calibration``)."""
         start = time.perf_counter()
-        timed = calibrate(self.engine, self.gate, self.clock, self.vocab_size)
+        timed = calibrate(self.engine, self.cost, self.clock, self.vocab_size)
         widths = "/".join(map(str, ROWS))
         log.info("%s: passes at %s rows take %s ms plain, %s ms with %d-node trees "
                  "(timed in %.1f s)", self.name, widths,
@@ -350,7 +350,7 @@ class Batcher:
     @property
     def pass_s(self) -> float:
         """A pass's seconds, on average (a guess before the first)."""
-        return self._passes.get(0.05)
+        return self.cost.mean.get(0.05)
 
     @property
     def active(self) -> int:
@@ -766,7 +766,7 @@ class Batcher:
                 else "requests use the hub" if decision.trees else
                 "requests decode plain, batched",
                 decision.tree_tok_s, gate.tau.get(PRIOR_TAU),
-                1e3 * gate.round_trip.get(0.0), gate.slowdown.get(1.0), decision.plain_tok_s)
+                1e3 * gate.round_trip.get(0.0), self.cost.slowdown.get(1.0), decision.plain_tok_s)
 
     def _coalesce(self, client: HubClient | None, work: list[Slot], waiting: list[Slot]
                   ) -> list[Slot]:
@@ -797,9 +797,7 @@ class Batcher:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s: pass of %d rows (%d trees, %d fed): %.1f ms, %.1f alone", self.name,
                       len(work), n_trees, cost.new_tokens, 1e3 * took, 1e3 * alone)
-        if self.gate is not None:
-            self.gate.observe_pass(cost, alone, took, n_trees)
-        self._passes.update(took)
+        self.cost.observe(cost, alone, took, n_trees)
         self._pass_no += 1
         self.stats.passes += 1
         self.stats.rows += len(work)

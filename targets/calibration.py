@@ -4,9 +4,9 @@ and trees cost on this CPU before the first request.
 A fit of live passes knows only the batches the load has run, and its split of a pass into
 a fixed cost and a cost per row or per fed token is its prior until passes of several
 widths have run. ``calibrate`` runs a few batched passes over throwaway sessions, at 1, 2
-and 4 rows, plain and with trees of two sizes, at two cache lengths, and gives them to the
-gate, whose fits then fall back to what they tell where later passes stop telling their
-terms apart (``SpeculationGate.anchor``): 19 passes, one to five seconds on a 2-core CPU,
+and 4 rows, plain and with trees of two sizes, at two cache lengths, and teaches them to
+the core's cost model, whose fits then fall back to what they tell where later passes stop
+telling their terms apart (``PassCost.anchor``): 19 passes, one to five seconds on a 2-core CPU,
 once per process."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import numpy as np
 
 from starhub.cores import CoreClock
 from starhub.wire.tree import DraftTree
-from targets.engine import BatchStats, VerifyEngine
-from targets.gate import SpeculationGate
+from targets.cost import BatchStats, PassCost
+from targets.engine import VerifyEngine
 
 ROWS = (1, 2, 4)
 TREE_NODES = (0, 4, 10)
@@ -34,11 +34,11 @@ def throwaway_tree(nodes: int, vocab: int) -> DraftTree:
     return DraftTree(np.array([(31 * i + 7) % vocab for i in range(nodes)], np.int32), parents)
 
 
-def calibrate(engine: VerifyEngine, gate: SpeculationGate, clock: CoreClock,
+def calibrate(engine: VerifyEngine, cost: PassCost, clock: CoreClock,
               vocab: int) -> dict[tuple[int, int], float]:
     """Time a pass of each shape (rows, tree nodes) over each group of throwaway sessions,
-    after one untimed pass (a process's first passes run slow), and feed them to
-    ``gate``. Returns the seconds alone of the last group's passes by (rows, tree nodes),
+    after one untimed pass (a process's first passes run slow), and teach ``cost``
+    them. Returns the seconds alone of the last group's passes by (rows, tree nodes),
     for the log."""
     groups, sid = [], 0
     for length in LENGTHS:
@@ -53,13 +53,13 @@ def calibrate(engine: VerifyEngine, gate: SpeculationGate, clock: CoreClock,
     try:
         _timed_pass(engine, clock, vocab, *plan[-1])
         for group, rows, nodes in plan:
-            cost, timed[rows, nodes] = _timed_pass(engine, clock, vocab, group, rows, nodes)
-            gate.observe_pass(cost, timed[rows, nodes], trees=rows if nodes else 0)
+            stats, timed[rows, nodes] = _timed_pass(engine, clock, vocab, group, rows, nodes)
+            cost.observe(stats, timed[rows, nodes], trees=rows if nodes else 0)
     finally:
         for group in groups:
             for s in group:
                 engine.close(s)
-    gate.anchor()
+    cost.anchor()
     return timed
 
 

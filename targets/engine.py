@@ -15,28 +15,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
-from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
+from targets.cost import BatchStats
 from targets.forward import ALL, Row
 from targets.verify import TargetModel, Verdict, decoder_pass
-
-
-@dataclass
-class BatchStats:
-    """What one batched step cost: the verifier's scheduler learns its time model from it."""
-
-    rows: int
-    new_tokens: int
-    """Tokens fed: each row's root plus its tree nodes."""
-    cached_tokens: int
-    """Cache entries the rows attend to, summed over rows."""
-    cached_x_new: int
-    """Sum over rows of cached length times new tokens: the attention work."""
 
 
 @torch.inference_mode()

@@ -2,49 +2,29 @@
 
 A serving target decodes its B requests in batched passes. Plain, a pass feeds B tokens
 and yields B. With the hub, a pass feeds B trees and yields about B·τ, then the requests
-wait for their next trees (the round trip ``w``: the hub's drafting plus the link). A CPU
-pays for every token a pass feeds, so as B grows plain batching catches up with trees and
-then passes them; on a host where the hub drafts on the target's own cores it does so
-sooner, since both the round trip and our passes then carry the hub's compute.
+wait for their next trees (the round trip: the hub's drafting plus the link). A CPU pays
+for every token a pass feeds, so as B grows plain batching catches up with trees and then
+passes them; on a host where the hub drafts on the target's own cores it does so sooner,
+since both the round trip and our passes then carry the hub's compute.
 
-``SpeculationGate`` learns the three things that decide it from this target's own passes:
-what a pass costs (a plain pass's time, and what trees add to it: a fit of tree passes,
-``c0 + c1·fed + c2·sum(cached·fed) + c3·trees``, prices each tree node's fed token, the
-attention it pays against its cache, and what a tree row costs beyond its tokens: its
-mask and the scattered attention), τ and the tree size of the rounds verified here, and
-the round trip. Where the hub shares our cores, the fits are of each pass's time alone
-(its CPU time, ``starhub.cores``) and tree passes carry the slowdown measured on them
-(wall over alone): the hub's compute is charged to the trees, not to plain batching. A
-request that is about to open its hub session asks it ``pays``; where plain batching
-would serve the batch faster, the request and every other in the batch decode on their
-own, still batched, and the hub drafts nothing for them. Rows decoding plain take up
-trees again with the next newcomer whose verdict says trees, or when a request leaves and
-the verdict on the rows left (at their number, not the recent average) says trees
-(``Batcher._take_up_trees``), each with tokens enough to go for trees once its first comes
-(``rejoin_pays``): a request that opens its hub session decodes plain until then
-(``Batcher._catch_up``), so the hub's prefill of its context costs it no wait. Rows that
-cannot use the hub (it was lost meanwhile) are priced as plain rows beside the trees: a
-tree slows their pass and gives them nothing. Until rounds have been measured it assumes
-trees pay, so that they get measured.
-
-Plain passes are fitted on their own (``c0 + c1·rows + c2·sum(cached)``), and tree passes
-on theirs. Each fit forgets as it goes and learns only from its own kind of pass, so a
-spell of one kind moves neither the other's fit: one fit of every pass read a plain pass
-of two rows at 17.5 to 18 tok/s after a spell of trees, where plain passes ran 21.5, and
-kept trees while the batch grew; a server whose requests all went plain forgot what tree
-passes cost. Passes timed at start-up (``targets.calibration``) give both fits
-batches of 1 to 4 rows before the first request: live passes alone tell a fit only the
-batches the load has run (a fit that had seen one-row plain passes only priced five rows
-at 175 ms where they took 100, and kept trees for them).
+``SpeculationGate`` prices both from what passes cost here (the core's ``PassCost``), τ
+and the tree size of the rounds verified here, and the round trip. A request about to
+open its hub session asks it ``pays``; where plain batching would serve the batch faster,
+the request and every other in the batch decode on their own, still batched, and the hub
+drafts nothing for them. Rows decoding plain take up trees again with the next newcomer
+whose verdict says trees, or when a request leaves and the verdict on the rows left (at
+their number, not the recent average) says trees (``Batcher._take_up_trees``), each with
+tokens enough to go for trees once its first comes (``rejoin_pays``): a request that opens
+its hub session decodes plain until then (``Batcher._catch_up``). Rows that cannot use the
+hub (it was lost meanwhile) are priced as plain rows beside the trees: a tree slows their
+pass and gives them nothing. Until rounds have been measured it assumes trees pay, so that
+they get measured.
 
 A request that would decode alone always opens its hub session: alone it slows no other
 row of ours, and the hub's control plane judges its rounds one by one from the session's
-own acceptance, our verify and plain step times and the hub's load, sending plain rounds
-where no tree pays (and probing again now and then). The gate cannot know a new prompt's
-acceptance, and its averages move only while trees run: judged by them, one low reading
-(a prompt the drafter reads badly, the first rounds of a cold hub) kept lone requests
-plain until a probe (at 0.5 requests/s over two servers, half their tokens), while the
-hub, which sees each session's rounds, would have drafted.
+own acceptance, sending plain rounds where no tree pays. The gate cannot know a new
+prompt's acceptance, and its averages move only while trees run. (The serving runs behind
+these choices are in ``docs/benchmarks.md``, "Serving".)
 """
 
 from __future__ import annotations
@@ -55,17 +35,18 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from starhub.control.estimators import Ema, TimeAverage
-from starhub.fit import LinearFit
-from targets.engine import BatchStats
+from targets.cost import PassCost
 
-MARGIN = 0.95
+BATCH_MARGIN = 0.95
 """Trees must beat plain batching by this factor: below 1, trees also where the estimates
 put them a little behind. A request that opens its hub session decodes plain until its
 first tree comes, and rows decoding plain take trees up again whenever a verdict says
 they pay, so a wrong "plain" costs a spell without trees and a wrong "trees" the hub's
 prefill and a spell of tree passes, neither a stall. Below capacity trees also shrink the
 batch they are judged at (requests leave sooner), which a verdict at today's batch does
-not credit them with. ``docs/benchmarks.md`` has the serving runs that chose 0.95."""
+not credit them with. ``docs/benchmarks.md`` has the serving runs that chose 0.95. (The
+hub's control plane, which prices one session's rounds against a plain step it knows
+exactly, asks more of a tree: ``TREE_MARGIN`` 1.02.)"""
 BATCH_WINDOW_S = 5.0
 """The recent batch size averages the rows decoding over about this long: long enough
 to see the load that arrivals build, short enough that a lull after a burst lets a lone
@@ -94,12 +75,9 @@ class Decision(NamedTuple):
 
 
 class SpeculationGate:
-    def __init__(self, step_s: float, margin: float = MARGIN):
-        step = step_s if step_s > 0 else 0.02
-        self.passes = LinearFit([step, 0.0, 0.0, 0.0], forget=0.99)
-        """Passes with trees (plain rows among them included): what a tree pass costs."""
-        self.plain_passes = LinearFit([step, 0.0, 0.0], forget=0.99)
-        """Passes without trees only: what plain batching costs."""
+    def __init__(self, cost: PassCost, margin: float = BATCH_MARGIN):
+        self.cost = cost
+        """What passes cost here: the core's one model, which its engine's passes teach."""
         self.tau = Ema(PRIOR_TAU, alpha=0.05, prior=PRIOR_ROUNDS)
         self.nodes = Ema(PRIOR_NODES, alpha=0.05, prior=PRIOR_ROUNDS)
         self.round_trip = Ema(0.0, alpha=0.1, prior=0)
@@ -111,30 +89,7 @@ class SpeculationGate:
         self.batch = TimeAverage(BATCH_WINDOW_S)
         """Requests decoding, averaged over the last few seconds; a spell with none
         counts as one, the request that will end it."""
-        self.slowdown = Ema(1.0, alpha=0.1)
-        """Wall over alone time of the passes that verified trees: what the hub's compute
-        next to ours adds to them (1 where it runs elsewhere)."""
         self.margin = margin
-
-    def observe_pass(self, cost: BatchStats, alone_s: float, wall_s: float | None = None,
-                     trees: int = 0) -> None:
-        """A pass's time with the cores to itself, and as it ran (default: the same);
-        ``trees``: the rows that verified a tree. A pass with trees teaches the tree fit,
-        one without the plain fit, so neither forgets what it knows while the other kind
-        of pass runs."""
-        if not trees:
-            self.plain_passes.update([1.0, cost.new_tokens, cost.cached_x_new], alone_s)
-            return
-        self.passes.update([1.0, cost.new_tokens, cost.cached_x_new, trees], alone_s)
-        if wall_s is not None and alone_s > 0:
-            self.slowdown.update(max(wall_s / alone_s, 1.0))
-
-    def anchor(self) -> None:
-        """Make what the fits know now their priors: where later passes stop telling a
-        fit's terms apart (a long spell of one-row passes, the passes that told them
-        forgotten), the fit falls back to these, not to its first guess."""
-        for fit in (self.passes, self.plain_passes):
-            fit.prior = list(fit.weights)
 
     def observe_batch(self, rows: int, now: float | None = None) -> None:
         """Requests decoding from ``now`` (``time.monotonic()``) on."""
@@ -168,11 +123,8 @@ class SpeculationGate:
         return left > self.open_wait.get(0.0) * plain + 1
 
     def plain_pass_s(self, cached: Sequence[int]) -> float:
-        """A plain pass over sessions of these cache lengths: one token fed each; by the
-        tree fit (no trees) until a plain pass has run."""
-        if not self.plain_passes.samples:
-            return max(self.passes.predict([1.0, len(cached), sum(cached), 0.0]), 0.0)
-        return max(self.plain_passes.predict([1.0, len(cached), sum(cached)]), 0.0)
+        """A plain pass over sessions of these cache lengths (``PassCost.plain_s``)."""
+        return self.cost.plain_s(cached)
 
     def tree_pass_s(self, cached: list[int], plain: Sequence[int] = ()) -> float:
         """A pass that verifies a tree for each session of ``cached`` and one token for
@@ -188,8 +140,7 @@ class SpeculationGate:
     def _tree_added_s(self, cached: int) -> float:
         """What a tree adds to a pass, for a session holding ``cached`` tokens, with the
         cores to itself: its nodes' fed tokens and their attention, and its row."""
-        nodes, row = self.nodes.get(PRIOR_NODES), max(self.passes.weights[3], 0.0)
-        return nodes * self._node_alone_s(cached) + row
+        return self.nodes.get(PRIOR_NODES) * self.cost.node_s(cached) + self.cost.row_s()
 
     def steps_beside(self, cached: list[int], plain: Sequence[int]) -> list[float]:
         """For each session of ``cached``, verifying trees beside the ``plain`` rows: what
@@ -199,14 +150,8 @@ class SpeculationGate:
         that keeps its trees steps at this pace, not at the batch's plain pass."""
         if len(cached) < 2:
             return [self.plain_pass_s([*cached, *plain])] * len(cached)
-        full, slowdown = self.tree_pass_s(cached, plain), self.slowdown.get(1.0)
+        full, slowdown = self.tree_pass_s(cached, plain), self.cost.slowdown.get(1.0)
         return [(full - self._tree_added_s(c)) * slowdown for c in cached]
-
-    def _node_alone_s(self, cached: int) -> float:
-        """The tree fit's cost of a fed token and of its attention, for a session holding
-        ``cached`` tokens, with the cores to itself."""
-        w = self.passes.weights
-        return max(w[1] + w[2] * cached, 0.0)
 
     def rates(self, cached: list[int], plain: Sequence[int] = ()) -> tuple[float, float]:
         """(tokens/s with trees for the sessions of ``cached`` beside the ``plain`` rows,
@@ -225,7 +170,7 @@ class SpeculationGate:
             steps = math.ceil(wait / alone) if wait > COALESCE * alone else 0
             wait = steps * alone if steps else wait
             tokens += len(plain) * (1 + steps)
-        cycle = self.tree_pass_s(cached, plain) * self.slowdown.get(1.0) + wait
+        cycle = self.tree_pass_s(cached, plain) * self.cost.slowdown.get(1.0) + wait
         everyone = [*cached, *plain]
         return (tokens / max(cycle, 1e-6),
                 len(everyone) / max(self.plain_pass_s(everyone), 1e-6))
@@ -234,7 +179,7 @@ class SpeculationGate:
         """What one more tree node of a session holding ``cached`` tokens adds to a pass
         as passes run here (beside the hub where it shares our cores): the fit's cost of
         a fed token and of its attention; 0 until passes have told it."""
-        return self._node_alone_s(cached) * self.slowdown.get(1.0)
+        return self.cost.node_s(cached) * self.cost.slowdown.get(1.0)
 
     def floor(self, cached: int, tok_s: float) -> float:
         """The least draft path probability worth a node in the next tree of a session

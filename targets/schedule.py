@@ -26,14 +26,11 @@ import heapq
 import itertools
 import math
 import random
-from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from starhub.control.estimators import Ema
-from starhub.fit import LinearFit
 from starhub.wire.reports import MAX_ENTRIES, SchedulerReport, SessionEntry
+from targets.cost import BatchStats, PassCost
 
 POLICIES = ("fifo", "random", "goodspeed", "slo")
 
@@ -55,18 +52,26 @@ class Waiting:
         return self.nodes + 1
 
 
+SMOOTHING = 0.1
+"""How fast a session's estimates follow its rounds."""
+
+
+def _estimate(prior: float) -> Ema:
+    return Ema(prior, alpha=SMOOTHING)
+
+
 @dataclass
 class DrafterState:
-    """One session's running estimates, EMA-smoothed."""
+    """One session's running estimates."""
 
     opened_at: float
     speed: float = 0.0
     """Requested tokens/s (0: no SLO)."""
-    accepted: float = 2.0
-    trials: float = 3.0
-    """EMA of accepted positions and of positions tried (accepted plus one rejection)."""
-    goodput: float = 2.0
-    """X_i: EMA of committed tokens per round."""
+    accepted: Ema = field(default_factory=lambda: _estimate(2.0))
+    trials: Ema = field(default_factory=lambda: _estimate(3.0))
+    """Accepted positions and positions tried (accepted plus one rejection) a round."""
+    goodput: Ema = field(default_factory=lambda: _estimate(2.0))
+    """X_i: committed tokens a round."""
     committed: int = 0
     rounds: int = 0
     late: int = 0
@@ -74,41 +79,12 @@ class DrafterState:
 
     @property
     def alpha(self) -> float:
-        return min(max(self.accepted / max(self.trials, 1e-9), 0.01), 0.99)
-
-
-class VerifyTimeModel:
-    """``T = a·N_new + b·sum(L_cached·L_new) + c·N_cached + d``, fitted online by least
-    squares (``starhub.fit``) whose passes weigh as if it kept the last ``window`` (their
-    mean age is ``window / 2``); the prior ``d`` stands until 4 passes are in. Each pass is
-    predicted before it joins the fit, so ``mape`` is the error on passes the model had
-    not seen."""
-
-    def __init__(self, window: int = 256, prior_ms: float = 20.0):
-        self.fit = LinearFit([0.0, 0.0, 0.0, prior_ms * 1e-3], forget=1.0 - 2.0 / window,
-                             strength=1e-9)
-        self.errors: deque[float] = deque(maxlen=window)
+        accepted, trials = self.accepted.get(2.0), self.trials.get(3.0)
+        return min(max(accepted / max(trials, 1e-9), 0.01), 0.99)
 
     @property
-    def coef(self) -> list[float]:
-        return self.fit.weights if self.fit.samples >= 4 else self.fit.prior
-
-    @staticmethod
-    def features(new: int, cached_x_new: int, cached: int) -> list[float]:
-        return [float(new), float(cached_x_new), float(cached), 1.0]
-
-    def predict(self, new: int, cached_x_new: int, cached: int) -> float:
-        x = self.features(new, cached_x_new, cached)
-        return max(sum(c * v for c, v in zip(self.coef, x, strict=True)), 0.0)
-
-    def observe(self, new: int, cached_x_new: int, cached: int, seconds: float) -> None:
-        if self.fit.samples >= 8 and seconds > 0:
-            self.errors.append(abs(self.predict(new, cached_x_new, cached) - seconds) / seconds)
-        self.fit.update(self.features(new, cached_x_new, cached), seconds)
-
-    @property
-    def mape(self) -> float | None:
-        return float(np.mean(self.errors)) if self.errors else None
+    def per_round(self) -> float:
+        return self.goodput.get(2.0)
 
 
 def goodspeed_split(alphas: list[float], goodputs: list[float], total: int,
@@ -149,10 +125,10 @@ class Scheduler:
     """``fifo``'s fixed S_i and every new session's first one."""
     cap: int = 32
     starve_steps: int = 4
-    smoothing: float = 0.1
     seed: int = 0
     sessions: dict[int, DrafterState] = field(default_factory=dict)
-    time_model: VerifyTimeModel = field(default_factory=VerifyTimeModel)
+    cost: PassCost = field(default_factory=PassCost)
+    """What a pass costs: the target side's one model, taught by ``observe_pass``."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -161,8 +137,6 @@ class Scheduler:
             raise ValueError("the budget must allow at least one root and one node")
         self.rng = random.Random(self.seed)
         self.sizes: dict[int, int] = {}
-        self.passes = Ema(alpha=0.2)
-        """A forward pass's seconds, on average."""
 
     # -- sessions ---------------------------------------------------------------------
     def open(self, sid: int, now: float, speed: float = 0.0) -> None:
@@ -174,15 +148,14 @@ class Scheduler:
         self.sizes.pop(sid, None)
         self._resplit()
 
-    def observe_pass(self, new: int, cached_x_new: int, cached: int, seconds: float) -> None:
-        """One forward pass's size and duration."""
-        self.time_model.observe(new, cached_x_new, cached, seconds)
-        self.passes.update(seconds)
+    def observe_pass(self, stats: BatchStats, seconds: float) -> None:
+        """One forward pass's size and duration; every row verified a tree."""
+        self.cost.observe(stats, seconds, trees=stats.rows)
 
     @property
     def pass_s(self) -> float:
         """A pass's seconds, on average (0 before the first)."""
-        return self.passes.get(0.0)
+        return self.cost.pass_s
 
     def observe(self, sid: int, drafted_depth: int, accepted: int, committed: int,
                 finished_at: float, deadline: float = math.inf) -> None:
@@ -190,11 +163,10 @@ class Scheduler:
         state = self.sessions.get(sid)
         if state is None:
             return
-        s = self.smoothing
         missed = 1 if accepted < drafted_depth else 0
-        state.accepted += s * (accepted - state.accepted)
-        state.trials += s * (accepted + missed - state.trials)
-        state.goodput += s * (committed - state.goodput)
+        state.accepted.update(accepted)
+        state.trials.update(accepted + missed)
+        state.goodput.update(committed)
         state.committed += committed
         state.rounds += 1
         state.late += finished_at > deadline
@@ -212,7 +184,7 @@ class Scheduler:
         if state is None or state.speed <= 0:
             return math.inf
         start = state.opened_at if state.last_commit is None else state.last_commit
-        return max(now, start + state.goodput / state.speed)
+        return max(now, start + state.per_round / state.speed)
 
     # -- the next pass ----------------------------------------------------------------
     def pick(self, waiting: list[Waiting], now: float) -> list[Waiting]:
@@ -248,7 +220,7 @@ class Scheduler:
         this pass, earliest deadline first; then the rest by expected tokens per unit of
         cost; last, those that will be late whatever happens (serving them first would
         only make others late too)."""
-        pass_s = self.pass_s or self.time_model.predict(self.budget, 0, 0)
+        pass_s = self.pass_s or self.cost.predict(BatchStats(1, self.budget, 0, 0), trees=1)
 
         def rank(w: Waiting) -> int:
             if w.steps_waited >= self.starve_steps:
@@ -259,9 +231,8 @@ class Scheduler:
 
         def utility(w: Waiting) -> float:
             state = self.sessions.get(w.sid)
-            tokens = state.goodput if state else 1.0
-            cost = self.time_model.coef[0] * w.fed + self.time_model.coef[1] * w.cached * w.fed
-            return tokens / max(cost, 1e-6)
+            tokens = state.per_round if state else 1.0
+            return tokens / max(self.cost.node_s(w.cached) * w.fed, 1e-6)
 
         return sorted(waiting, key=lambda w: (r := rank(w), w.arrived if r == 0 else
                                               w.deadline if r == 1 else -utility(w)))
@@ -278,7 +249,7 @@ class Scheduler:
             sizes = [1 + min(bounds[i + 1] - bounds[i], self.cap - 1) for i in range(len(sids))]
         else:
             sizes = goodspeed_split([self.sessions[s].alpha for s in sids],
-                                    [self.sessions[s].goodput for s in sids], total,
+                                    [self.sessions[s].per_round for s in sids], total,
                                     cap=self.cap)
         self.sizes = dict(zip(sids, sizes, strict=True))
 
@@ -286,10 +257,9 @@ class Scheduler:
         sessions = itertools.islice(self.sessions.items(), MAX_ENTRIES)
         return SchedulerReport(
             policy=self.policy, budget=self.budget, max_batch=self.max_batch,
-            time_model_ms=[round(float(c) * 1e3, 6) for c in self.time_model.coef],
-            time_model_mape=self.time_model.mape,
+            time_model_ms=self.cost.report_ms(), time_model_mape=self.cost.mape,
             sessions={str(sid): SessionEntry(alpha=round(s.alpha, 3),
-                                             goodput=round(s.goodput, 3),
+                                             goodput=round(s.per_round, 3),
                                              nodes=self.nodes_for(sid), rounds=s.rounds,
                                              late=s.late)
                       for sid, s in sessions})

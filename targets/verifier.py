@@ -57,6 +57,7 @@ from starhub.wire.reports import VerifierReport
 from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.card import feature_dtype, measure_step, on_wire, target_card
+from targets.cost import PassCost
 from targets.engine import VerifyEngine, measure_budget
 from targets.prefill import ChunkSize, PrefillTurns
 from targets.schedule import Scheduler, Waiting
@@ -102,7 +103,7 @@ class Verifier(Server):
         # of S nodes is S deep
         self.scheduler = Scheduler(config.schedule, config.budget, config.max_batch,
                                    config.nodes, cap=min(config.max_nodes, config.max_depth),
-                                   seed=config.seed)
+                                   seed=config.seed, cost=PassCost(self.step_s))
         self.observers = Observers()
         self.pending: dict[int, Pending] = {}
         self.prefills: dict[int, Prefill] = {}
@@ -366,8 +367,7 @@ class Verifier(Server):
         if log.isEnabledFor(logging.DEBUG):
             log.debug("pass of %d rows feeding %s took %.1f ms; %d left waiting", len(batch),
                       [p.waiting.fed for p in batch], 1e3 * took, len(self.pending))
-        self.scheduler.observe_pass(cost.new_tokens, cost.cached_x_new, cost.cached_tokens,
-                                    took)
+        self.scheduler.observe_pass(cost, took)
         st = self.stats
         st.steps += 1
         st.rows += len(batch)

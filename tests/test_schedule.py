@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from targets.schedule import Scheduler, VerifyTimeModel, Waiting, goodspeed_split
+from targets.cost import BatchStats, PassCost
+from targets.schedule import Scheduler, Waiting, goodspeed_split
 
 
 def _objective(alphas, goodputs, sizes):
@@ -45,7 +46,7 @@ def test_fifo_picks_in_arrival_order_within_the_token_budget():
 
 def test_slo_serves_what_must_go_now_first_and_hopeless_last():
     sched = Scheduler("slo", budget=12, nodes=10)
-    sched.passes.update(0.05)
+    sched.cost.mean.update(0.05)
     now = 10.0
     relaxed = Waiting(1, 10, 10, arrived=9.0, deadline=now + 1.0)
     urgent = Waiting(2, 10, 10, arrived=9.5, deadline=now + 0.08)
@@ -61,7 +62,7 @@ def test_slo_deadlines_follow_the_requested_speed():
     sched.open(8, now=0.0)
     assert sched.deadline(8, 1.0) == math.inf
     sched.observe(7, drafted_depth=5, accepted=2, committed=3, finished_at=1.0)
-    goodput = sched.sessions[7].goodput
+    goodput = sched.sessions[7].per_round
     assert sched.deadline(7, now=1.01) == pytest.approx(1.0 + goodput / 10.0)
     assert sched.deadline(7, now=5.0) == 5.0
 
@@ -80,17 +81,31 @@ def test_observations_move_acceptance_and_goodspeed_budgets():
     assert "1" not in sched.snapshot().sessions
 
 
-def test_verify_time_model_recovers_its_coefficients_and_reports_held_out_error():
-    model = VerifyTimeModel()
+def test_the_pass_cost_recovers_a_tree_pass_and_reports_its_error_on_unseen_passes():
+    cost = PassCost(0.01)
     rng = random.Random(0)
+
+    def seconds(rows: int, fed: int, cached_x_new: int) -> float:
+        return 0.01 + 2e-4 * fed + 1e-8 * cached_x_new + 1e-3 * rows
+
     for _ in range(200):
-        new, cached = rng.randint(5, 100), rng.randint(50, 2000)
-        rows = rng.randint(1, 4)
-        seconds = 2e-4 * new + 1e-8 * cached * new + 1e-6 * cached * rows + 0.01
-        model.observe(new, cached * new, cached * rows, seconds * (1 + rng.gauss(0, 0.01)))
-    assert model.predict(50, 50 * 1000, 1000) == pytest.approx(
-        2e-4 * 50 + 1e-8 * 50_000 + 1e-6 * 1000 + 0.01, rel=0.03)
-    assert model.mape is not None and model.mape < 0.05
+        rows, cached = rng.randint(1, 4), rng.randint(50, 2000)
+        fed = rows * rng.randint(2, 25)
+        took = seconds(rows, fed, cached * fed) * (1 + rng.gauss(0, 0.01))
+        cost.observe(BatchStats(rows, fed, cached * rows, cached * fed), took, trees=rows)
+    assert cost.predict(BatchStats(2, 50, 2000, 50_000), trees=2) == pytest.approx(
+        seconds(2, 50, 50_000), rel=0.03)
+    assert cost.node_s(1000) == pytest.approx(2e-4 + 1e-8 * 1000, rel=0.05)
+    assert cost.mape is not None and cost.mape < 0.05
+    assert cost.plain.samples == 0, "tree passes teach only the tree fit"
+
+
+def test_the_scheduler_learns_from_the_passes_it_is_told_of():
+    sched = Scheduler("slo", budget=40)
+    for _ in range(20):
+        sched.observe_pass(BatchStats(2, 22, 600, 6600), 0.05)
+    assert sched.pass_s == pytest.approx(0.05)
+    assert sched.cost.trees.samples == 20 and sched.snapshot().time_model_ms
 
 
 def test_unknown_schedule_is_refused():

@@ -1,25 +1,26 @@
 """``targets.calibration``: a serving target times batched passes over throwaway
-sessions at start, so that its gate prices plain batching and trees from passes of several
+sessions at start, so that its cost model prices plain batching and trees from passes of several
 widths before the first request."""
 
 from __future__ import annotations
 
 from starhub.cores import CoreClock
 from targets.calibration import ROWS, TREE_NODES, calibrate, throwaway_tree
+from targets.cost import PassCost
 from targets.engine import VerifyEngine
-from targets.gate import SpeculationGate
 
 
 def test_calibration_feeds_both_fits_every_width_and_leaves_no_session(tiny_model):
     model, _ = tiny_model
     engine = VerifyEngine(model)
-    gate = SpeculationGate(step_s=0.01)
-    timed = calibrate(engine, gate, CoreClock(), model.config.vocab_size)
+    cost = PassCost(0.01)
+    timed = calibrate(engine, cost, CoreClock(), model.config.vocab_size)
     assert set(timed) == {(rows, nodes) for rows in ROWS for nodes in TREE_NODES}
     assert all(seconds > 0 for seconds in timed.values())
-    assert gate.plain_passes.samples == 2 * len(ROWS)
-    assert gate.passes.samples == 2 * len(ROWS) * (len(TREE_NODES) - 1)
-    assert gate.plain_passes.prior == gate.plain_passes.weights, "the fits are anchored"
+    assert cost.plain.samples == 2 * len(ROWS)
+    assert cost.trees.samples == 2 * len(ROWS) * (len(TREE_NODES) - 1)
+    assert cost.plain.prior == cost.plain.weights, "the fits are anchored"
+    assert cost.trees.prior == cost.trees.weights
     assert len(engine) == 0
 
 

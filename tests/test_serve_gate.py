@@ -7,8 +7,8 @@ import contextlib
 
 import pytest
 
-from targets.engine import BatchStats
-from targets.gate import COALESCE, MARGIN, PRIOR_TAU, SpeculationGate
+from targets.cost import BatchStats, PassCost
+from targets.gate import COALESCE, BATCH_MARGIN, PRIOR_TAU, SpeculationGate
 
 
 def feed(gate: SpeculationGate, per_token_s: float, base_s: float = 0.04,
@@ -20,7 +20,7 @@ def feed(gate: SpeculationGate, per_token_s: float, base_s: float = 0.04,
             for fed_each in (1, nodes + 1):
                 fed = rows * fed_each
                 cost = BatchStats(rows, fed, rows * cached, rows * cached * fed_each)
-                gate.observe_pass(cost, base_s + per_token_s * fed,
+                gate.cost.observe(cost, base_s + per_token_s * fed,
                                   trees=rows if fed_each > 1 else 0)
     for i in range(200):  # 2.5 as 2, 3, 2, 3, ...
         gate.observe_round(nodes, int(tau) + (i % 2 if tau % 1 else 0))
@@ -65,12 +65,12 @@ def eagle3_hub(tiny_dir):
 
 
 def test_before_any_round_is_measured_trees_are_tried():
-    gate = SpeculationGate(step_s=0.04)
+    gate = SpeculationGate(PassCost(0.04))
     assert gate.pays([200]) and gate.pays([200] * 8)
 
 
 def test_where_fed_tokens_cost_a_lot_trees_pay_alone_but_not_in_a_wide_batch():
-    gate = SpeculationGate(step_s=0.04)
+    gate = SpeculationGate(PassCost(0.04))
     feed(gate, per_token_s=0.003)
     tree, plain = gate.rates([300])
     assert tree > 1.2 * plain
@@ -80,19 +80,19 @@ def test_where_fed_tokens_cost_a_lot_trees_pay_alone_but_not_in_a_wide_batch():
 
 
 def test_where_fed_tokens_are_nearly_free_trees_pay_at_every_batch():
-    gate = SpeculationGate(step_s=0.04)
+    gate = SpeculationGate(PassCost(0.04))
     feed(gate, per_token_s=0.0001)
     assert all(gate.pays([300] * b) for b in range(1, 9))
 
 
 def test_a_slow_hub_round_trip_makes_plain_batching_win():
-    gate = SpeculationGate(step_s=0.04)
+    gate = SpeculationGate(PassCost(0.04))
     feed(gate, per_token_s=0.0001, round_trip_s=0.2)
     assert not gate.pays([300, 300])
 
 
 def test_trees_that_keep_nothing_never_pay():
-    gate = SpeculationGate(step_s=0.04)
+    gate = SpeculationGate(PassCost(0.04))
     feed(gate, per_token_s=0.0001, tau=1)
     assert not gate.pays([300, 300])
     tree, plain = gate.rates([300])
@@ -103,9 +103,9 @@ def test_the_floor_advised_prices_a_node_at_what_it_holds_the_whole_batch_back()
     """A node pays where its path probability beats its share of a pass times the tokens a
     second the batch commits: no advice before passes are measured, a higher floor where
     fed tokens cost more and where the batch commits more."""
-    gate = SpeculationGate(step_s=0.04)
+    gate = SpeculationGate(PassCost(0.04))
     assert gate.floor(300, gate.rates([300])[0]) == 0.0
-    cheap, dear = SpeculationGate(step_s=0.04), SpeculationGate(step_s=0.04)
+    cheap, dear = SpeculationGate(PassCost(0.04)), SpeculationGate(PassCost(0.04))
     feed(cheap, per_token_s=0.0005)
     feed(dear, per_token_s=0.002)
     assert cheap.node_s(300) == pytest.approx(0.0005, rel=0.05)
@@ -283,7 +283,7 @@ def test_a_request_sent_plain_after_hub_rounds_takes_them_up_again_once_left_alo
 
 
 def test_a_request_arriving_in_a_lull_is_judged_by_the_batch_recent_load_builds():
-    gate = SpeculationGate(step_s=0.04)
+    gate = SpeculationGate(PassCost(0.04))
     feed(gate, per_token_s=0.003)
     assert gate.pays([300], now=0.0), "alone, trees pay on this machine"
     for i in range(100):  # six requests decoding for 10 s, then one for half a second
@@ -295,7 +295,7 @@ def test_a_request_arriving_in_a_lull_is_judged_by_the_batch_recent_load_builds(
 def test_a_lone_request_after_a_quiet_spell_uses_the_hub_again():
     """The recent batch is averaged over time, not passes: a spell with nothing decoding
     (and so no passes) brings it down."""
-    gate = SpeculationGate(step_s=0.04)
+    gate = SpeculationGate(PassCost(0.04))
     feed(gate, per_token_s=0.003)
     for i in range(100):
         gate.observe_batch(6, now=0.1 * i)
@@ -308,14 +308,14 @@ def test_what_a_tree_row_costs_beyond_its_tokens_counts_against_trees():
     """Tree passes that cost more than their fed tokens explain (masks, scattered
     attention) are not read off the plain passes' per-token cost."""
     def gate_with(tree_row_s: float) -> SpeculationGate:
-        gate = SpeculationGate(step_s=0.04)
+        gate = SpeculationGate(PassCost(0.04))
         for _ in range(3):
             for rows in range(1, 6):
                 for cached in (100, 300):
                     plain = BatchStats(rows, rows, rows * cached, rows * cached)
-                    gate.observe_pass(plain, 0.04 + 0.002 * rows)
+                    gate.cost.observe(plain, 0.04 + 0.002 * rows)
                     tree = BatchStats(rows, 11 * rows, rows * cached, 11 * rows * cached)
-                    gate.observe_pass(tree, 0.04 + 0.022 * rows + tree_row_s * rows, trees=rows)
+                    gate.cost.observe(tree, 0.04 + 0.022 * rows + tree_row_s * rows, trees=rows)
         rounds(gate, round_trip_s=0.01)
         return gate
 
@@ -327,14 +327,14 @@ def test_a_tree_among_rows_already_decoding_plain_is_judged_as_that_mix():
     """Rows that cannot use the hub (it was lost while they decoded) stay plain: a
     newcomer's tree would slow their pass and add nothing to them, so it must pay for the
     mix, not for a batch of trees (judged at an even margin: this pins the rates)."""
-    gate = SpeculationGate(step_s=0.04, margin=1.0)
+    gate = SpeculationGate(PassCost(0.04), margin=1.0)
     feed(gate, per_token_s=0.001, round_trip_s=0.02)
     assert gate.pays([300] * 3), "three requests with trees would beat plain"
     assert not gate.pays([300], plain=[300, 300]), "one tree beside two plain rows would not"
 
 
 def test_requests_still_prefilling_count_in_the_batch_a_new_request_joins():
-    gate = SpeculationGate(step_s=0.04)
+    gate = SpeculationGate(PassCost(0.04))
     feed(gate, per_token_s=0.003)
     assert gate.pays([300])
     assert not gate.pays([300], queued=5)
@@ -342,12 +342,12 @@ def test_requests_still_prefilling_count_in_the_batch_a_new_request_joins():
 
 def test_the_slowdown_the_hub_adds_to_tree_passes_counts_against_trees():
     def gate_after(slowdown: float) -> SpeculationGate:
-        gate = SpeculationGate(step_s=0.04, margin=1.0)  # the rates, at an even margin
+        gate = SpeculationGate(PassCost(0.04), margin=1.0)  # the rates, at an even margin
         for rows in range(1, 5):
             for fed_each, trees in ((1, False), (11, True)):
                 cost = BatchStats(rows, rows * fed_each, rows * 200, rows * 200 * fed_each)
                 alone = 0.04 + 0.002 * rows * fed_each
-                gate.observe_pass(cost, alone, alone * (slowdown if trees else 1.0),
+                gate.cost.observe(cost, alone, alone * (slowdown if trees else 1.0),
                                   rows if trees else 0)
         rounds(gate, round_trip_s=0.02)
         return gate
@@ -365,18 +365,18 @@ def test_a_spell_of_tree_passes_does_not_move_what_plain_batching_costs():
     import random
 
     rng = random.Random(0)
-    gate = SpeculationGate(step_s=0.09)
+    gate = SpeculationGate(PassCost(0.09))
     for rows in range(1, 5):
         for _ in range(20):
-            gate.observe_pass(BatchStats(rows, rows, rows * 300, rows * 300), 0.09 + 0.005 * rows)
+            gate.cost.observe(BatchStats(rows, rows, rows * 300, rows * 300), 0.09 + 0.005 * rows)
     for _ in range(300):  # 1 to 3 rows with trees, costing a little more than linear
         rows, cached = rng.choice([1, 2, 3]), rng.randint(100, 500)
         fed = 11 * rows
         seconds = (0.09 + 0.004 * fed + 0.00004 * fed * fed) * rng.uniform(0.9, 1.1)
-        gate.observe_pass(BatchStats(rows, fed, rows * cached, fed * cached), seconds, trees=rows)
+        gate.cost.observe(BatchStats(rows, fed, rows * cached, fed * cached), seconds, trees=rows)
     assert abs(gate.plain_pass_s([300, 300]) - 0.1) < 0.002
     assert gate.tree_pass_s([], [300, 300]) == gate.plain_pass_s([300, 300])
-    assert abs(gate.passes.predict([1.0, 2, 600, 0.0]) - 0.1) > 0.005, \
+    assert abs(gate.cost.trees.predict([1.0, 2, 600, 0.0]) - 0.1) > 0.005, \
         "the tree passes' fit would misprice plain rows"
 
 
@@ -384,7 +384,7 @@ def test_a_batch_left_by_a_request_is_judged_at_its_size_not_the_recent_average(
     """A newcomer is judged at the recent batch where that is larger (arrivals go on);
     the rows a departing request leaves are judged as they are, so two rows left after a
     spell of four can take up trees that pay at two."""
-    gate = SpeculationGate(step_s=0.04)
+    gate = SpeculationGate(PassCost(0.04))
     feed(gate, per_token_s=0.002)
     for t in range(50):
         gate.observe_batch(4, now=0.1 * t)
@@ -395,7 +395,7 @@ def test_a_batch_left_by_a_request_is_judged_at_its_size_not_the_recent_average(
 
 
 def test_a_lone_request_opens_its_hub_session_whatever_the_rates_say():
-    gate = SpeculationGate(step_s=0.04)
+    gate = SpeculationGate(PassCost(0.04))
     feed(gate, per_token_s=0.0001, round_trip_s=0.2)
     alone = gate.verdict([300])
     assert alone.trees and alone.lone and alone.tree_tok_s < alone.plain_tok_s
@@ -406,13 +406,13 @@ def test_a_tree_beside_plain_rows_waits_for_the_plain_passes_begun_while_it_was_
     """The engine does not hold plain rows' passes for a tree longer than a fraction of
     a pass, so a tree that comes back mid-pass waits for that pass to end: its round
     costs a whole plain pass, not the round trip alone."""
-    gate = SpeculationGate(step_s=0.04)
+    gate = SpeculationGate(PassCost(0.04))
     feed(gate, per_token_s=0.0005, round_trip_s=0.02)
     assert gate.pays([300, 300]), "two rows with trees pay"
     tree, _ = gate.rates([300], plain=[300])
     plain_s = gate.plain_pass_s([300])
     assert 0.02 > COALESCE * plain_s and 0.02 < plain_s, "the tree comes back mid-pass"
-    cycle = gate.tree_pass_s([300], [300]) * gate.slowdown.get(1.0) + plain_s
+    cycle = gate.tree_pass_s([300], [300]) * gate.cost.slowdown.get(1.0) + plain_s
     assert tree == pytest.approx((gate.tau.get(PRIOR_TAU) + 2) / cycle), \
         "the plain row steps twice while the tree waits a whole pass"
     assert tree < 0.8 * gate.rates([300, 300])[0]
@@ -422,7 +422,7 @@ def test_a_few_rounds_move_the_gates_tau_as_far_as_their_mean():
     """The prior τ weighs as a few rounds, not as an average that moves 5% a round: two
     rounds that kept 4 tokens each read 2.67 (the prior 2.0 as four rounds), and a long run
     settles on what the rounds keep."""
-    gate = SpeculationGate(step_s=0.04)
+    gate = SpeculationGate(PassCost(0.04))
     gate.observe_round(10, 4)
     gate.observe_round(10, 4)
     assert abs(gate.tau.get(0.0) - (4 * 2.0 + 2 * 4) / 6) < 1e-9
@@ -439,7 +439,7 @@ def tree_passes(gate: SpeculationGate, tree_row_s: float) -> None:
     for rows in (1, 2, 4):
         for nodes in (4, 10):
             fed = rows * (nodes + 1)
-            gate.observe_pass(BatchStats(rows, fed, rows * 100, fed * 100),
+            gate.cost.observe(BatchStats(rows, fed, rows * 100, fed * 100),
                               0.06 + 0.002 * fed + tree_row_s * rows, trees=rows)
 
 
@@ -447,7 +447,7 @@ def test_a_spell_of_plain_passes_does_not_move_what_trees_add_to_a_pass():
     """A server whose requests all went plain still prices what trees add to a pass by
     the tree passes it ran: plain passes, whose fed tokens are all roots, teach the plain
     fit only (a plain row costing 8 ms would price a tree node at 8 ms)."""
-    gate = SpeculationGate(step_s=0.06)
+    gate = SpeculationGate(PassCost(0.06))
     tree_passes(gate, tree_row_s=0.01)
 
     def added() -> float:
@@ -455,23 +455,23 @@ def test_a_spell_of_plain_passes_does_not_move_what_trees_add_to_a_pass():
 
     before = added()
     for _ in range(300):  # plain rows cost 8 ms each: far more than a fed tree node
-        gate.observe_pass(BatchStats(5, 5, 500, 500), 0.06 + 0.008 * 5)
+        gate.cost.observe(BatchStats(5, 5, 500, 500), 0.06 + 0.008 * 5)
     assert added() == pytest.approx(before)
     assert gate.plain_pass_s([100] * 5) == pytest.approx(0.1, rel=0.02)
 
 
 def widths_then_one_row(anchored: bool) -> SpeculationGate:
     """Plain passes at 1, 2 and 4 rows (8 ms a row), then a long spell of one-row ones."""
-    gate = SpeculationGate(step_s=0.06)
+    gate = SpeculationGate(PassCost(0.06))
     for rows in (1, 2, 4):
         for cached in (48, 144):
-            gate.observe_pass(BatchStats(rows, rows, rows * cached, rows * cached),
+            gate.cost.observe(BatchStats(rows, rows, rows * cached, rows * cached),
                               0.06 + 0.008 * rows)
     if anchored:
-        gate.anchor()
+        gate.cost.anchor()
     for i in range(500):
         cached = 100 + i % 300
-        gate.observe_pass(BatchStats(1, 1, cached, cached), 0.068)
+        gate.cost.observe(BatchStats(1, 1, cached, cached), 0.068)
     return gate
 
 
@@ -491,11 +491,11 @@ def test_a_tree_among_many_plain_rows_is_priced_with_them_as_plain_passes_cost()
     are padded to the longest); only the plain fit has seen it. A newcomer's tree beside
     nine plain rows is priced as their plain pass plus what its tree adds, so the cost
     the tree fit never saw counts on both sides and the tree is no gain."""
-    gate = SpeculationGate(step_s=0.06)
+    gate = SpeculationGate(PassCost(0.06))
     tree_passes(gate, tree_row_s=0.004)
     for rows in (8, 9, 10):
         for _ in range(30):
-            gate.observe_pass(BatchStats(rows, rows, rows * 300, rows * 300),
+            gate.cost.observe(BatchStats(rows, rows, rows * 300, rows * 300),
                               0.06 + 0.008 * rows + 0.06)
     rounds(gate, round_trip_s=0.02)
     assert not gate.pays([300], plain=[300] * 9)
@@ -506,7 +506,7 @@ def test_a_request_left_alone_takes_up_the_hub_only_with_tokens_left_for_trees_o
     comes: it opens only where tokens would be left for trees by then, more than the
     plain steps the measured wait holds. Before that wait is measured a request left alone
     always takes up the hub. Where the gate's rates say trees lose alone, the hub judges."""
-    gate = SpeculationGate(step_s=0.04)
+    gate = SpeculationGate(PassCost(0.04))
     feed(gate, per_token_s=0.003)
     tree, plain = gate.rates([300])
     assert tree > plain, "alone, trees pay on this machine"
@@ -516,7 +516,7 @@ def test_a_request_left_alone_takes_up_the_hub_only_with_tokens_left_for_trees_o
     assert during > 3
     assert not gate.rejoin_pays(300, left=int(during))
     assert gate.rejoin_pays(300, left=int(during) + 2)
-    slow = SpeculationGate(step_s=0.04)
+    slow = SpeculationGate(PassCost(0.04))
     feed(slow, per_token_s=0.003, round_trip_s=0.5)
     slow.observe_open_wait(0.1)
     assert slow.rates([300])[0] < slow.rates([300])[1]
@@ -526,7 +526,7 @@ def test_a_request_left_alone_takes_up_the_hub_only_with_tokens_left_for_trees_o
 def test_a_plain_row_beside_trees_steps_at_their_pass_not_at_the_plain_one():
     """The step a batched session's COMMIT reports, the one its hub round must beat: a
     plain round beside rows that keep their trees runs at their tree passes' pace."""
-    gate = SpeculationGate(0.05)
+    gate = SpeculationGate(PassCost(0.05))
     feed(gate, per_token_s=0.004)
     plain = gate.plain_pass_s([250, 250, 250])
     assert gate.steps_beside([250], [250, 250]) == [plain]
@@ -538,20 +538,20 @@ def test_a_plain_row_beside_trees_steps_at_their_pass_not_at_the_plain_one():
     assert long == pytest.approx(gate.tree_pass_s([100], [400]))
     cost = BatchStats(3, 33, 750, 8250)
     for _ in range(50):  # the hub drafting on our cores stretches tree passes by half
-        gate.observe_pass(cost, 0.172, 1.5 * 0.172, trees=3)
+        gate.cost.observe(cost, 0.172, 1.5 * 0.172, trees=3)
     assert gate.steps_beside([250, 250, 250], [])[0] == pytest.approx(
         1.5 * gate.tree_pass_s([250, 250], [250]), rel=0.05)
 
 
 def test_trees_a_little_behind_plain_by_the_estimates_are_still_taken():
-    """``MARGIN`` below 1: a verdict at today's batch does not credit trees with the
+    """``BATCH_MARGIN`` below 1: a verdict at today's batch does not credit trees with the
     smaller batch they leave, so trees within a few percent of plain are taken."""
     def fed(margin: float) -> SpeculationGate:
-        gate = SpeculationGate(step_s=0.04, margin=margin)
+        gate = SpeculationGate(PassCost(0.04), margin=margin)
         feed(gate, per_token_s=0.001, round_trip_s=0.02)
         return gate
 
-    decision = fed(MARGIN).verdict([300], plain=[300, 300])
-    assert MARGIN * decision.plain_tok_s <= decision.tree_tok_s < decision.plain_tok_s
+    decision = fed(BATCH_MARGIN).verdict([300], plain=[300, 300])
+    assert BATCH_MARGIN * decision.plain_tok_s <= decision.tree_tok_s < decision.plain_tok_s
     assert decision.trees
     assert not fed(1.0).verdict([300], plain=[300, 300]).trees

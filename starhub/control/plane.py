@@ -38,8 +38,10 @@ PLAIN_TOKENS = 16
 PROBE_DEPTH = 2
 """Probes draft at most this deep: acceptance near the root says whether trees pay, and
 a shallow tree costs least when they do not."""
-MARGIN = 1.02
-"""A tree must beat plain decoding by this factor: the estimates are noisy, plain is not."""
+TREE_MARGIN = 1.02
+"""A tree must beat plain decoding by this factor: the estimates are noisy, plain is not.
+(A serving target's gate, where a wrong "plain" holds a whole batch off trees, keeps trees
+within 5% of plain batching: its ``BATCH_MARGIN`` 0.95.)"""
 IN_STEP_POWER = 2
 """A session's round is stretched toward the slowest round trip by ``(load /
 slowest)^IN_STEP_POWER`` of the difference. Squared: at four emulated targets of mixed
@@ -400,7 +402,7 @@ class Controller:
             total = own + others_rate(slow, load + s)
             if depth <= PROBE_DEPTH and (probe is None or own > probe[0]):
                 probe = (own, depth, nodes, s, z, e)
-            if own >= MARGIN * standalone and total > best_total:
+            if own >= TREE_MARGIN * standalone and total > best_total:
                 best, best_total = (own, depth, nodes, s, z, e), total
         target = sm.target
         if best is not None:
