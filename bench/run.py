@@ -24,7 +24,7 @@ from starhub.drafters.base import TreeShape
 from starhub.hub.metrics import DRAFT_KEYS
 from starhub.launch import child_env, spawn_hub, target_command
 from starhub.launch.status import observer_client
-from starhub.models.loading import linear_kernel, load_model, set_threads
+from starhub.models.loading import linear_in_use, load_model, set_threads
 from starhub.models.prompts import iter_results, read_prompts
 from starhub.options import (
     AUTO,
@@ -448,7 +448,7 @@ def _run_real(cfg: BenchConfig, threads: int, progress: bool) -> dict:
             rows[0] = pooled_generate_row([generate_runs, again], threads, reference)
     add_speedups(rows)
     config = {k: v for k, v in asdict(cfg).items() if k != "log_dir"}
-    config.update(linear=linear_kernel(cfg.linear, model.dtype),
+    config.update(linear=linear_in_use(model),
                   predraft=[on_off(p) for p in cfg.predraft],
                   lookup=[on_off(v) for v in cfg.lookup],
                   prune=[on_off(v) for v in cfg.prune],

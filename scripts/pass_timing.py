@@ -96,15 +96,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64,
                    help="plain steps of one session at each --cached (0: none)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--linear", default="auto", help="the linear kernel (see starhub target)")
     p.add_argument("--profile", action="store_true",
                    help="also profile a plain step at the first --cached and a pass of the "
                         "last --rows, --cached and --nodes")
     args = p.parse_args()
     set_threads(args.threads)
-    model, _ = load_model(args.model)
+    model, _ = load_model(args.model, linear=args.linear)
     vocab = model.config.vocab_size
     engine = VerifyEngine(model)
-    print(f"torch threads {args.threads} (torch.set_num_threads); median in ms, "
+    print(f"torch threads {args.threads} (torch.set_num_threads), --linear {args.linear}; "
+          f"median in ms, "
           f"{args.repeat}x{args.passes} passes a shape", flush=True)
     with torch.inference_mode():
         time_passes(engine, vocab, 1, 32, 0, 1, 3)  # warm-up

@@ -70,7 +70,7 @@ from targets.calibration import ROWS, TREE_NODES, calibrate
 from targets.card import eos_ids, feature_dtype, measure_step, on_wire, target_card
 from targets.cost import PassCost
 from targets.engine import VerifyEngine
-from targets.gate import COALESCE, BATCH_MARGIN, PRIOR_TAU, Decision, SpeculationGate
+from targets.gate import BATCH_MARGIN, COALESCE, PRIOR_TAU, Decision, SpeculationGate
 from targets.hub_link import HubLink, check_propose
 from targets.prefill import ChunkSize, PrefillTurns
 from targets.stats import GenerationStats

@@ -9,7 +9,7 @@ import sys
 from tqdm import tqdm
 
 from starhub.models.devices import model_device
-from starhub.models.loading import linear_kernel, load_model, set_threads
+from starhub.models.loading import linear_in_use, load_model, set_threads
 from starhub.models.prompts import encode_prompt, read_prompts  # noqa: F401  (re-exported)
 from starhub.options import resolve_threads
 from targets.generate import SpeculativeGenerator
@@ -31,7 +31,7 @@ def run(hub: str | None, weights: dict, prompts: str, out: str, max_new_tokens: 
     where = model_device(model)
     log.info("%s: %d prompts, %s weights on %s, %s linear%s, torch threads=%d, hub=%s", name,
              len(items), model.dtype, where,
-             linear_kernel(weights["linear"], model.dtype, where.type, weights["compile"]),
+             linear_in_use(model),
              ", compiled MLPs" if weights["compile"] else "", threads,
              hub if gen.client else "none")
     tokens = 0

@@ -169,6 +169,50 @@ def test_onednn_linears_keep_float32_logits_and_greedy_tokens(tiny_dir):
         assert packed.generate(ids, **kw).tolist() == plain.generate(ids, **kw).tolist()
 
 
+def test_prepacked_linears_keep_plain_weights_for_single_rows_only_where_asked(tiny_dir):
+    """``--linear auto`` may keep each layer's plain weight for one-row products (a plain
+    decoding step) beside the prepacked one (the rest): both give the plain model's logits,
+    one row goes through the plain weight, a tied LM head shares the embeddings' copy, and
+    nothing is left in the weights file's map."""
+    import torch
+
+    from starhub.models.loading import (
+        linear_in_use,
+        load_model,
+        one_row_weights_pay,
+        onednn_linears,
+        prepack_linears,
+        release_weights_file,
+    )
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    plain, _ = load_model(str(tiny_dir), linear="torch")
+    both, _ = load_model(str(tiny_dir), linear="torch")
+    prepack_linears(both, one_row=True)
+    release_weights_file(both)
+    assert linear_in_use(both) == "onednn (torch for one row)"
+    assert linear_in_use(plain) == "torch"
+    if both.config.tie_word_embeddings:
+        assert both.lm_head.one_row.data_ptr() == both.model.embed_tokens.weight.data_ptr()
+    ids = torch.randint(3, 40000, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(both(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(both(ids[:, :1]).logits, plain(ids[:, :1]).logits,
+                                   rtol=1e-4, atol=1e-4)
+        layer = both.model.layers[0].mlp.down_proj
+        x = torch.randn(1, 1, layer.in_features)
+        before = layer(x)
+        layer.packed.zero_()  # one row never reads the prepacked weight
+        torch.testing.assert_close(layer(x), before)
+        assert not layer(torch.randn(2, layer.in_features)).any()
+    verdict = one_row_weights_pay(both, rounds=1)
+    assert isinstance(verdict, bool)
+    packed, _ = load_model(str(tiny_dir), linear="onednn")
+    assert all(m.one_row is None for m in onednn_linears(packed))
+    assert linear_in_use(packed) == "onednn"
+
+
 @needs_compiler
 def test_compiled_mlps_give_the_eager_models_logits_at_any_length(tiny_dir):
     import torch

@@ -8,7 +8,7 @@ import contextlib
 import pytest
 
 from targets.cost import BatchStats, PassCost
-from targets.gate import COALESCE, BATCH_MARGIN, PRIOR_TAU, SpeculationGate
+from targets.gate import BATCH_MARGIN, COALESCE, PRIOR_TAU, SpeculationGate
 
 
 def feed(gate: SpeculationGate, per_token_s: float, base_s: float = 0.04,

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 import warnings
 import weakref
 from pathlib import Path
@@ -222,9 +223,11 @@ def linear_kernel(linear: str, dtype: torch.dtype, device: str = "cpu",
     compiled model: inductor cannot trace oneDNN's prepacked weights).
 
     ``auto`` picks oneDNN with prepacked weights (``OneDNNLinear``) wherever it can. On CPU
-    it is faster than PyTorch's default GEMM for the few-row products of decoding and tree
-    verification: a float32 forward pass of SmolLM2-135M over 280 cached tokens took 40 ms
-    instead of 64 for one token and 70 ms instead of 139 for 17, with float32 arithmetic."""
+    it is faster than PyTorch's default GEMM for the few-row products of tree verification:
+    a float32 pass of SmolLM2-135M over 280 cached tokens took 70 ms instead of 139 for 17
+    tokens. For one row it depends on the CPU (40 ms instead of 64 on an AMD EPYC, slower
+    on an Intel Xeon), so ``auto`` also keeps the plain weights for single rows where a
+    timing at load says they pay (``one_row_weights_pay``)."""
     if linear not in LINEARS:
         raise ValueError(f"unknown linear kernel '{linear}'; choose from {', '.join(LINEARS)}")
     if linear == "onednn" and compile:
@@ -264,7 +267,10 @@ def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device:
     if layers is not None:
         truncate_layers(model, layers)
     if linear_kernel(linear, dtype, device, compile) == "onednn":
-        prepack_linears(model)
+        prepack_linears(model, one_row=linear == "auto")
+        if linear == "auto" and not one_row_weights_pay(model):
+            for module in onednn_linears(model):
+                module.one_row = None
         release_weights_file(model)
     if compile:
         compile_mlps(model)
@@ -301,9 +307,16 @@ def release_weights_file(model: torch.nn.Module) -> None:
     A CPU model loaded from safetensors keeps its tensors in the file's memory map; once the
     linears are packed into copies of their own, the map stays alive only for what is left,
     yet every page read while packing still counts as resident: about 400 MB of the embedded
-    model's 540 MB file. With these few copies nothing refers to the map and it is dropped."""
+    model's 540 MB file. With these few copies nothing refers to the map and it is dropped.
+    The plain weights kept for single rows are copied too, a weight tied to a parameter
+    (the LM head's to the embeddings) sharing that parameter's copy."""
+    copies = {}
     for param in model.parameters():
-        param.data = param.data.clone()
+        copies[param.data.data_ptr()] = param.data = param.data.clone()
+    for module in onednn_linears(model):
+        if module.one_row is not None:
+            shared = copies.get(module.one_row.data_ptr())
+            module.one_row = module.one_row.clone() if shared is None else shared
 
 
 class OneDNNLinear(torch.nn.Module):
@@ -311,31 +324,89 @@ class OneDNNLinear(torch.nn.Module):
 
     Inputs and outputs stay dense. ``torch.utils.mkldnn.to_mkldnn`` instead converts every
     activation to oneDNN's layout and back around each product: with it a float32 forward
-    pass of SmolLM2-135M took 63 ms for one token and 119 ms for 17, against 40 and 70."""
+    pass of SmolLM2-135M took 63 ms for one token and 119 ms for 17, against 40 and 70.
+
+    ``one_row`` keeps the plain weight as well, for products of a single row (a plain
+    decoding step), where on some CPUs PyTorch's own matrix-vector product streams the
+    weights faster than the prepacked kernel (``one_row_weights_pay``)."""
 
     PACK_ROWS = 16
     """The row count oneDNN picks the weight layout for; any count runs, and 8-32 run
     near their best with it."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, one_row: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
                                                               self.PACK_ROWS)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.one_row = linear.weight.detach() if one_row else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_row is not None and x.numel() == self.in_features:
+            return torch.nn.functional.linear(x, self.one_row, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-def prepack_linears(model: torch.nn.Module) -> None:
+def prepack_linears(model: torch.nn.Module, one_row: bool = False) -> None:
     for module in list(model.modules()):
         for name, child in module.named_children():
             if type(child) is torch.nn.Linear:
-                setattr(module, name, OneDNNLinear(child))
+                setattr(module, name, OneDNNLinear(child, one_row))
+
+
+def onednn_linears(model: torch.nn.Module) -> list[OneDNNLinear]:
+    return [m for m in model.modules() if isinstance(m, OneDNNLinear)]
+
+
+ONE_ROW_GAIN = 0.95
+"""The plain weights are kept for single rows only where they make one row's products at
+least 5% faster than the prepacked ones: they cost a second copy of the weights."""
+
+
+@torch.inference_mode()
+def one_row_weights_pay(model: torch.nn.Module, rounds: int = 3) -> bool:
+    """Whether PyTorch's own products beat the prepacked ones for a single row on this CPU:
+    every linear layer of the model once each way, ``rounds`` times in turn, best round each
+    (the whole model's weights, so that both are timed streaming them from memory as a
+    decoding step does). On an AMD EPYC the prepacked kernel decoded the embedded model at
+    38 tokens/s against 23; on an Intel Xeon (Sapphire Rapids) one row's products took 57 ms
+    plain against 65 prepacked. About 0.1 s a round for the embedded model."""
+    linears = [m for m in onednn_linears(model) if m.one_row is not None]
+    if not linears:
+        return False
+    dtype = linears[0].one_row.dtype
+    inputs = {n: torch.ones(1, n, dtype=dtype) for n in {m.in_features for m in linears}}
+
+    def seconds(plain: bool) -> float:
+        start = time.perf_counter()
+        for m in linears:
+            x = inputs[m.in_features]
+            if plain:
+                torch.nn.functional.linear(x, m.one_row, m.bias)
+            else:
+                torch.ops.mkldnn._linear_pointwise(x, m.packed, m.bias, "none", [], "")
+        return time.perf_counter() - start
+
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(rounds):
+        for plain in (False, True):
+            best[plain] = min(best[plain], seconds(plain))
+    pays = best[True] < ONE_ROW_GAIN * best[False]
+    log.debug("one row's linear products: %.1f ms plain, %.1f ms prepacked: %s", 1e3 * best[True],
+              1e3 * best[False], "plain weights kept for single rows" if pays else "prepacked")
+    return pays
+
+
+def linear_in_use(model: torch.nn.Module) -> str:
+    """The linear kernels a loaded model runs, as its start-up line names them."""
+    linears = onednn_linears(model)
+    if not linears:
+        return "torch"
+    return "onednn (torch for one row)" if linears[0].one_row is not None else "onednn"
 
 
 def truncate_layers(model: PreTrainedModel, layers: int) -> None:
