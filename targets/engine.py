@@ -28,9 +28,12 @@ from targets.verify import TargetModel, Verdict, decoder_pass
 
 @torch.inference_mode()
 def measure_budget(model: PreTrainedModel, slack: float = 1.5, limit: int = 256) -> int:
-    """The most tokens one forward pass can feed for about the price of one token (within
-    ``slack``): where weight reads still dominate, rows batched together cost nearly
-    nothing more. Small on a CPU (about 16 here), hundreds on a GPU."""
+    """The most tokens one forward pass can feed for about the price of the smallest tree
+    pass, a root and one node (within ``slack``): where weight reads still dominate, rows
+    batched together cost nearly nothing more. Small on a CPU (about 16 here), hundreds on
+    a GPU. Priced against two tokens, not one: a one-token pass may run on other kernels
+    (``--linear auto`` keeps plain weights for one row where they are faster), and no
+    verification pass feeds fewer than two."""
     vocab = model.config.vocab_size
     runner = decoder_pass(model)
 
@@ -43,10 +46,10 @@ def measure_budget(model: PreTrainedModel, slack: float = 1.5, limit: int = 256)
             times.append(time.perf_counter() - start)
         return min(times[1:])
 
-    one = seconds(1)
-    best = 1
+    smallest = seconds(2)
+    best = 2
     for n in (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256):
-        if n > limit or seconds(n) > slack * one:
+        if n > limit or seconds(n) > slack * smallest:
             break
         best = n
     return best

@@ -233,3 +233,21 @@ def test_prompt_logprobs_are_the_same_prefilled_whole_or_in_chunks(tiny_model):
         for got in (whole.prompt_logprobs[i], chunked.prompt_logprobs[i]):
             assert abs(got.logprob - float(ref[i - 1, prompt[i]])) < 1e-4
             assert [t for t, _ in got.top] == ref[i - 1].topk(2).indices.tolist()
+
+
+def test_the_verifiers_budget_is_priced_against_a_tree_pass_never_a_one_token_pass(tiny_model):
+    """A one-token pass may run on other kernels than a tree pass (``--linear auto`` keeps
+    plain weights for one row where they are faster), so pricing the budget against it
+    made the verifier's trees two tokens wide on a CPU where one row is fast."""
+    from targets.engine import measure_budget
+
+    model, _ = tiny_model
+    fed: list[int] = []
+    hook = model.model.embed_tokens.register_forward_hook(
+        lambda module, args, out: fed.append(args[0].numel()))
+    try:
+        budget = measure_budget(model, limit=8)
+    finally:
+        hook.remove()
+    assert fed and min(fed) >= 2, f"a pass of {min(fed)} token timed"
+    assert 2 <= budget <= 8

@@ -180,8 +180,9 @@ class WeightFields(Settings):
     linear: Linear = Field(Linear.AUTO, description="the target's matrix-multiply kernel. "
                            "auto: oneDNN on CPU, for float32 and, where the CPU has it "
                            "natively, bfloat16 (weights prepacked at load; faster than "
-                           "PyTorch's default for the few-row products of decoding and "
-                           "verification), torch otherwise")
+                           "PyTorch's default for the few-row products of verification), "
+                           "plus the plain weights for one-row products where a timing at "
+                           "load finds PyTorch's faster on this CPU; torch otherwise")
     device: Device = device_field("the target model")
     device_map: A[str | None, Flag(metavar="auto|I,J,...")] = Field(
         None, description="spread a target too large for one GPU over several with "
