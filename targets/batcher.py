@@ -68,6 +68,7 @@ from starhub.wire.tree import DraftTree, accepted_path, subtree
 from targets.acceptance import Sampling
 from targets.calibration import ROWS, TREE_NODES, calibrate
 from targets.card import eos_ids, feature_dtype, measure_step, on_wire, target_card
+from targets.cohort import hold_until
 from targets.cost import PassCost
 from targets.engine import VerifyEngine
 from targets.gate import BATCH_MARGIN, COALESCE, PRIOR_TAU, Decision, SpeculationGate
@@ -770,18 +771,22 @@ class Batcher:
 
     def _coalesce(self, client: HubClient | None, work: list[Slot], waiting: list[Slot]
                   ) -> list[Slot]:
-        """Wait a little for the trees the hub is still drafting for the requests verified
-        with these in the last pass, so that they stay in one batch: the hub drafts a
-        pass's trees together, but the first COMMIT can start a batch of its own."""
+        """Wait a little (``targets.cohort``, at most ``COALESCE`` of a pass) for the trees
+        the hub is still drafting for the requests verified with these in the last pass,
+        so that they stay in one batch: the hub drafts a pass's trees together, but the
+        first COMMIT can start a batch of its own."""
         last = self._pass_no
-        if not any(s.cohort == last for s in waiting):
-            return work
-        until = time.perf_counter() + COALESCE * self.pass_s
-        while time.perf_counter() < until and not self._stop.is_set():
-            self._read_hub(client, max(0.0, until - time.perf_counter()))
-            if not any(s.waiting_since is not None and s.cohort == last
-                       for s in self._slots.values()):
+        start = time.perf_counter()
+        trip = self.gate.round_trip.get(0.0) if self.gate is not None else 0.0
+        while not self._stop.is_set():
+            # the hub's turnaround, and the passes this engine ran meanwhile
+            due = [s.waiting_since + trip + self._busy_s - s.busy_mark
+                   for s in self._slots.values()
+                   if s.waiting_since is not None and s.cohort == last]
+            wait = hold_until(start, self.pass_s, COALESCE, due) - time.perf_counter()
+            if wait <= 0:
                 break
+            self._read_hub(client, wait)
         return [s for s in self._slots.values() if s.ready]
 
     def _pass(self, work: list[Slot]) -> None:

@@ -57,6 +57,7 @@ from starhub.wire.reports import VerifierReport
 from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.card import feature_dtype, measure_step, on_wire, target_card
+from targets.cohort import hold_until
 from targets.cost import PassCost
 from targets.engine import VerifyEngine, measure_budget
 from targets.prefill import ChunkSize, PrefillTurns
@@ -164,24 +165,17 @@ class Verifier(Server):
             await asyncio.sleep(0)  # the sender sends the pass's COMMITs
 
     async def gather(self) -> None:
-        """Wait briefly for proposals about to arrive, so that they share this pass.
-
-        A pass over a few rows costs far less than a pass per row; without this, drafters
-        fall into cohorts that alternate half-empty passes. Only drafters expected within
-        ``gather_fraction`` of a pass are waited for, never a slow one, and nobody is
-        waited for once the waiting rows fill a pass."""
+        """Wait briefly for the proposals expected within ``gather_fraction`` of a pass
+        (``targets.cohort``), so that they share this pass; nobody is waited for once the
+        waiting rows fill a pass."""
         start = time.monotonic()
         pass_s = self.scheduler.pass_s
-        cap = self.config.gather_fraction * pass_s
         while not self.scheduler.full([p.waiting for p in self.pending.values()]):
-            now = time.monotonic()
-            # expected by the cap, and not overdue by a whole pass (that one is stalled)
             due = [s.committed_at + s.turnaround.value for t, s in self.table.sessions.items()
                    if t not in self.pending and s.committed_at and s.turnaround.value]
-            soon = [at for at in due if start - pass_s < at <= start + cap]
-            # an estimate already past still means "any moment": wait on, within the cap
-            until = min(max(soon, default=0.0) + 0.2 * pass_s, start + cap)
-            if not soon or until <= now:
+            until = hold_until(start, pass_s, self.config.gather_fraction, due)
+            now = time.monotonic()
+            if until <= now:
                 return
             self.arrived.clear()
             try:
