@@ -11,10 +11,11 @@ the first token and the prompt's features: what a star target sends its hub. Eac
 answered by a COMMIT with the accepted tokens, the bonus token, their features and the
 next draft budget ``S_i``. CLOSE ends a session; silence past ``ttl_s`` does too.
 
-The loop (``starhub.server.loop``, the hub's too) takes every message that has arrived,
-then verifies what the scheduler picks in one pass: it never waits for a slow drafter, and
-drafters draft while others verify. Sessions live in the servers' shared table
-(``starhub.server.sessions``).
+The event loop (``starhub.server.loop``, the hub's too) only does I/O; the model runs on
+one engine thread of its own. Each pass starts with every message that has arrived and
+verifies what the scheduler picks: it never waits for a slow drafter, drafters draft while
+others verify, and messages are read, timed and answered while a pass runs. Sessions live
+in the servers' shared table (``starhub.server.sessions``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -114,7 +116,14 @@ class Verifier(Server):
         """Which OPEN's prompt the next chunk goes to (``prefill_step``)."""
         self.chunks = ChunkSize(config.prefill_chunk)
         """How many prompt tokens the next prefill chunk takes."""
-        self.pass_started = 0.0
+        self.model_thread = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="verifier-engine",
+            initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
+        """Where every pass and prefill chunk runs: the event loop only does I/O."""
+        self.running: set[int] = set()
+        """Sessions whose rows (or prefill chunk) the engine thread is running now."""
+        self.closing: set[int] = set()
+        """Of those, the ones closed meanwhile: the engine forgets them after the pass."""
 
     @classmethod
     def for_model(cls, model, tokenizer, config: VerifierConfig,
@@ -139,6 +148,7 @@ class Verifier(Server):
         try:
             await self.run(sock, self.passes(sock), stop=stop)
         finally:
+            self.model_thread.shutdown(wait=False, cancel_futures=True)
             sock.close(0)
             release()
 
@@ -149,8 +159,7 @@ class Verifier(Server):
         while True:
             await self.receive_ready(sock, RECEIVE_BATCH)
             if self.prefills:
-                self.prefill_step()
-                await asyncio.sleep(0)  # the sender sends an OPENED
+                await self.prefill_step()
                 await self.receive_ready(sock, RECEIVE_BATCH)
             if not self.pending:
                 if not self.prefills:
@@ -161,8 +170,20 @@ class Verifier(Server):
                 waited = time.perf_counter()
                 await self.gather()
                 self.stats.gather_s += time.perf_counter() - waited
-            self.step()
-            await asyncio.sleep(0)  # the sender sends the pass's COMMITs
+            await self.step()
+
+    async def on_engine(self, tags: list[int], fn: Callable, *args):
+        """Run ``fn`` on the engine thread for the sessions ``tags``; a session closed
+        meanwhile is forgotten by the engine only once ``fn`` is done with it."""
+        self.running.update(tags)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.model_thread, fn,
+                                                                    *args)
+        finally:
+            self.running.difference_update(tags)
+            for tag in self.closing.intersection(tags):
+                self.closing.discard(tag)
+                self.engine.close(tag)
 
     async def gather(self) -> None:
         """Wait briefly for the proposals expected within ``gather_fraction`` of a pass
@@ -251,7 +272,7 @@ class Verifier(Server):
         self.prefills[tag] = Prefill(identity, msg.ref, prompt, chunks, msg.target_tok_s,
                                      len(prompt), size)
 
-    def prefill_step(self) -> None:
+    async def prefill_step(self) -> None:
         """One chunk of a prompt (``PrefillTurns`` says whose), its OPENED once it is
         done."""
         tag = self.turns.pick(list(self.prefills), lambda t: self.prefills[t].left)
@@ -260,13 +281,9 @@ class Verifier(Server):
         size = job.size if first else self._chunk_now()  # the first one's was set at OPEN
         started = time.perf_counter()
         try:
-            job.chunks.send(None if first else size)
-            done = None
-        except StopIteration as stop:
-            done = stop.value
+            done = await self.on_engine([tag], _advance, job.chunks, None if first else size)
         except Exception:
             log.exception("prefilling a %d-token prompt failed", len(job.prompt))
-            del self.prefills[tag]
             self.close(tag)
             self.reply(job.identity, Error(ref=job.ref, code=int(ErrorCode.INTERNAL),
                                            message="prefill failed; see the verifier log"))
@@ -277,7 +294,7 @@ class Verifier(Server):
         fed = job.left if done is not None else min(job.left, size)
         job.left -= fed
         self.chunks.observe(fed, size, took, self.scheduler.pass_s or self.step_s)
-        if done is None:
+        if done is None or tag not in self.prefills:  # not done, or closed meanwhile
             return
         del self.prefills[tag]
         first, feats = done
@@ -302,10 +319,12 @@ class Verifier(Server):
 
     def handle_propose(self, identity: bytes, msg: Propose) -> None:
         session = self.table.get(msg.tag, identity)
-        if msg.tag in self.pending or msg.tag in self.prefills:
-            raise ProtocolError(ErrorCode.STALE, "a PROPOSE for this session is already waiting"
-                                if msg.tag in self.pending else "this session is not open yet",
-                                tag=msg.tag)
+        if msg.tag in self.prefills:
+            raise ProtocolError(ErrorCode.STALE, "this session is not open yet", tag=msg.tag)
+        if msg.tag in self.pending or msg.tag in self.running:
+            raise ProtocolError(ErrorCode.STALE, "a PROPOSE for this session is already "
+                                "waiting" if msg.tag in self.pending else "this session's "
+                                "last PROPOSE is being verified", tag=msg.tag)
         if msg.plain:
             raise ProtocolError(ErrorCode.BAD_FIELD, "a verifier takes trees, not plain rounds",
                                 tag=msg.tag)
@@ -316,13 +335,8 @@ class Verifier(Server):
             check_ids(msg.dist_ids.reshape(-1), self.card.vocab_size, msg)
         now = time.monotonic()
         session.last_seen = now
-        if session.committed_at:
-            # Arrived during a pass, it sat queued until now: it came no earlier than the
-            # pass's start, which is the (low) estimate kept, so that its cohort is waited
-            # for and cohorts merge rather than alternate.
-            arrived = now if self.pass_started <= session.committed_at else self.pass_started
-            gap = arrived - session.committed_at
-            session.turnaround.update(gap)
+        if session.committed_at:  # read as it comes, passes or not
+            session.turnaround.update(now - session.committed_at)
         tree = DraftTree(msg.tokens, msg.parents, msg.dist_ids, msg.dist_probs)
         waiting = Waiting(msg.tag, len(tree), self.engine.cached(msg.tag), now,
                           self.scheduler.deadline(msg.tag, now))
@@ -333,27 +347,32 @@ class Verifier(Server):
             self.stats.closed += 1
         self.pending.pop(tag, None)
         self.prefills.pop(tag, None)
-        self.engine.close(tag)
         self.scheduler.close(tag)
+        if tag in self.running:
+            self.closing.add(tag)
+        else:
+            self.engine.close(tag)
 
     # -- verification -----------------------------------------------------------------
-    def step(self) -> None:
-        """Verify one batch the scheduler picks from what is waiting; COMMIT each row."""
+    async def step(self) -> None:
+        """Verify one batch the scheduler picks from what is waiting; COMMIT each row of a
+        session still open."""
         picked = self.scheduler.pick([p.waiting for p in self.pending.values()],
                                      time.monotonic())
         batch = [self.pending.pop(w.sid) for w in picked]
         work = [(p.waiting.sid, p.tree) for p in batch]
         cost = self.engine.cost(work)
-        self.pass_started = time.monotonic()
         start = time.perf_counter()
         try:
-            verdicts = self.engine.verify(work)
+            verdicts = await self.on_engine([sid for sid, _ in work], self.engine.verify, work)
         except Exception:
             log.exception("verification failed; closing the batch's sessions")
             for p in batch:
-                self.reply(self.table.sessions[p.waiting.sid].owner, Error(
-                    tag=p.waiting.sid, code=int(ErrorCode.INTERNAL),
-                    message="verification failed; see the verifier log"))
+                session = self.table.sessions.get(p.waiting.sid)
+                if session is not None:
+                    self.reply(session.owner, Error(
+                        tag=p.waiting.sid, code=int(ErrorCode.INTERNAL),
+                        message="verification failed; see the verifier log"))
                 self.close(p.waiting.sid)
             return
         took = time.perf_counter() - start
@@ -368,7 +387,9 @@ class Verifier(Server):
         st.fed += cost.new_tokens
         st.verify_s += took
         st.batch_hist[len(batch)] += 1
-        for p, verdict in zip(batch, verdicts, strict=True):
+        rows = [(p, verdict) for p, verdict in zip(batch, verdicts, strict=True)
+                if p.waiting.sid in self.table.sessions]  # not closed during the pass
+        for p, verdict in rows:
             sid = p.waiting.sid
             session = self.table.sessions[sid]
             accepted = len(verdict.path)
@@ -386,7 +407,7 @@ class Verifier(Server):
                 st.late += done > p.waiting.deadline
         # budgets only once the whole pass is observed: the S_i these rows draft next come
         # from one split, so their next trees fit one pass together
-        for p, verdict in zip(batch, verdicts, strict=True):
+        for p, verdict in rows:
             sid = p.waiting.sid
             self.reply(self.table.sessions[sid].owner, Commit(
                 tag=sid, seq=p.seq, accepted=len(verdict.path), verify_ms=1e3 * took,
@@ -412,3 +433,11 @@ class Verifier(Server):
             threads=torch.get_num_threads(), step_ms=1e3 * self.step_s,
             scheduler=self.scheduler.snapshot())
 
+
+def _advance(chunks: Generator, size: int | None):
+    """One step of a prefill (``VerifyEngine.open_chunks``): None, or what it returned."""
+    try:
+        chunks.send(size)
+    except StopIteration as stop:
+        return stop.value
+    return None

@@ -84,7 +84,7 @@ class VerifierHarness:
         frames = msg if isinstance(msg, list) else wire(msg)
         self.verifier.on_frames(identity, frames)
         while self.verifier.prefills:
-            self.verifier.prefill_step()
+            asyncio.run(self.verifier.prefill_step())
         return self._drain(identity)
 
     def ask(self, identity: bytes, msg: Message | list[bytes]) -> Message:
@@ -92,7 +92,7 @@ class VerifierHarness:
         return reply
 
     def step(self, identity: bytes) -> list[Message]:
-        self.verifier.step()
+        asyncio.run(self.verifier.step())
         return self._drain(identity)
 
     def _drain(self, identity: bytes) -> list[Message]:

@@ -4,6 +4,7 @@ prompt, take a fresh allowance with each connection, or hold admission slots idl
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import replace
 
@@ -180,7 +181,7 @@ def test_drafters_that_keep_opening_short_prompts_cannot_hold_a_long_one_up(tiny
             v.on_frames(short_drafter, wire(Open(ref=ref, prompt_len=20, tokens=np.arange(
                 5, 25, dtype=np.int32))))
             opened += 1
-        v.prefill_step()
+        asyncio.run(v.prefill_step())
     assert long_tag not in v.prefills, "the long prompt never got its chunks"
     assert opened >= 320 // 32, "the short prompts were served meanwhile"
     replies = []
