@@ -104,7 +104,8 @@ def target_line(name: str, rows: list[dict], beside: dict[str, tuple[list, float
     wall = sum(r["stats"]["wall_s"] for r in rows)
     tau = pooled_accept_len(r["stats"] for r in rows)
     speed = tokens / wall if wall else 0.0
-    line = (f"{name}: {len(rows)} prompts, {tokens} tokens, {speed:.1f} tok/s, "
+    prompts = f"{len(rows)} prompt" + "s" * (len(rows) != 1)
+    line = (f"{name}: {prompts}, {tokens} tokens, {speed:.1f} tok/s, "
             f"mean accepted length {tau:.2f}")
     base, solo = _speed(rows, beside), _speed(rows, alone)
     if base and solo:
