@@ -176,7 +176,7 @@ def test_an_eagle_hub_replaces_a_killed_and_then_a_stopped_drafting_process(tmp_
 
 @pytest.mark.slow
 def test_a_killed_target_leaves_the_others_undisturbed_and_its_sessions_expire(tmp_path):
-    prompts = _prompt_file(tmp_path, PROMPTS[:9])
+    prompts = _prompt_file(tmp_path, PROMPTS[:6])
     outs = [tmp_path / f"t{i}.jsonl" for i in range(3)]
     with spawn_hub(["--drafter", "ngram", "--depth", "4", "--ttl", "2"]) as hub:
         procs = _targets(hub.address, prompts, outs)
@@ -190,7 +190,7 @@ def test_a_killed_target_leaves_the_others_undisturbed_and_its_sessions_expire(t
         assert client.request(StatsQuery()).body.active_sessions == 0
         client.close()
     results = [r for out in outs[1:] for r in iter_results(out)]
-    assert len(results) == 6
+    assert len(results) == 4
     _check_lossless(results)
 
 
