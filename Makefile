@@ -3,6 +3,10 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
+# Tests run two at a time where there are two cores, each pinned to its own half of them
+# (tests/conftest.py): most of a test is one process at a time, so the second core would
+# idle. `make test TEST_WORKERS=0` runs them one by one.
+TEST_WORKERS ?= $(shell $(PY) -c 'import os; print(2 if len(os.sched_getaffinity(0)) > 1 else 0)')
 
 .PHONY: install demo test lint clean
 
@@ -23,7 +27,7 @@ demo: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports --no-logo
-	$(BIN)/python -m pytest -q -ra --durations=15
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 lint: install
 	$(BIN)/ruff check .

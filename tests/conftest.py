@@ -20,6 +20,20 @@ from starhub.models.loading import resolve
 
 torch.set_num_threads(1)
 
+
+def _pin_worker() -> None:
+    """Under ``pytest -n N`` each worker, and every process its tests start, keeps to its
+    own share of this process's CPUs: a test then sees a smaller machine, never a neighbour
+    that takes the cores its processes were sized for."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(
+        os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if worker.startswith("gw") and 1 < count <= len(cpus):
+        os.sched_setaffinity(0, cpus[int(worker[2:])::count])
+
+
+_pin_worker()
+
 KEYSTORE = tempfile.mkdtemp(prefix="starhub-test-keys-")
 os.environ["STARHUB_KEYS"] = KEYSTORE
 atexit.register(shutil.rmtree, KEYSTORE, ignore_errors=True)
