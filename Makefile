@@ -6,7 +6,7 @@ export OMP_NUM_THREADS ?= 1
 # Tests run two at a time where there are two cores, each pinned to its own half of them
 # (tests/conftest.py): most of a test is one process at a time, so the second core would
 # idle. `make test TEST_WORKERS=0` runs them one by one.
-TEST_WORKERS ?= $(shell $(PY) -c 'import os; print(2 if len(os.sched_getaffinity(0)) > 1 else 0)')
+TEST_WORKERS ?= $(shell $(PY) -c 'import os; n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(); print(2 if n > 1 else 0)')
 
 .PHONY: install demo test lint clean
 
