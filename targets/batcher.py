@@ -647,11 +647,7 @@ class Batcher:
             if client is None and self.link is not None:
                 slot.stats.note = self.link.note  # why it decodes with no hub
         self.stats.prefill_chunks += 1
-        try:
-            next(slot.prefill) if fresh else slot.prefill.send(size)
-            done = None
-        except StopIteration as stop:
-            done = stop.value
+        done = self.engine.prefill_step(slot.prefill, None if fresh else size)
         took = time.perf_counter() - start
         slot.stats.prefill_s += took
         self._busy_s += took

@@ -99,6 +99,16 @@ class VerifyEngine:
         self.sessions[sid] = target
         return target.prefill_chunks(list(prompt), chunk)
 
+    @staticmethod
+    def prefill_step(chunks: Generator, size: int | None = None):
+        """Run one chunk of an ``open_chunks`` prefill (``size``: the chunks' new size;
+        None for the first chunk): None while chunks are left, then what it returned."""
+        try:
+            chunks.send(size)
+        except StopIteration as stop:
+            return stop.value
+        return None
+
     def close(self, sid: int) -> None:
         self.sessions.pop(sid, None)
 

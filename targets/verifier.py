@@ -24,7 +24,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -281,7 +281,8 @@ class Verifier(Server):
         size = job.size if first else self._chunk_now()  # the first one's was set at OPEN
         started = time.perf_counter()
         try:
-            done = await self.on_engine([tag], _advance, job.chunks, None if first else size)
+            done = await self.on_engine([tag], self.engine.prefill_step, job.chunks,
+                                        None if first else size)
         except Exception:
             log.exception("prefilling a %d-token prompt failed", len(job.prompt))
             self.close(tag)
@@ -432,12 +433,3 @@ class Verifier(Server):
             slo_rounds=st.deadlined, slo_late=st.late, errors=dict(st.errors),
             threads=torch.get_num_threads(), step_ms=1e3 * self.step_s,
             scheduler=self.scheduler.snapshot())
-
-
-def _advance(chunks: Generator, size: int | None):
-    """One step of a prefill (``VerifyEngine.open_chunks``): None, or what it returned."""
-    try:
-        chunks.send(size)
-    except StopIteration as stop:
-        return stop.value
-    return None
