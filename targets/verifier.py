@@ -121,9 +121,8 @@ class Verifier(Server):
             initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
         """Where every pass and prefill chunk runs: the event loop only does I/O."""
         self.running: set[int] = set()
-        """Sessions whose rows (or prefill chunk) the engine thread is running now."""
-        self.closing: set[int] = set()
-        """Of those, the ones closed meanwhile: the engine forgets them after the pass."""
+        """Sessions whose rows (or prefill chunk) the engine thread is running now: one
+        closed meanwhile is forgotten by the engine after the pass (``on_engine``)."""
 
     @classmethod
     def for_model(cls, model, tokenizer, config: VerifierConfig,
@@ -181,9 +180,9 @@ class Verifier(Server):
                                                                     *args)
         finally:
             self.running.difference_update(tags)
-            for tag in self.closing.intersection(tags):
-                self.closing.discard(tag)
-                self.engine.close(tag)
+            for tag in tags:
+                if tag not in self.table.sessions:  # closed during the pass
+                    self.engine.close(tag)
 
     async def gather(self) -> None:
         """Wait briefly for the proposals expected within ``gather_fraction`` of a pass
@@ -322,10 +321,12 @@ class Verifier(Server):
         session = self.table.get(msg.tag, identity)
         if msg.tag in self.prefills:
             raise ProtocolError(ErrorCode.STALE, "this session is not open yet", tag=msg.tag)
-        if msg.tag in self.pending or msg.tag in self.running:
-            raise ProtocolError(ErrorCode.STALE, "a PROPOSE for this session is already "
-                                "waiting" if msg.tag in self.pending else "this session's "
-                                "last PROPOSE is being verified", tag=msg.tag)
+        if msg.tag in self.pending:
+            raise ProtocolError(ErrorCode.STALE, "a PROPOSE for this session is already waiting",
+                                tag=msg.tag)
+        if msg.tag in self.running:
+            raise ProtocolError(ErrorCode.STALE, "this session's last PROPOSE is being verified",
+                                tag=msg.tag)
         if msg.plain:
             raise ProtocolError(ErrorCode.BAD_FIELD, "a verifier takes trees, not plain rounds",
                                 tag=msg.tag)
@@ -349,9 +350,7 @@ class Verifier(Server):
         self.pending.pop(tag, None)
         self.prefills.pop(tag, None)
         self.scheduler.close(tag)
-        if tag in self.running:
-            self.closing.add(tag)
-        else:
+        if tag not in self.running:  # else once the pass is done with it (``on_engine``)
             self.engine.close(tag)
 
     # -- verification -----------------------------------------------------------------
