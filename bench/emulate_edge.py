@@ -246,6 +246,7 @@ def run_point(spec: EdgeSpec, n: int, schedule: str, max_batch: int | str, budge
     stop = threading.Event()
     counts = [0] * n
     edges: list = [None] * n
+    failed: list[str] = []
 
     def drafter(i: int) -> None:
         beta, t_d, slo = spec.drafter(i, n)
@@ -265,6 +266,9 @@ def run_point(spec: EdgeSpec, n: int, schedule: str, max_batch: int | str, budge
                 edge.generate(prompt, 1 << 30, target_tok_s=slo)
         except _Stop:
             pass
+        except Exception as exc:  # reported below: a row of a dead drafter is no row
+            failed.append(f"drafter{i}: {exc}")
+            stop.set()
         finally:
             edge.close()
 
@@ -286,6 +290,9 @@ def run_point(spec: EdgeSpec, n: int, schedule: str, max_batch: int | str, budge
     finally:
         stop.set()
         _stop(verifier)
+    if failed:
+        raise RuntimeError(f"the emulated edge run N={n} {schedule} failed ("
+                           f"{'; '.join(failed)}); see {log_dir}/verifier-{name}.log")
     rates = [(b - a) / window for a, b in zip(c0, c1, strict=True)]
     delta = {k: getattr(s1, k) - getattr(s0, k)
              for k in ("steps", "rounds", "committed", "slo_rounds", "slo_late", "verify_s")}

@@ -70,7 +70,7 @@ from targets.calibration import ROWS, TREE_NODES, calibrate
 from targets.card import eos_ids, feature_dtype, measure_step, on_wire, target_card
 from targets.cohort import hold_until
 from targets.cost import PassCost
-from targets.engine import VerifyEngine
+from targets.engine import VerifyEngine, prefill_step
 from targets.gate import BATCH_MARGIN, COALESCE, PRIOR_TAU, Decision, SpeculationGate
 from targets.hub_link import HubLink, check_propose
 from targets.prefill import ChunkSize, PrefillTurns
@@ -647,7 +647,7 @@ class Batcher:
             if client is None and self.link is not None:
                 slot.stats.note = self.link.note  # why it decodes with no hub
         self.stats.prefill_chunks += 1
-        done = self.engine.prefill_step(slot.prefill, None if fresh else size)
+        done = prefill_step(slot.prefill, None if fresh else size)
         took = time.perf_counter() - start
         slot.stats.prefill_s += took
         self._busy_s += took

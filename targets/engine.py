@@ -60,6 +60,16 @@ def kv_bytes_per_token(model: PreTrainedModel) -> int:
     return decoder_pass(model).token_bytes
 
 
+def prefill_step(chunks: Generator, size: int | None = None):
+    """Run one chunk of an ``open_chunks`` prefill (``size``: the chunks' new size; None for
+    the first chunk): None while chunks are left, then what the generator returned."""
+    try:
+        chunks.send(size)
+    except StopIteration as stop:
+        return stop.value
+    return None
+
+
 class VerifyEngine:
     """Sessions over one loaded model, verified alone or many per forward pass."""
 
@@ -98,16 +108,6 @@ class VerifyEngine:
         target = TargetModel(self.model, sampling, seed, feature_layers, logprobs, echo)
         self.sessions[sid] = target
         return target.prefill_chunks(list(prompt), chunk)
-
-    @staticmethod
-    def prefill_step(chunks: Generator, size: int | None = None):
-        """Run one chunk of an ``open_chunks`` prefill (``size``: the chunks' new size;
-        None for the first chunk): None while chunks are left, then what it returned."""
-        try:
-            chunks.send(size)
-        except StopIteration as stop:
-            return stop.value
-        return None
 
     def close(self, sid: int) -> None:
         self.sessions.pop(sid, None)

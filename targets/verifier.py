@@ -61,7 +61,7 @@ from targets.acceptance import Sampling
 from targets.card import feature_dtype, measure_step, on_wire, target_card
 from targets.cohort import hold_until
 from targets.cost import PassCost
-from targets.engine import VerifyEngine, measure_budget
+from targets.engine import VerifyEngine, measure_budget, prefill_step
 from targets.prefill import ChunkSize, PrefillTurns
 from targets.schedule import Scheduler, Waiting
 from targets.verifier_state import (
@@ -280,7 +280,7 @@ class Verifier(Server):
         size = job.size if first else self._chunk_now()  # the first one's was set at OPEN
         started = time.perf_counter()
         try:
-            done = await self.on_engine([tag], self.engine.prefill_step, job.chunks,
+            done = await self.on_engine([tag], prefill_step, job.chunks,
                                         None if first else size)
         except Exception:
             log.exception("prefilling a %d-token prompt failed", len(job.prompt))
