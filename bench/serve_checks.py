@@ -10,8 +10,13 @@ the hub's sessions to reach 0, compares the server's RSS with its RSS after a wa
 same concurrency (the allocator's high-water mark for that batch size), and
 checks one more request against generate().
 
+``fair``: a long prompt, then a short request a few seconds later, while the long one
+prefills: the short request's time beside it against its time alone (both outputs equal to
+generate()).
+
     python -m bench.serve_checks burst --prompts 8 --max-tokens 64
     python -m bench.serve_checks load --requests 1000 --concurrency 8 --abandon 0.33
+    python -m bench.serve_checks fair --long-tokens 8150 --after 3
 """
 
 from __future__ import annotations
@@ -199,14 +204,56 @@ def load(args: argparse.Namespace) -> dict:
             "last_identical": last == final}
 
 
+def complete_ids(api: OpenAI, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
+    """A greedy completion of a token-id prompt: its output ids and its seconds."""
+    start = time.perf_counter()
+    out = api.completions.create(model=DEFAULT_NAME, prompt=ids, max_tokens=max_tokens,
+                                 temperature=0, extra_body={"return_token_ids": True})
+    return out.choices[0].model_extra["token_ids"], time.perf_counter() - start
+
+
+def fair(args: argparse.Namespace) -> dict:
+    model, tokenizer = load_model("default")
+    texts = [p if isinstance(p, str) else p[-1]["content"]
+             for _, p in read_prompts(args.prompt_file)]
+    long_ids: list[int] = []
+    while len(long_ids) < args.long_tokens:
+        long_ids += tokenizer(" ".join(texts))["input_ids"]
+    long_ids = long_ids[:args.long_tokens]
+    short_ids = tokenizer(" ".join(reversed(texts)))["input_ids"][:args.short_tokens]
+    expected = [model.generate(torch.tensor([ids]), max_new_tokens=args.max_tokens,
+                               do_sample=False)[0, len(ids):].tolist()
+                for ids in (long_ids, short_ids)]
+    del model
+    stack = Stack(args.threads)
+    try:
+        complete_ids(stack.api, short_ids, 8)  # warm-up
+        alone = [complete_ids(stack.api, short_ids, args.max_tokens) for _ in range(2)]
+        with ThreadPoolExecutor(1) as pool:
+            long = pool.submit(complete_ids, stack.api, long_ids, args.max_tokens)
+            time.sleep(args.after)
+            short = complete_ids(stack.api, short_ids, args.max_tokens)
+            long_out, long_s = long.result()
+    finally:
+        stack.close()
+    alone_s = min(s for _, s in alone)
+    return {"check": "fair", "long_tokens": len(long_ids), "short_tokens": len(short_ids),
+            "max_tokens": args.max_tokens, "short_alone_s": round(alone_s, 2),
+            "short_beside_s": round(short[1], 2), "ratio": round(short[1] / alone_s, 2),
+            "long_s": round(long_s, 2),
+            "identical": [long_out, short[0]] == expected and
+            all(out == expected[1] for out, _ in alone)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.serve_checks",
                                      description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="check", required=True)
-    for name in ("burst", "load"):
+    for name in ("burst", "load", "fair"):
         p = sub.add_parser(name)
         p.add_argument("--prompt-file", default=str(DEFAULT_PROMPTS))
-        p.add_argument("--max-tokens", type=int, default=64 if name == "burst" else 16)
+        p.add_argument("--max-tokens", type=int,
+                       default={"burst": 64, "load": 16, "fair": 30}[name])
         p.add_argument("--threads", default="auto",
                        help="torch threads of the server (auto: every usable core); the hub "
                             "drafts with its default 1")
@@ -219,12 +266,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=64,
                    help="requests at the same concurrency before the RSS reference")
     p.add_argument("--seed", type=int, default=0)
+    p = sub.choices["fair"]
+    p.add_argument("--long-tokens", type=int, default=8150)
+    p.add_argument("--short-tokens", type=int, default=48)
+    p.add_argument("--after", type=float, default=3.0,
+                   help="seconds between the long request and the short one")
     args = parser.parse_args(argv)
     args.threads = resolve_threads(args.threads)
     torch.set_num_threads(args.threads)
     print(f"# {cpu_model()}; server torch threads={args.threads}, hub threads=1",
           file=sys.stderr)
-    result = (burst if args.check == "burst" else load)(args)
+    result = {"burst": burst, "load": load, "fair": fair}[args.check](args)
     print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in
                                                           result.items()))
     return 0
