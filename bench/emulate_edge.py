@@ -41,6 +41,7 @@ from starhub.settings.cli import value_type
 from starhub.wire.messages import StatsQuery, TargetCard
 from starhub.wire.tree import DraftTree, chain_tree, children
 from targets.cost import BatchStats
+from targets.prefill import ChunkedPrefill
 from targets.verifier import Verifier, VerifierConfig
 from targets.verify import Verdict
 
@@ -142,10 +143,12 @@ class EmulatedEngine:
         return truth(len(prompt)), None
 
     def open_chunks(self, sid: int, prompt: list[int], _chunk: int, *_args, **_kwargs
-                    ) -> Generator[None, None, tuple[int, None]]:
-        """``open`` at once: prefilling costs nothing here."""
-        yield from ()
-        return self.open(sid, prompt)
+                    ) -> ChunkedPrefill[tuple[int, None]]:
+        """``open`` in one slice: prefilling costs nothing here."""
+        def at_once() -> Generator[None, None, tuple[int, None]]:
+            yield from ()
+            return self.open(sid, prompt)
+        return ChunkedPrefill(at_once(), len(prompt))
 
     def close(self, sid: int) -> None:
         self.lengths.pop(sid, None)

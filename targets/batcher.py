@@ -6,9 +6,11 @@ while a hub serves this process, a session of its own at the hub.
 One engine thread owns the model, the engine and the hub connection. Each turn of its loop:
 
 1. takes in new requests and drops cancelled ones (their hub session is CLOSEd at once);
-2. prefills one chunk of a new prompt (``PrefillTurns``: the shortest and the oldest in
-   turn); a finished prefill emits the first token and OPENs the request's hub session,
-   so a long prompt never holds the others up for more than one chunk; where plain
+2. runs a slice of a new prompt's prefill (``targets.prefill``: the shortest and the
+   oldest prompt in turn; one decoder layer, while other requests decode, whenever none
+   of them has a pass to run, and at least a quarter of the time); a finished prefill
+   emits the first token and OPENs the request's hub session, so a long prompt never
+   holds the others up for more than a layer of a chunk's pass; where plain
    batching serves the batch faster (``gate``), the batch decodes plain instead, and its
    requests open hub sessions when a later verdict says trees (a newcomer's, or one on the
    rows a finished request leaves), carrying what they decoded meanwhile. A request
@@ -38,7 +40,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -70,10 +72,10 @@ from targets.calibration import ROWS, TREE_NODES, calibrate
 from targets.card import eos_ids, feature_dtype, measure_step, on_wire, target_card
 from targets.cohort import hold_until
 from targets.cost import PassCost
-from targets.engine import VerifyEngine, prefill_step
+from targets.engine import VerifyEngine
 from targets.gate import BATCH_MARGIN, COALESCE, PRIOR_TAU, Decision, SpeculationGate
 from targets.hub_link import HubLink, check_propose
-from targets.prefill import ChunkSize, PrefillTurns
+from targets.prefill import CHUNK, ChunkedPrefill, PrefillShare, PrefillTurns
 from targets.stats import GenerationStats
 from targets.verify import TokenLogprob, Verdict
 
@@ -119,7 +121,7 @@ class Phase(enum.Enum):
     """Where a request is (``Slot.phase``); ``docs/architecture.md`` draws the transitions.
     Each pass verifies every decoding request but the WAITING ones."""
 
-    PREFILLING = "its prompt is prefilled, a chunk a turn"
+    PREFILLING = "its prompt is prefilled, a slice a turn"
     ALONE = "decodes plain with no hub session (it may open one later if it kept features)"
     AHEAD = "decodes plain while its hub session catches up (from its OPEN on)"
     WAITING = "waits for the hub's PROPOSE to its OPEN or COMMIT"
@@ -135,9 +137,8 @@ class Slot:
 
     req: Request
     stats: GenerationStats
-    prefill: Generator | None = None
-    prefill_left: int = 0
-    """Prompt tokens still to prefill."""
+    prefill: ChunkedPrefill | None = None
+    """Its prompt's prefill, once begun."""
     decoding: bool = False
     client: HubClient | None = None
     """The connection its hub session lives on (None: it decodes alone)."""
@@ -240,9 +241,10 @@ class Batcher:
         self.tokenizer = tokenizer
         self.hub = hub
         self.name = name
-        self.chunks = ChunkSize(prefill_chunk)
-        """How many prompt tokens the next prefill chunk takes (``prefill_chunk`` 0: about
-        a pass's worth while other requests are in, the most while none is)."""
+        self.prefill_chunk = prefill_chunk or CHUNK
+        """Prompt tokens a prefill pass takes."""
+        self._share = PrefillShare()
+        """When a slice of a prefill runs while other requests decode."""
         self.decode_ahead = decode_ahead
         """Whether a request decodes plain from its OPEN until its first tree comes (a
         server's requests never idle for the hub), or waits for that tree (the star
@@ -276,7 +278,7 @@ class Batcher:
         self._stop = threading.Event()
         self._slots: dict[int, Slot] = {}
         self._new: list[Slot] = []
-        """Requests whose prompts are prefilled, a chunk a turn, oldest first."""
+        """Requests whose prompts are prefilled, a slice a turn, oldest first."""
         self._turns = PrefillTurns()
         self._rids = itertools.count(1)
         self._phases: dict[int, Phase] = {}
@@ -284,7 +286,7 @@ class Batcher:
         self._pass_no = 0
         self._rows_seen = 0
         self._busy_s = 0.0
-        """Seconds the engine thread has spent in passes and prefill chunks."""
+        """Seconds the engine thread has spent in passes and prefill slices."""
         self.failed = ""
         """Why the engine thread stopped, if it failed: the server then refuses requests."""
         self.link = HubLink(hub, self.card, self.clock, name, timeout_s,
@@ -572,7 +574,10 @@ class Batcher:
         self._ask_totals(client)
         self._read_hub(client, 0)
         self._overdue()
-        self._prefill_one(client)
+        if self._new:
+            others = any(s.decoding for s in self._slots.values())
+            if self._share.due(others, any(s.ready for s in self._slots.values())):
+                self._prefill_one(client, others)
         if client is not None:
             self._take_up_trees(client)
         work = [s for s in self._slots.values() if s.ready]
@@ -581,7 +586,7 @@ class Batcher:
             work = self._coalesce(client, work, waiting)
         if work:
             self._pass(work)
-        elif waiting:
+        elif waiting and not self._new:
             self._read_hub(client, 0.002)
         elif not self._new:
             self._wake.wait(0.05)
@@ -610,8 +615,7 @@ class Batcher:
             except queue.Empty:
                 break
             slot = Slot(req=req, stats=GenerationStats(started_at=time.time(),
-                                                       threads=torch.get_num_threads()),
-                        prefill_left=len(req.prompt))
+                                                       threads=torch.get_num_threads()))
             self._slots[req.rid] = slot
             self._new.append(slot)
             if log.isEnabledFor(logging.DEBUG):
@@ -626,34 +630,31 @@ class Batcher:
             if slot is not None:
                 self._release(slot)
 
-    def _prefill_one(self, client: HubClient | None) -> None:
-        """One chunk of a new prompt (``PrefillTurns`` says whose); when it is the last,
-        the request starts decoding and OPENs its hub session."""
-        if not self._new:
-            return
-        slot = self._turns.pick(self._new, lambda s: s.prefill_left)
+    def _prefill_one(self, client: HubClient | None, others: bool) -> None:
+        """A slice of a new prompt's prefill (``PrefillTurns`` says whose: a layer while
+        ``others`` decode, more while none does); when it ends the prompt, the request
+        starts decoding and OPENs its hub session."""
+        slot = self._turns.pick(self._new, lambda s: s.prefill.left if s.prefill is not None
+                                else len(s.req.prompt))
         req = slot.req
         start = time.perf_counter()
         if client is not None and client.sock.closed:  # dropped earlier in this turn
             client = None
-        size = self.chunks.now(alone=len(self._slots) == 1)
-        fresh = slot.prefill is None
-        if fresh:
+        if slot.prefill is None:
             layers = list(self.link.card.feature_layers) if client is not None else []
-            slot.prefill = self.engine.open_chunks(req.rid, req.prompt, size,
+            slot.prefill = self.engine.open_chunks(req.rid, req.prompt, self.prefill_chunk,
                                                    req.sampling, req.seed, layers,
                                                    req.logprobs, req.echo)
             slot.client, slot.history = client, [] if client is not None else None
             if client is None and self.link is not None:
                 slot.stats.note = self.link.note  # why it decodes with no hub
-        self.stats.prefill_chunks += 1
-        done = prefill_step(slot.prefill, None if fresh else size)
-        took = time.perf_counter() - start
+        chunks = slot.prefill.chunks
+        done = slot.prefill.run(PrefillShare.slice_s(others))
+        self.stats.prefill_chunks += slot.prefill.chunks - chunks
+        self._share.ran(start)
+        took = self._share.took
         slot.stats.prefill_s += took
         self._busy_s += took
-        fed = min(size, slot.prefill_left)
-        slot.prefill_left -= fed
-        self.chunks.observe(fed, size, took, self.pass_s)
         if done is None:
             return
         first, feats = done

@@ -14,7 +14,6 @@ serving star target (``targets.batcher``) for its requests in flight.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
 
 import torch
 from transformers import PreTrainedModel
@@ -23,6 +22,7 @@ from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.cost import BatchStats
 from targets.forward import ALL, Row
+from targets.prefill import CHUNK, ChunkedPrefill
 from targets.verify import TargetModel, Verdict, decoder_pass
 
 
@@ -60,16 +60,6 @@ def kv_bytes_per_token(model: PreTrainedModel) -> int:
     return decoder_pass(model).token_bytes
 
 
-def prefill_step(chunks: Generator, size: int | None = None):
-    """Run one chunk of an ``open_chunks`` prefill (``size``: the chunks' new size; None for
-    the first chunk): None while chunks are left, then what the generator returned."""
-    try:
-        chunks.send(size)
-    except StopIteration as stop:
-        return stop.value
-    return None
-
-
 class VerifyEngine:
     """Sessions over one loaded model, verified alone or many per forward pass."""
 
@@ -94,20 +84,20 @@ class VerifyEngine:
         self.sessions[sid] = target
         return first, feats
 
-    def open_chunks(self, sid: int, prompt: list[int], chunk: int,
+    def open_chunks(self, sid: int, prompt: list[int], chunk: int = CHUNK,
                     sampling: Sampling = Sampling(), seed: int = 0,
                     feature_layers: list[int] | None = None, logprobs: int | None = None,
-                    echo: bool = False
-                    ) -> Generator[None, None, tuple[int, torch.Tensor | None]]:
-        """``open``, ``chunk`` prompt tokens a step of the returned generator, so that a long
-        prompt's prefill can alternate with other sessions' passes (``send`` a number to
-        change the size of the chunks that follow). The session is not to be verified
-        before the generator has returned. ``logprobs``, ``echo``: see ``TargetModel``."""
+                    echo: bool = False) -> ChunkedPrefill[tuple[int, torch.Tensor | None]]:
+        """``open``, run a slice at a time (``ChunkedPrefill.run``: ``chunk`` prompt tokens a
+        pass, each pass paused between layers), so that a long prompt's prefill can
+        alternate with other sessions' passes. The session is not to be verified before the
+        prefill is done. ``logprobs``, ``echo``: see ``TargetModel``."""
         if sid in self.sessions:
             raise KeyError(f"session {sid} is already open")
         target = TargetModel(self.model, sampling, seed, feature_layers, logprobs, echo)
         self.sessions[sid] = target
-        return target.prefill_chunks(list(prompt), chunk)
+        return ChunkedPrefill(target.prefill_chunks(list(prompt), chunk or CHUNK),
+                              len(prompt))
 
     def close(self, sid: int) -> None:
         self.sessions.pop(sid, None)

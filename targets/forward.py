@@ -18,7 +18,9 @@ grouped differently by the kernel (logits within about 1e-6).
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -30,6 +32,8 @@ from targets.kv import SessionKV
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 """Model types whose decoder layers this pass runs: pre-norm attention with rotary
 positions and a gated MLP, every layer attending to the whole context."""
+
+T = TypeVar("T")
 
 ALL, LAST, NONE = "all", "last", "none"
 """Which of a row's positions get logits."""
@@ -57,6 +61,15 @@ class RowOut:
     logits: torch.Tensor | None
     """``[k, vocab]`` for the positions the row asked for."""
     features: torch.Tensor | None
+
+
+def run_through(steps: Generator[object, None, T]) -> T:
+    """What a generator returns, once run to its end."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 
 def norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -119,8 +132,14 @@ class DecoderPass:
         mask[:, :, cached:].masked_fill_(~new, float("-inf"))
         return mask.view(1, 1, self.groups * n, cached + n), False
 
-    @torch.inference_mode()
     def __call__(self, rows: list[Row]) -> list[RowOut]:
+        return run_through(self.layer_by_layer(rows))
+
+    @torch.inference_mode()  # around each resumption of the generator
+    def layer_by_layer(self, rows: list[Row]) -> Generator[None, None, list[RowOut]]:
+        """The pass, paused after each decoder layer (a ``yield``), so that a caller can run
+        other passes in between (over other sessions: this one's rows are written as the
+        layers run); returns what ``__call__`` returns."""
         model = self.model.model
         sizes = [len(row.ids) for row in rows]
         starts = [sum(sizes[:i]) for i in range(len(rows))]
@@ -147,6 +166,7 @@ class DecoderPass:
             x = x + layer.mlp(norm(layer.post_attention_layernorm, x))
             if li + 1 in wanted:
                 hidden[li + 1] = x
+            yield
         top = len(self.layers)
         if top in wanted:  # transformers gives the last layer's output normed
             hidden[top] = norm(model.norm, x)

@@ -61,8 +61,8 @@ from targets.acceptance import Sampling
 from targets.card import feature_dtype, measure_step, on_wire, target_card
 from targets.cohort import hold_until
 from targets.cost import PassCost
-from targets.engine import VerifyEngine, measure_budget, prefill_step
-from targets.prefill import ChunkSize, PrefillTurns
+from targets.engine import VerifyEngine, measure_budget
+from targets.prefill import PrefillShare, PrefillTurns
 from targets.schedule import Scheduler, Waiting
 from targets.verifier_state import (
     DrafterPeer,
@@ -110,12 +110,12 @@ class Verifier(Server):
         self.observers = Observers()
         self.pending: dict[int, Pending] = {}
         self.prefills: dict[int, Prefill] = {}
-        """OPENs whose prompts are being prefilled, a chunk between two passes, in the
+        """OPENs whose prompts are being prefilled, a slice between two passes, in the
         order they came."""
         self.turns = PrefillTurns()
-        """Which OPEN's prompt the next chunk goes to (``prefill_step``)."""
-        self.chunks = ChunkSize(config.prefill_chunk)
-        """How many prompt tokens the next prefill chunk takes."""
+        """Which OPEN's prompt the next slice goes to (``prefill_step``)."""
+        self.share = PrefillShare()
+        """When a slice runs while other sessions have rows to verify."""
         self.model_thread = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="verifier-engine",
             initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
@@ -153,11 +153,13 @@ class Verifier(Server):
 
     async def passes(self, sock: zmq.asyncio.Socket) -> None:
         """Verify what is waiting, one pass at a time; each pass starts with every message
-        that arrived during the last one. Between two passes, one chunk of a prompt is
-        prefilled, so that a long prompt holds the others up by about a pass at a time."""
+        that arrived during the last one. Between two passes, a slice of a prompt's
+        prefill runs (``targets.prefill``), so that a long prompt holds the others up by
+        about a layer of a chunk's pass at a time."""
         while True:
             await self.receive_ready(sock, RECEIVE_BATCH)
-            if self.prefills:
+            if self.prefills and self.share.due(bool(self.scheduler.sessions),
+                                                bool(self.pending)):
                 await self.prefill_step()
                 await self.receive_ready(sock, RECEIVE_BATCH)
             if not self.pending:
@@ -259,41 +261,35 @@ class Verifier(Server):
         check_ids(msg.tokens, self.card.vocab_size, msg)
         prompt = msg.tokens.tolist()
         tag = self.table.new_tag()
-        size = self._chunk_now(identity)
         sampling = Sampling(msg.temperature, msg.top_p)
-        chunks = self.engine.open_chunks(tag, prompt, size, sampling, msg.seed,
-                                         list(peer.card.feature_layers))
+        chunks = self.engine.open_chunks(tag, prompt, self.config.prefill_chunk, sampling,
+                                         msg.seed, list(peer.card.feature_layers))
         now = time.monotonic()
         # busy while prefilling: it does not expire, and it holds its budget from now on
         self.table.add(EdgeSession(tag=tag, owner=identity, greedy=sampling.greedy,
                                    opened_at=now, last_seen=now, busy=True), len(prompt) + 1,
                        self.held_bytes(len(prompt) + 1))
-        self.prefills[tag] = Prefill(identity, msg.ref, prompt, chunks, msg.target_tok_s,
-                                     len(prompt), size)
+        self.prefills[tag] = Prefill(identity, msg.ref, prompt, chunks, msg.target_tok_s)
 
     async def prefill_step(self) -> None:
-        """One chunk of a prompt (``PrefillTurns`` says whose), its OPENED once it is
-        done."""
-        tag = self.turns.pick(list(self.prefills), lambda t: self.prefills[t].left)
+        """A slice of a prompt's prefill (``PrefillTurns`` says whose: a layer while other
+        sessions decode), its OPENED once the prompt is done."""
+        tag = self.turns.pick(list(self.prefills), lambda t: self.prefills[t].chunks.left)
         job = self.prefills[tag]
-        first = job.left == len(job.prompt)
-        size = job.size if first else self._chunk_now()  # the first one's was set at OPEN
+        chunks = job.chunks.chunks
         started = time.perf_counter()
         try:
-            done = await self.on_engine([tag], prefill_step, job.chunks,
-                                        None if first else size)
+            done = await self.on_engine([tag], job.chunks.run,
+                                        PrefillShare.slice_s(bool(self.scheduler.sessions)))
         except Exception:
             log.exception("prefilling a %d-token prompt failed", len(job.prompt))
             self.close(tag)
             self.reply(job.identity, Error(ref=job.ref, code=int(ErrorCode.INTERNAL),
                                            message="prefill failed; see the verifier log"))
             return
-        took = time.perf_counter() - started
-        self.stats.prefill_s += took
-        self.stats.prefill_chunks += 1
-        fed = job.left if done is not None else min(job.left, size)
-        job.left -= fed
-        self.chunks.observe(fed, size, took, self.scheduler.pass_s or self.step_s)
+        self.share.ran(started)
+        self.stats.prefill_s += self.share.took
+        self.stats.prefill_chunks += job.chunks.chunks - chunks
         if done is None or tag not in self.prefills:  # not done, or closed meanwhile
             return
         del self.prefills[tag]
@@ -308,14 +304,6 @@ class Verifier(Server):
             budget=self.scheduler.nodes_for(tag),
             tokens=torch.tensor([*job.prompt, first], dtype=torch.int32),
             features=on_wire(feats, self.feature_dtype)))
-
-    def _chunk_now(self, opening: bytes = b"") -> int:
-        """The next prefill chunk's tokens: about a pass's worth while another drafter may
-        wait for passes (one between two prompts too), the most while every drafter the
-        verifier knows is waiting for its own prefill (``opening``: one whose OPEN came)."""
-        alone = set(self.table.peers) <= {opening,
-                                          *(job.identity for job in self.prefills.values())}
-        return self.chunks.now(alone)
 
     def handle_propose(self, identity: bytes, msg: Propose) -> None:
         session = self.table.get(msg.tag, identity)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +15,7 @@ from starhub.server.sessions import Peer, Session
 from starhub.wire.messages import DrafterCard
 from starhub.wire.security import ServerSecurity
 from starhub.wire.tree import DraftTree
+from targets.prefill import ChunkedPrefill
 from targets.schedule import Waiting
 
 
@@ -42,7 +42,7 @@ class VerifierConfig:
     gather_fraction: float = 0.5
     """How long, as a fraction of a pass, to wait for proposals about to arrive."""
     prefill_chunk: int = 0
-    """Prompt tokens prefilled between two passes; 0: as many as take about one pass."""
+    """Prompt tokens a prefill pass takes; 0: ``targets.prefill.CHUNK``."""
     security: ServerSecurity = field(default_factory=ServerSecurity)
 
     def __post_init__(self) -> None:
@@ -77,18 +77,14 @@ class DrafterPeer(Peer):
 
 @dataclass
 class Prefill:
-    """An OPEN whose prompt is being prefilled, a chunk between two passes."""
+    """An OPEN whose prompt is being prefilled, a slice between two passes."""
 
     identity: bytes
     ref: int
     prompt: list[int]
-    chunks: Generator[None, int, tuple[int, Any]]
-    """``VerifyEngine.open_chunks``: one chunk a step, then the first token and features."""
+    chunks: ChunkedPrefill[tuple[int, Any]]
+    """``VerifyEngine.open_chunks``: a slice a step, then the first token and features."""
     target_tok_s: float
-    left: int
-    """Prompt tokens not yet prefilled."""
-    size: int
-    """The first chunk's size, fixed when the OPEN came."""
 
 
 @dataclass

@@ -150,28 +150,24 @@ class TargetModel:
             self.first_logprob = token_logprobs(logits, [self.last], self.logprobs)[0]
 
     def prefill_chunks(self, prompt: list[int], chunk: int
-                       ) -> Generator[None, None, tuple[int, torch.Tensor | None]]:
-        """``prefill``, ``chunk`` tokens a forward pass: yields between passes, so that a
-        caller can run other work between them; returns what ``prefill`` returns. A caller
-        that ``send``s a number sets the size of the chunks that follow. Only the last
-        chunk computes logits, of its last token."""
-        if len(prompt) <= chunk:
-            return self.prefill(prompt)
+                       ) -> Generator[int | None, None, tuple[int, torch.Tensor | None]]:
+        """``prefill``, ``chunk`` tokens a forward pass, paused so that a caller can run
+        other sessions' passes in between: after each decoder layer (yields None) and at
+        each chunk's end (yields the prompt tokens cached so far); returns what ``prefill``
+        returns. Only the last chunk computes logits, of its last token."""
         self.kv.reserve(len(prompt) + HEADROOM)
         feats = []
-        start = 0
-        while True:
-            part = list(prompt[start:start + chunk])
-            begin, start = start, start + len(part)
-            done = start >= len(prompt)
-            out = self._run(Row(self.kv, part, logits=ALL if self.echo else
-                                LAST if done else NONE, features=self.feature_layers))
+        for begin in range(0, len(prompt), chunk):
+            part = list(prompt[begin:begin + chunk])
+            done = begin + len(part) == len(prompt)
+            (out,) = yield from self.runner.layer_by_layer([Row(
+                self.kv, part, logits=ALL if self.echo else LAST if done else NONE,
+                features=self.feature_layers)])
             self._echo(prompt, begin, out.logits)
             if out.features is not None:
                 feats.append(out.features)
-            if done:
-                break
-            chunk = (yield) or chunk
+            if not done:
+                yield begin + len(part)
         self.last = self.next_token(out.logits[-1], len(prompt))
         self._first_logprob(out.logits[-1:])
         return self.last, torch.cat(feats) if feats else None

@@ -14,6 +14,7 @@ from starhub.drafters.base import DraftContext, TreeShape
 from starhub.drafters.model import ModelDrafter
 from targets.acceptance import Sampling
 from targets.engine import VerifyEngine
+from targets.forward import run_through
 from targets.verify import TargetModel
 
 PROMPTS = [[1, 5, 9, 14, 3], list(range(20, 43)), [7, 7, 8]]
@@ -108,10 +109,10 @@ def test_a_prefill_computes_the_logits_of_its_last_token_only(tiny_model):
     engine = VerifyEngine(model)
     try:
         chunks = engine.open_chunks(0, prompt, 64)
-        with pytest.raises(StopIteration) as done:
-            while True:
-                next(chunks)
-        first, _ = done.value.value
+        while chunks.run() is None:
+            pass
+        first, _ = chunks.result
+        assert chunks.chunks == 5
         alone, _ = engine.open(1, prompt[:50])
     finally:
         hook.remove()
@@ -219,12 +220,7 @@ def test_prompt_logprobs_are_the_same_prefilled_whole_or_in_chunks(tiny_model):
     whole = TargetModel(model, logprobs=2, echo=True)
     first = whole.prefill(prompt)[0]
     chunked = TargetModel(model, logprobs=2, echo=True)
-    chunks = chunked.prefill_chunks(prompt, 8)
-    try:
-        while True:
-            next(chunks)
-    except StopIteration as done:
-        assert done.value[0] == first
+    assert run_through(chunked.prefill_chunks(prompt, 8))[0] == first
     assert whole.prompt_logprobs[0] is None and chunked.prompt_logprobs[0] is None
     assert len(whole.prompt_logprobs) == len(chunked.prompt_logprobs) == len(prompt)
     with torch.no_grad():

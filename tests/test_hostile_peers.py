@@ -164,7 +164,7 @@ def test_a_long_prompt_is_prefilled_between_the_passes_of_other_sessions(tiny_mo
 
 def test_drafters_that_keep_opening_short_prompts_cannot_hold_a_long_one_up(tiny_model):
     """Short prompts go first, but not always: while one is always waiting for its prefill,
-    the long prompt still gets every other chunk and its OPENED comes."""
+    the long prompt still gets every other slice and its OPENED comes."""
     long_drafter, short_drafter = b"long", b"short"
     harness = VerifierHarness(*tiny_model, prefill_chunk=32)
     v = harness.verifier
@@ -174,7 +174,7 @@ def test_drafters_that_keep_opening_short_prompts_cannot_hold_a_long_one_up(tiny
     v.on_frames(long_drafter, wire(Open(ref=1, prompt_len=320, tokens=long_prompt)))
     (long_tag,) = v.prefills
     opened = 0
-    for ref in range(2, 40):
+    for ref in range(2, 2000):
         if long_tag not in v.prefills:
             break
         if len(v.prefills) < 2:  # a short prompt always waits beside the long one

@@ -426,6 +426,37 @@ def test_a_request_in_flight_equals_itself_only_and_prints_without_its_features(
     assert len(repr(long)) == len(repr(other)) and "tensor" not in repr(long)
 
 
+def test_a_decoding_request_steps_between_the_layers_of_a_long_prompts_prefill(tiny_model):
+    """A long prompt prefilled as one chunk does not hold a decoding request up for that
+    whole pass: the request's one-token passes run between the chunk's decoder layers, and
+    both outputs are the target's own."""
+    model, tokenizer = tiny_model
+    calls: list[int] = []  # the tokens each decoder layer's call ran, in order
+    hooks = [layer.mlp.register_forward_hook(lambda _, args, out: calls.append(args[0].shape[1]))
+             for layer in model.model.layers]
+    heard: list[tuple[str, Event]] = []
+    batcher = Batcher(model, tokenizer, prefill_chunk=512)
+    long, short = [(7 * i) % 900 + 3 for i in range(400)], [5, 6, 7]
+    batcher.start()
+    try:
+        batcher.submit(Request(prompt=short, max_tokens=200,
+                               sink=lambda e: heard.append(("short", e))))
+        assert wait_until(lambda: any(who == "short" for who, _ in heard), 30)
+        batcher.submit(Request(prompt=long, max_tokens=2,
+                               sink=lambda e: heard.append(("long", e))))
+        assert wait_until(lambda: sum(e.done != "" for _, e in heard) == 2, 60)
+    finally:
+        batcher.stop()
+        for hook in hooks:
+            hook.remove()
+    chunk = [i for i, n in enumerate(calls) if n == len(long)]
+    assert len(chunk) == len(model.model.layers) > 1
+    assert calls[chunk[0]:chunk[-1]].count(1) > 0, "no step ran inside the chunk's pass"
+    for name, ids, new in (("long", long, 2), ("short", short, 200)):
+        got = [t for who, e in heard if who == name for t in e.tokens]
+        assert got == reference(model, ids, new)[:len(got)] and len(got) > 0
+
+
 def test_a_short_prompt_is_not_prefilled_behind_a_whole_long_one(tiny_model):
     """Chunks go in turn to the prompt with the fewest tokens left and to the oldest: a
     short prompt queued just after a ten-chunk one has its first token after two chunks,

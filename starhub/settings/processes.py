@@ -339,9 +339,9 @@ class ServeSettings(ClientKeys, SharedCoresField, WeightFields):
     max_concurrency: Positive = Field(16, description="requests in flight at once; past it, "
                                                       "429 with Retry-After")
     prefill_chunk: Count = Field(
-        0, description="prompt tokens per prefill pass: a long prompt alternates with the "
-        "other requests' passes chunk by chunk. 0 (default): about one pass's worth while "
-        "other requests are in, 256 while none is")
+        0, description="prompt tokens per prefill pass; each pass pauses between layers "
+        "for the other requests' passes, so a long prompt holds them up by about one layer. "
+        "0 (default): 256")
     speculate: Speculate = Field(
         Speculate.AUTO, description="auto (default): a request that would decode alone uses "
         "the hub, whose control plane judges each round; one that joins other requests uses "
