@@ -14,9 +14,15 @@ checks one more request against generate().
 prefills: the short request's time beside it against its time alone (both outputs equal to
 generate()).
 
+``big``: huge prompts (4 MB, refused by their length before tokenizing, and 600 KB, which
+is tokenized before its token count refuses it), completions and chat, while a poller
+times ``/health`` every 20 ms: the statuses, the slowest ``/health``, and the server's RSS
+before and after.
+
     python -m bench.serve_checks burst --prompts 8 --max-tokens 64
     python -m bench.serve_checks load --requests 1000 --concurrency 8 --abandon 0.33
     python -m bench.serve_checks fair --long-tokens 8150 --after 3
+    python -m bench.serve_checks big --megabytes 4
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -245,15 +252,67 @@ def fair(args: argparse.Namespace) -> dict:
             all(out == expected[1] for out, _ in alone)}
 
 
+def post_status(url: str, body: dict) -> int:
+    """The HTTP status of a JSON POST."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def big(args: argparse.Namespace) -> dict:
+    stack = Stack(args.threads)
+    slowest, stop = [0.0], threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            start = time.perf_counter()
+            with urllib.request.urlopen(stack.server.url + "/health", timeout=30):
+                pass
+            slowest[0] = max(slowest[0], time.perf_counter() - start)
+            stop.wait(0.02)
+
+    statuses = {}
+    try:
+        stack.api.completions.create(model=DEFAULT_NAME, prompt="Hi", max_tokens=4)  # warm-up
+        time.sleep(1)
+        before = stack.rss_mb()
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        for size in (args.megabytes * 2 ** 20, 600 * 2 ** 10):
+            text = "hello " * (int(size) // 6)
+            label = f"{len(text) / 2 ** 20:.2f} MB"
+            statuses[f"completions {label}"] = post_status(
+                stack.server.url + "/v1/completions",
+                {"model": DEFAULT_NAME, "prompt": text, "max_tokens": 4})
+            statuses[f"chat {label}"] = post_status(
+                stack.server.url + "/v1/chat/completions",
+                {"model": DEFAULT_NAME, "max_tokens": 4,
+                 "messages": [{"role": "user", "content": text}]})
+        time.sleep(1)
+        stop.set()
+        poller.join()
+        after = stack.rss_mb()
+    finally:
+        stop.set()
+        stack.close()
+    return {"check": "big", "statuses": statuses, "health_max_ms": round(1e3 * slowest[0], 1),
+            "rss_before_mb": round(before, 1), "rss_after_mb": round(after, 1),
+            "rss_growth_mb": round(after - before, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.serve_checks",
                                      description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="check", required=True)
-    for name in ("burst", "load", "fair"):
+    for name in ("burst", "load", "fair", "big"):
         p = sub.add_parser(name)
         p.add_argument("--prompt-file", default=str(DEFAULT_PROMPTS))
         p.add_argument("--max-tokens", type=int,
-                       default={"burst": 64, "load": 16, "fair": 30}[name])
+                       default={"burst": 64, "load": 16, "fair": 30, "big": 4}[name])
         p.add_argument("--threads", default="auto",
                        help="torch threads of the server (auto: every usable core); the hub "
                             "drafts with its default 1")
@@ -271,12 +330,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--short-tokens", type=int, default=48)
     p.add_argument("--after", type=float, default=3.0,
                    help="seconds between the long request and the short one")
+    sub.choices["big"].add_argument("--megabytes", type=float, default=4.0)
     args = parser.parse_args(argv)
     args.threads = resolve_threads(args.threads)
     torch.set_num_threads(args.threads)
     print(f"# {cpu_model()}; server torch threads={args.threads}, hub threads=1",
           file=sys.stderr)
-    result = {"burst": burst, "load": load, "fair": fair}[args.check](args)
+    result = {"burst": burst, "load": load, "fair": fair, "big": big}[args.check](args)
     print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in
                                                           result.items()))
     return 0

@@ -7,10 +7,10 @@ One engine thread owns the model, the engine and the hub connection. Each turn o
 
 1. takes in new requests and drops cancelled ones (their hub session is CLOSEd at once);
 2. runs a slice of a new prompt's prefill (``targets.prefill``: the shortest and the
-   oldest prompt in turn; one decoder layer, while other requests decode, whenever none
-   of them has a pass to run, and at least a quarter of the time); a finished prefill
+   oldest prompt in turn; while other requests decode, one decoder layer whenever none
+   of them has a pass to run, and otherwise a share of the time); a finished prefill
    emits the first token and OPENs the request's hub session, so a long prompt never
-   holds the others up for more than a layer of a chunk's pass; where plain
+   holds the others up for more than a slice (one layer, or up to 50 ms); where plain
    batching serves the batch faster (``gate``), the batch decodes plain instead, and its
    requests open hub sessions when a later verdict says trees (a newcomer's, or one on the
    rows a finished request leaves), carrying what they decoded meanwhile. A request
@@ -575,9 +575,11 @@ class Batcher:
         self._read_hub(client, 0)
         self._overdue()
         if self._new:
-            others = any(s.decoding for s in self._slots.values())
-            if self._share.due(others, any(s.ready for s in self._slots.values())):
-                self._prefill_one(client, others)
+            slice_s = self._share.next_slice(any(s.decoding for s in self._slots.values()),
+                                             any(s.ready for s in self._slots.values()),
+                                             min(map(_left, self._new)))
+            if slice_s is not None:
+                self._prefill_one(client, slice_s)
         if client is not None:
             self._take_up_trees(client)
         work = [s for s in self._slots.values() if s.ready]
@@ -630,12 +632,11 @@ class Batcher:
             if slot is not None:
                 self._release(slot)
 
-    def _prefill_one(self, client: HubClient | None, others: bool) -> None:
-        """A slice of a new prompt's prefill (``PrefillTurns`` says whose: a layer while
-        ``others`` decode, more while none does); when it ends the prompt, the request
-        starts decoding and OPENs its hub session."""
-        slot = self._turns.pick(self._new, lambda s: s.prefill.left if s.prefill is not None
-                                else len(s.req.prompt))
+    def _prefill_one(self, client: HubClient | None, slice_s: float) -> None:
+        """A slice of a new prompt's prefill (``PrefillTurns`` says whose; ``slice_s``:
+        ``PrefillShare``); when it ends the prompt, the request starts decoding and OPENs
+        its hub session."""
+        slot = self._turns.pick(self._new, _left)
         req = slot.req
         start = time.perf_counter()
         if client is not None and client.sock.closed:  # dropped earlier in this turn
@@ -649,7 +650,7 @@ class Batcher:
             if client is None and self.link is not None:
                 slot.stats.note = self.link.note  # why it decodes with no hub
         chunks = slot.prefill.chunks
-        done = slot.prefill.run(PrefillShare.slice_s(others))
+        done = slot.prefill.run(slice_s)
         self.stats.prefill_chunks += slot.prefill.chunks - chunks
         self._share.ran(start)
         took = self._share.took
@@ -1019,6 +1020,11 @@ class Batcher:
         before = self._phases.pop(slot.req.rid, None)
         if before is not None:
             log.debug("%s: request %d: %s -> DONE", self.name, slot.req.rid, before.name)
+
+
+def _left(slot: Slot) -> int:
+    """Prompt tokens a request has left to prefill."""
+    return slot.prefill.left if slot.prefill is not None else len(slot.req.prompt)
 
 
 def _answer(question: Future, value: object) -> None:

@@ -10,9 +10,12 @@ by about one layer of one chunk, not by a chunk or the whole prompt.
 
 Turns go to the prompt with the fewest tokens left, so that a short prompt is not queued
 behind a long one, and to the oldest, in turn, so that a stream of short prompts cannot
-hold a long one up for ever. While other sessions decode, a slice runs when none of them
-has a pass to run (the hub is drafting their trees), and otherwise once their passes since
-the last slice have taken ``1 / SHARE - 1`` times as long as it did."""
+hold a long one up for ever. While other sessions decode, a slice of one layer runs when
+none of them has a pass to run (the hub is drafting their trees); while they have passes
+to run, the prefill gets a share of the time (``SHARE``): half while a short prompt waits,
+so that it joins the batch soon, and a quarter while only long ones do, so that one long
+prompt cannot double every other request's token time (vLLM's long-prefill threshold is
+the same idea)."""
 
 from __future__ import annotations
 
@@ -27,13 +30,16 @@ CHUNK = 256
 """Prompt tokens a chunk takes, unless set."""
 
 SLICE_S = 0.05
-"""How long a slice of a prefill runs while no other session decodes (at most a chunk):
-long enough that the turns between slices cost nothing, short enough that a request that
-comes meanwhile is taken in soon."""
+"""How long a slice of a prefill runs at most (and at most to a chunk's end): long enough
+that the turns between slices cost nothing, short enough that a request that comes
+meanwhile is taken in soon and one that decodes is held up little."""
 
-SHARE = 0.25
-"""The least share of the engine's time a prefill gets while other sessions' passes are
-ready one after another."""
+LONG = 2 * CHUNK
+"""A prompt with more tokens than this left to prefill is a long one."""
+
+SHARE = {"short": 0.5, "long": 0.25}
+"""The share of the engine's time a prefill gets while other sessions' passes are ready
+one after another: while a short prompt waits, and while only long ones do."""
 
 
 class ChunkedPrefill(Generic[R]):
@@ -90,7 +96,7 @@ class PrefillTurns:
 
 
 class PrefillShare:
-    """When a slice of a prefill is due, and how long it runs."""
+    """When a slice of a prefill runs, and for how long."""
 
     def __init__(self) -> None:
         self.took = 0.0
@@ -98,17 +104,23 @@ class PrefillShare:
         self.ended = 0.0
         """When it ended (``time.perf_counter``)."""
 
-    def due(self, others: bool, ready: bool) -> bool:
-        """Whether a slice runs now: ``others``, whether other sessions decode; ``ready``,
-        whether one of them has a pass to run now."""
-        if not others or not ready:
-            return True
-        return time.perf_counter() - self.ended >= self.took * (1 / SHARE - 1)
-
-    @staticmethod
-    def slice_s(others: bool) -> float:
-        """How long the slice runs: one layer while other sessions decode."""
-        return 0.0 if others else SLICE_S
+    def next_slice(self, others: bool, ready: bool, shortest: int) -> float | None:
+        """How long a slice runs now (``ChunkedPrefill.run``), or None for not now:
+        ``others``, whether other sessions decode; ``ready``, whether one of them has a pass
+        to run now; ``shortest``, the fewest tokens a waiting prompt has left. ``SLICE_S``
+        while none decodes; one layer while they wait (for the hub's trees); while they
+        have passes to run, a share of the time: once the time since the last slice is
+        ``1 / share - 1`` times what it took, as long as ``share`` of that time since, at
+        most ``SLICE_S``."""
+        if not others:
+            return SLICE_S
+        if not ready:
+            return 0.0
+        share = SHARE["short" if shortest <= LONG else "long"]
+        since = time.perf_counter() - self.ended
+        if since < self.took * (1 / share - 1):
+            return None
+        return min(SLICE_S, since * share / (1 - share))
 
     def ran(self, started: float) -> None:
         """A slice ran from ``started`` to now."""

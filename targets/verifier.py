@@ -158,9 +158,11 @@ class Verifier(Server):
         about a layer of a chunk's pass at a time."""
         while True:
             await self.receive_ready(sock, RECEIVE_BATCH)
-            if self.prefills and self.share.due(bool(self.scheduler.sessions),
-                                                bool(self.pending)):
-                await self.prefill_step()
+            slice_s = self.share.next_slice(
+                bool(self.scheduler.sessions), bool(self.pending),
+                min((job.chunks.left for job in self.prefills.values()), default=0))
+            if self.prefills and slice_s is not None:
+                await self.prefill_step(slice_s)
                 await self.receive_ready(sock, RECEIVE_BATCH)
             if not self.pending:
                 if not self.prefills:
@@ -271,16 +273,15 @@ class Verifier(Server):
                        self.held_bytes(len(prompt) + 1))
         self.prefills[tag] = Prefill(identity, msg.ref, prompt, chunks, msg.target_tok_s)
 
-    async def prefill_step(self) -> None:
-        """A slice of a prompt's prefill (``PrefillTurns`` says whose: a layer while other
-        sessions decode), its OPENED once the prompt is done."""
+    async def prefill_step(self, slice_s: float = 0.0) -> None:
+        """A slice of a prompt's prefill (``PrefillTurns`` says whose; ``slice_s``:
+        ``PrefillShare``), its OPENED once the prompt is done."""
         tag = self.turns.pick(list(self.prefills), lambda t: self.prefills[t].chunks.left)
         job = self.prefills[tag]
         chunks = job.chunks.chunks
         started = time.perf_counter()
         try:
-            done = await self.on_engine([tag], job.chunks.run,
-                                        PrefillShare.slice_s(bool(self.scheduler.sessions)))
+            done = await self.on_engine([tag], job.chunks.run, slice_s)
         except Exception:
             log.exception("prefilling a %d-token prompt failed", len(job.prompt))
             self.close(tag)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from targets.engine import VerifyEngine
-from targets.prefill import SHARE, PrefillShare
+from targets.prefill import LONG, SLICE_S, PrefillShare
 
 
 def test_a_slice_of_no_time_runs_one_decoder_layer_and_a_slice_stops_at_a_chunks_end(
@@ -29,12 +29,19 @@ def test_a_slice_of_no_time_runs_one_decoder_layer_and_a_slice_stops_at_a_chunks
     assert engine.cached(1) == engine.cached(0) == len(prompt)
 
 
-def test_a_slice_is_due_whenever_nothing_else_has_a_pass_to_run():
+def test_beside_decoding_sessions_a_prefill_gets_its_share_of_the_time():
     share = PrefillShare()
+    short, long = LONG, LONG + 1
     share.ran(time.perf_counter() - 1.0)  # a one-second slice that just ended
-    assert share.due(others=False, ready=True)
-    assert share.due(others=True, ready=False)
-    assert not share.due(others=True, ready=True), "the others' passes go first"
-    share.ended -= share.took * (1 / SHARE - 1)
-    assert share.due(others=True, ready=True), "but the prefill gets its share"
-    assert PrefillShare.slice_s(others=True) == 0.0 < PrefillShare.slice_s(others=False)
+    assert share.next_slice(False, True, long) == SLICE_S, "alone: a slice of its own"
+    assert share.next_slice(True, False, long) == 0.0, "one layer while all wait"
+    assert share.next_slice(True, True, short) is None, "the others' passes go first"
+    share.ended -= 1.0  # they have had as long as the slice took
+    assert share.next_slice(True, True, short) == SLICE_S, "half the time for a short one"
+    assert share.next_slice(True, True, long) is None, "a quarter for a long one"
+    share.ended -= 2.0
+    assert share.next_slice(True, True, long) == SLICE_S
+    share.ran(time.perf_counter() - 0.01)
+    share.ended -= 0.02
+    owed = share.next_slice(True, True, short)
+    assert owed is not None and 0.02 <= owed < SLICE_S, "as long as the others had"

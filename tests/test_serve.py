@@ -7,6 +7,7 @@ import http.client
 import json
 import queue
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -20,6 +21,7 @@ from serving import free_port, health, hub_errors, post, scrape, wait_until
 from starhub.launch.spawn import spawn_hub, spawn_serve
 from targets.batcher import Batcher, Event, Request, Slot
 from targets.generate import GenerationStats, SpeculativeGenerator
+from targets.prefill import SLICE_S
 
 PROMPTS = ["the quick brown fox", "one two three four five", "hello world, again",
            "a b c d e f g", "numbers: 1 2 3", "lorem ipsum dolor"]
@@ -432,11 +434,16 @@ def test_a_decoding_request_steps_between_the_layers_of_a_long_prompts_prefill(t
     both outputs are the target's own."""
     model, tokenizer = tiny_model
     calls: list[int] = []  # the tokens each decoder layer's call ran, in order
-    hooks = [layer.mlp.register_forward_hook(lambda _, args, out: calls.append(args[0].shape[1]))
-             for layer in model.model.layers]
+    long, short = [(7 * i) % 900 + 3 for i in range(400)], [5, 6, 7]
+
+    def timed(_, args, out) -> None:
+        calls.append(args[0].shape[1])
+        if args[0].shape[1] == len(long):  # each layer of the chunk as slow as a slice
+            time.sleep(SLICE_S)
+
+    hooks = [layer.mlp.register_forward_hook(timed) for layer in model.model.layers]
     heard: list[tuple[str, Event]] = []
     batcher = Batcher(model, tokenizer, prefill_chunk=512)
-    long, short = [(7 * i) % 900 + 3 for i in range(400)], [5, 6, 7]
     batcher.start()
     try:
         batcher.submit(Request(prompt=short, max_tokens=200,
