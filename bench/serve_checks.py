@@ -252,8 +252,8 @@ def fair(args: argparse.Namespace) -> dict:
             all(out == expected[1] for out, _ in alone)}
 
 
-def post_status(url: str, body: dict) -> int:
-    """The HTTP status of a JSON POST."""
+def post_status(url: str, body: dict) -> int | str:
+    """The HTTP status of a JSON POST (or why there was none)."""
     req = urllib.request.Request(url, json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     try:
@@ -261,6 +261,8 @@ def post_status(url: str, body: dict) -> int:
             return resp.status
     except urllib.error.HTTPError as err:
         return err.code
+    except urllib.error.URLError as err:  # closed before the whole body was sent
+        return f"no reply: {err.reason}"
 
 
 def big(args: argparse.Namespace) -> dict:
@@ -282,9 +284,9 @@ def big(args: argparse.Namespace) -> dict:
         before = stack.rss_mb()
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
-        for size in (args.megabytes * 2 ** 20, 600 * 2 ** 10):
+        for size in (args.megabytes * 1e6, 600e3):
             text = "hello " * (int(size) // 6)
-            label = f"{len(text) / 2 ** 20:.2f} MB"
+            label = f"{len(text) / 1e6:.2f} MB"
             statuses[f"completions {label}"] = post_status(
                 stack.server.url + "/v1/completions",
                 {"model": DEFAULT_NAME, "prompt": text, "max_tokens": 4})

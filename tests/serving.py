@@ -8,6 +8,8 @@ import urllib.error
 import urllib.request
 from email.message import Message
 
+import torch
+
 from bench.serve_checks import free_port, scrape  # noqa: F401  (re-exported for tests)
 from starhub.launch.status import server_health as health  # noqa: F401
 
@@ -22,6 +24,12 @@ def post(url: str, path: str, body: dict | bytes) -> tuple[int, dict, Message]:
             return resp.status, json.loads(resp.read()), resp.headers
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read()), exc.headers
+
+
+def reference(model, ids: list[int], new: int) -> list[int]:
+    """Stock transformers' greedy continuation of ``ids``."""
+    out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False)
+    return out[0, len(ids):].tolist()
 
 
 def wait_until(check, timeout_s: float = 15.0, every_s: float = 0.1):

@@ -16,7 +16,7 @@ from collections import deque
 import pytest
 import torch
 from openai import OpenAI
-from serving import free_port, health, hub_errors, post, scrape, wait_until
+from serving import free_port, health, hub_errors, post, reference, scrape, wait_until
 
 from starhub.launch.spawn import spawn_hub, spawn_serve
 from targets.batcher import Batcher, Event, Request, Slot
@@ -42,11 +42,6 @@ def stack(tiny_dir):
 
 def client(url: str) -> OpenAI:
     return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-
-
-def reference(model, ids: list[int], new: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False)
-    return out[0, len(ids):].tolist()
 
 
 def test_models_and_health_name_the_served_model(stack):

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 import uvicorn
-from serving import free_port, post, wait_until
+from serving import free_port, post, reference, scrape, wait_until
 
 from targets.batcher import Batcher
 from targets.serve import app as app_module
@@ -30,17 +30,23 @@ class QuickH11(GuardedH11):
 
 
 @contextlib.contextmanager
-def serving(tiny_model, **options):
-    """A real uvicorn server of the tiny model in this process: (its URL, its port)."""
+def serving(tiny_model, context_len: int = 256, send_buffer: int = 0, **options):
+    """A real uvicorn server of the tiny model in this process: (its URL, its port).
+    ``send_buffer``: the kernel's send buffer of each connection, in bytes (0: as the
+    kernel sizes it, up to megabytes on loopback), as a slow network would hold."""
     model, tokenizer = tiny_model
     batcher = Batcher(model, tokenizer)
-    openai = OpenAIServer(batcher, tokenizer, "tiny", CONCURRENCY, 256, **options)
-    port = free_port()
-    http = uvicorn.Server(uvicorn.Config(openai.app(), host="127.0.0.1", port=port,
-                                         log_level="warning", http=QuickH11,
+    openai = OpenAIServer(batcher, tokenizer, "tiny", CONCURRENCY, context_len, **options)
+    listener = socket.socket()
+    if send_buffer:  # accepted connections inherit it
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    http = uvicorn.Server(uvicorn.Config(openai.app(), log_level="warning", http=QuickH11,
                                          limit_concurrency=max_connections(CONCURRENCY)))
     batcher.start()
-    thread = threading.Thread(target=lambda: asyncio.run(http.serve()), daemon=True)
+    thread = threading.Thread(target=lambda: asyncio.run(http.serve([listener])),
+                              daemon=True)
     thread.start()
     assert wait_until(lambda: http.started, 30)
     try:
@@ -196,3 +202,99 @@ def test_a_failed_engine_answers_its_requests_with_a_500_and_stops_the_server(ti
     finally:
         http.should_exit = True
         batcher.stop()
+
+
+def _raw_post(port: int, body: bytes) -> int:
+    """The status of a POST of ``body`` as it is, whatever it holds."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                     % len(body) + body)
+        return int(_response(sock).split(b" ", 2)[1])
+
+
+def test_greedy_output_stays_the_targets_own_while_hostile_clients_hit_the_same_server(
+        server, tiny_model, monkeypatch):
+    """Malformed bodies, a 4 MB prompt, headers sent a byte at a time and a body that never
+    ends, all at once beside greedy requests: each hostile one is refused or closed, and
+    every greedy request gets ``generate()``'s tokens."""
+    monkeypatch.setattr(app_module, "BODY_TIMEOUT_S", 1.0)
+    url, port = server
+    model, _ = tiny_model
+    bad = [b'{"model": "tiny", "prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}",
+           b"[" * 200_000 + b"]" * 200_000, b'{"model": "\\ud800", "prompt": "a"}',
+           b'{"model": "tiny", "prompt": "a", "temperature": NaN}',
+           json.dumps({"model": "tiny", "prompt": "hello " * 650_000}).encode()]
+    statuses: list[int] = []
+    slow: list[bool] = []
+
+    def hostile() -> None:
+        for body in bad:
+            statuses.append(_raw_post(port, body))
+
+    def trickler() -> None:
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.send(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            slow.append(closed_by_server(sock, trickle=b"X-Slow: " + b"a" * 1000))
+
+    def short_body() -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.send(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: 900\r\n\r\n{")
+            slow.append(_response(sock).startswith(b"HTTP/1.1 408"))
+
+    attackers = [threading.Thread(target=f) for f in (hostile, trickler, short_body)]
+    for thread in attackers:
+        thread.start()
+    prompts = [[5, 9, 13, 17], [7, 3, 11], [21, 4, 8, 30, 2, 6]]
+    got = []
+    while any(thread.is_alive() for thread in attackers) or not got:
+        for ids in prompts:
+            code, reply, _ = post(url, "/v1/completions", {
+                "model": "tiny", "prompt": ids, "max_tokens": 12, "temperature": 0,
+                "return_token_ids": True})
+            assert code == 200, reply
+            got.append((ids, reply["choices"][0]["token_ids"]))
+    for thread in attackers:
+        thread.join(60)
+    assert statuses and all(400 <= code < 500 for code in statuses), statuses
+    assert slow == [True, True], slow
+    assert len(got) >= len(prompts)
+    for ids, tokens in got:
+        assert tokens == reference(model, ids, 12)
+
+
+def test_a_client_that_never_reads_its_stream_is_dropped_and_its_place_given_back(
+        tiny_model, monkeypatch):
+    """A streaming client that reads nothing is dropped once a write has waited
+    ``WRITE_TIMEOUT_S``: its request ends before its 2,000 tokens (about 2 MB of events
+    with their logprobs, past the buffers), and the server has room for as many others as
+    before."""
+    monkeypatch.setattr(app_module, "WRITE_TIMEOUT_S", 1.0)
+    body = json.dumps({"model": "tiny", "prompt": [5, 6], "max_tokens": 2000, "stream": True,
+                       "logprobs": 20}).encode()
+    with serving(tiny_model, context_len=2048, send_buffer=16384) as (url, port):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                     % len(body) + body)
+        with sock:
+            assert wait_until(lambda: _inflight(url) == 1, 30), "the stream never started"
+            assert wait_until(lambda: _inflight(url) == 0, 60), "the stalled stream holds on"
+            sock.settimeout(30)
+            received = b""
+            while chunk := sock.recv(1 << 16):
+                received += chunk
+        assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received, \
+            "the stream ran to its end: it was never dropped"
+        replies = [post(url, "/v1/completions", {"model": "tiny", "prompt": [5, 6],
+                                                 "max_tokens": 2})[0]
+                   for _ in range(CONCURRENCY + 1)]
+        assert replies == [200] * (CONCURRENCY + 1)
+
+
+def _inflight(url: str) -> float:
+    """Requests the server holds now (its Prometheus gauge)."""
+    return scrape(url + "/metrics").get("starhub_serve_active_sessions", -1)
