@@ -652,8 +652,7 @@ class Batcher:
         chunks = slot.prefill.chunks
         done = slot.prefill.run(slice_s)
         self.stats.prefill_chunks += slot.prefill.chunks - chunks
-        self._share.ran(start)
-        took = self._share.took
+        took = self._share.ran(start)
         slot.stats.prefill_s += took
         self._busy_s += took
         if done is None:

@@ -11,11 +11,11 @@ by about one layer of one chunk, not by a chunk or the whole prompt.
 Turns go to the prompt with the fewest tokens left, so that a short prompt is not queued
 behind a long one, and to the oldest, in turn, so that a stream of short prompts cannot
 hold a long one up for ever. While other sessions decode, a slice of one layer runs when
-none of them has a pass to run (the hub is drafting their trees); while they have passes
-to run, the prefill gets a share of the time (``SHARE``): half while a short prompt waits,
-so that it joins the batch soon, and a quarter while only long ones do, so that one long
-prompt cannot double every other request's token time (vLLM's long-prefill threshold is
-the same idea)."""
+none of them has a pass to run (the hub is drafting their trees), and the prefill gets a
+share of the time (``SHARE``, the slices in those waits included): half while a short
+prompt waits, so that it joins the batch soon, and a quarter while only long ones do, so
+that one long prompt cannot double every other request's token time (vLLM's long-prefill
+threshold is the same idea)."""
 
 from __future__ import annotations
 
@@ -96,33 +96,42 @@ class PrefillTurns:
 
 
 class PrefillShare:
-    """When a slice of a prefill runs, and for how long."""
+    """When a slice of a prefill runs, and for how long: the prefill is owed a share of
+    the time the engine spends on anything else (``SHARE`` of the whole), and every slice,
+    those that run while nothing else could too, is paid from what it is owed."""
 
     def __init__(self) -> None:
-        self.took = 0.0
-        """How long the last slice ran."""
-        self.ended = 0.0
-        """When it ended (``time.perf_counter``)."""
+        self.credit = 0.0
+        """Seconds of prefill owed when the last slice ended (negative: taken ahead),
+        within ``SLICE_S`` either way, so that neither side banks time for later."""
+        self.ended: float | None = None
+        """When the last slice ended (``time.perf_counter``)."""
+        self.share = SHARE["long"]
+        """The share the last slice was owed at."""
+
+    def owed(self, now: float) -> float:
+        """Seconds of prefill owed at ``now``."""
+        if self.ended is None:
+            return 0.0
+        return self.credit + (now - self.ended) * self.share / (1 - self.share)
 
     def next_slice(self, others: bool, ready: bool, shortest: int) -> float | None:
         """How long a slice runs now (``ChunkedPrefill.run``), or None for not now:
         ``others``, whether other sessions decode; ``ready``, whether one of them has a pass
         to run now; ``shortest``, the fewest tokens a waiting prompt has left. ``SLICE_S``
         while none decodes; one layer while they wait (for the hub's trees); while they
-        have passes to run, a share of the time: once the time since the last slice is
-        ``1 / share - 1`` times what it took, as long as ``share`` of that time since, at
-        most ``SLICE_S``."""
+        have passes to run, what the prefill is owed, at most ``SLICE_S``."""
+        self.share = SHARE["short" if shortest <= LONG else "long"]
         if not others:
             return SLICE_S
         if not ready:
             return 0.0
-        share = SHARE["short" if shortest <= LONG else "long"]
-        since = time.perf_counter() - self.ended
-        if since < self.took * (1 / share - 1):
-            return None
-        return min(SLICE_S, since * share / (1 - share))
+        owed = self.owed(time.perf_counter())
+        return min(SLICE_S, owed) if owed > 0 else None
 
-    def ran(self, started: float) -> None:
-        """A slice ran from ``started`` to now."""
-        self.ended = time.perf_counter()
-        self.took = self.ended - started
+    def ran(self, started: float) -> float:
+        """A slice ran from ``started`` to now: how long it took."""
+        now = time.perf_counter()
+        owed = self.owed(started) - (now - started)
+        self.credit, self.ended = min(SLICE_S, max(-SLICE_S, owed)), now
+        return now - started

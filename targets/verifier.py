@@ -288,8 +288,7 @@ class Verifier(Server):
             self.reply(job.identity, Error(ref=job.ref, code=int(ErrorCode.INTERNAL),
                                            message="prefill failed; see the verifier log"))
             return
-        self.share.ran(started)
-        self.stats.prefill_s += self.share.took
+        self.stats.prefill_s += self.share.ran(started)
         self.stats.prefill_chunks += job.chunks.chunks - chunks
         if done is None or tag not in self.prefills:  # not done, or closed meanwhile
             return

@@ -32,16 +32,24 @@ def test_a_slice_of_no_time_runs_one_decoder_layer_and_a_slice_stops_at_a_chunks
 def test_beside_decoding_sessions_a_prefill_gets_its_share_of_the_time():
     share = PrefillShare()
     short, long = LONG, LONG + 1
-    share.ran(time.perf_counter() - 1.0)  # a one-second slice that just ended
     assert share.next_slice(False, True, long) == SLICE_S, "alone: a slice of its own"
     assert share.next_slice(True, False, long) == 0.0, "one layer while all wait"
+    share.ran(time.perf_counter() - 0.03)  # a 30 ms slice that just ended
     assert share.next_slice(True, True, short) is None, "the others' passes go first"
-    share.ended -= 1.0  # they have had as long as the slice took
-    assert share.next_slice(True, True, short) == SLICE_S, "half the time for a short one"
-    assert share.next_slice(True, True, long) is None, "a quarter for a long one"
-    share.ended -= 2.0
-    assert share.next_slice(True, True, long) == SLICE_S
-    share.ran(time.perf_counter() - 0.01)
-    share.ended -= 0.02
+    share.ended -= 0.03  # they have had as long as the slice took since
     owed = share.next_slice(True, True, short)
-    assert owed is not None and 0.02 <= owed < SLICE_S, "as long as the others had"
+    assert owed is not None and 0 <= owed < 0.01, "a short prompt: half the time"
+    assert share.next_slice(True, True, long) is None, "a long one: a quarter"
+    share.ended -= 0.3
+    assert share.next_slice(True, True, long) == SLICE_S, "never more than a slice at once"
+
+
+def test_slices_that_run_while_nothing_else_could_count_towards_the_share():
+    share = PrefillShare()
+    share.next_slice(True, True, LONG + 1)
+    share.ran(time.perf_counter())
+    for _ in range(5):  # passes of 20 ms, each followed by a 20 ms layer in a wait
+        share.ended -= 0.04
+        share.ran(time.perf_counter() - 0.02)
+    assert share.next_slice(True, True, LONG + 1) is None, "a long prompt had its share"
+    assert share.credit == -SLICE_S, "and no more than a slice is taken ahead"
