@@ -75,7 +75,7 @@ from targets.cost import PassCost
 from targets.engine import VerifyEngine
 from targets.gate import BATCH_MARGIN, COALESCE, PRIOR_TAU, Decision, SpeculationGate
 from targets.hub_link import HubLink, check_propose
-from targets.prefill import CHUNK, ChunkedPrefill, PrefillShare, PrefillTurns
+from targets.prefill import ChunkedPrefill, PrefillShare, PrefillTurns
 from targets.stats import GenerationStats
 from targets.verify import TokenLogprob, Verdict
 
@@ -241,8 +241,8 @@ class Batcher:
         self.tokenizer = tokenizer
         self.hub = hub
         self.name = name
-        self.prefill_chunk = prefill_chunk or CHUNK
-        """Prompt tokens a prefill pass takes."""
+        self.prefill_chunk = prefill_chunk
+        """Prompt tokens a prefill pass takes (0: ``targets.prefill.CHUNK``)."""
         self._share = PrefillShare()
         """When a slice of a prefill runs while other requests decode."""
         self.decode_ahead = decode_ahead

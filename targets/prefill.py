@@ -60,10 +60,6 @@ class ChunkedPrefill(Generic[R]):
     def left(self) -> int:
         return self.tokens - self.fed
 
-    @property
-    def done(self) -> bool:
-        return self.fed == self.tokens
-
     def run(self, slice_s: float = 0.0) -> R | None:
         """Run one decoder layer, then more until ``slice_s`` seconds have passed or the
         chunk has ended; the result once the last chunk is done, else None."""

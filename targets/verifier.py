@@ -158,12 +158,13 @@ class Verifier(Server):
         about a layer of a chunk's pass at a time."""
         while True:
             await self.receive_ready(sock, RECEIVE_BATCH)
-            slice_s = self.share.next_slice(
-                bool(self.scheduler.sessions), bool(self.pending),
-                min((job.chunks.left for job in self.prefills.values()), default=0))
-            if self.prefills and slice_s is not None:
-                await self.prefill_step(slice_s)
-                await self.receive_ready(sock, RECEIVE_BATCH)
+            if self.prefills:
+                slice_s = self.share.next_slice(
+                    bool(self.scheduler.sessions), bool(self.pending),
+                    min(job.chunks.left for job in self.prefills.values()))
+                if slice_s is not None:
+                    await self.prefill_step(slice_s)
+                    await self.receive_ready(sock, RECEIVE_BATCH)
             if not self.pending:
                 if not self.prefills:
                     self.arrived.clear()
