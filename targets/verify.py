@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 from starhub.models.coupling import sample_at
 from starhub.wire.tree import DraftTree, ancestor_mask, depths
 from targets.acceptance import Sampling, accept_greedy, accept_sampled, target_probs
-from targets.forward import ALL, LAST, NONE, DecoderPass, Row, RowOut
+from targets.forward import ALL, LAST, NONE, DecoderPass, Row, RowOut, run_through
 
 HEADROOM = 256
 """Cache entries a session is given beyond its prompt at prefill."""
@@ -126,14 +126,9 @@ class TargetModel:
         return sample_at(target_probs(logits.float().cpu(), self.sampling), self.seed, index)
 
     def prefill(self, prompt: list[int]) -> tuple[int, torch.Tensor | None]:
-        """Process the prompt; return the first generated token and the prompt's features."""
-        self.kv.reserve(len(prompt) + HEADROOM)
-        out = self._run(Row(self.kv, list(prompt), logits=ALL if self.echo else LAST,
-                            features=self.feature_layers))
-        self._echo(prompt, 0, out.logits)
-        self.last = self.next_token(out.logits[-1], len(prompt))
-        self._first_logprob(out.logits[-1:])
-        return self.last, out.features
+        """Process the prompt in one pass; return the first generated token and the prompt's
+        features."""
+        return run_through(self.prefill_chunks(prompt, len(prompt)))
 
     def _echo(self, prompt: list[int], start: int, logits: torch.Tensor) -> None:
         """The log-probabilities of the prompt tokens that the rows of a chunk beginning at
@@ -170,7 +165,8 @@ class TargetModel:
                 yield begin + len(part)
         self.last = self.next_token(out.logits[-1], len(prompt))
         self._first_logprob(out.logits[-1:])
-        return self.last, torch.cat(feats) if feats else None
+        return self.last, None if not feats else feats[0] if len(feats) == 1 else \
+            torch.cat(feats)
 
     def step(self) -> int:
         """One plain autoregressive step, for decoding without a hub."""
