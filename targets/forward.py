@@ -163,7 +163,7 @@ class DecoderPass:
                 rotary = tuple(t.to(x.device) for t in rotary)
             x = x + self._attention(li, layer, norm(layer.input_layernorm, x), rotary, rows,
                                     sizes, starts, masks, total)
-            x = x + layer.mlp(norm(layer.post_attention_layernorm, x))
+            x = x + self._mlp(layer.mlp, norm(layer.post_attention_layernorm, x))
             if li + 1 in wanted:
                 hidden[li + 1] = x
             yield
@@ -178,10 +178,14 @@ class DecoderPass:
                    sizes: list[int], starts: list[int], masks, total: int) -> torch.Tensor:
         attn = layer.self_attn
         shape = (1, total, -1, self.head_dim)
-        q, k = attn.q_proj(h).view(shape), attn.k_proj(h).view(shape)
+        if hasattr(attn, "qkv_proj"):  # one product (``starhub.models.fused``)
+            q, k, v = attn.qkv_proj(h)
+        else:
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        q, k = q.view(shape), k.view(shape)
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head's queries and keys
             q, k = attn.q_norm(q), attn.k_norm(k)
-        v = attn.v_proj(h).view(shape).transpose(1, 2)
+        v = v.view(shape).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rotary)
         out = h.new_empty(total, self.heads, self.head_dim)
         for row, n, s, (mask, causal) in zip(rows, sizes, starts, masks, strict=True):
@@ -197,6 +201,14 @@ class DecoderPass:
                            scale=attn.scaling)
                 out[s:s + n] = got.view(self.heads, n, self.head_dim).transpose(0, 1)
         return attn.o_proj(out.view(1, total, -1))
+
+    @staticmethod
+    def _mlp(mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """The gated MLP, its gate and up projections as one product where they are fused."""
+        if not hasattr(mlp, "gate_up_proj"):
+            return mlp(h)
+        gate, up = mlp.gate_up_proj(h)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
 
     def _outputs(self, rows: list[Row], sizes: list[int], starts: list[int],
                  x: torch.Tensor, hidden: dict[int, torch.Tensor]) -> list[RowOut]:

@@ -169,17 +169,19 @@ def test_onednn_linears_keep_float32_logits_and_greedy_tokens(tiny_dir):
         assert packed.generate(ids, **kw).tolist() == plain.generate(ids, **kw).tolist()
 
 
-def test_prepacked_linears_keep_plain_weights_for_single_rows_only_where_asked(tiny_dir):
+@pytest.mark.parametrize("kernel", ["torch", "blas"])
+def test_prepacked_linears_keep_plain_weights_for_single_rows_only_where_asked(tiny_dir, kernel):
     """``--linear auto`` may keep each layer's plain weight for one-row products (a plain
-    decoding step) beside the prepacked one (the rest): both give the plain model's logits,
-    one row goes through the plain weight, a tied LM head shares the embeddings' copy, and
-    nothing is left in the weights file's map."""
+    decoding step) beside the prepacked one (the rest), run by PyTorch or by numpy's BLAS:
+    both give the plain model's logits, one row goes through the plain weight, a tied LM
+    head shares the embeddings' copy under PyTorch, and nothing is left in the weights
+    file's map."""
     import torch
 
     from starhub.models.loading import (
+        fastest_one_row,
         linear_in_use,
         load_model,
-        one_row_weights_pay,
         onednn_linears,
         prepack_linears,
         release_weights_file,
@@ -189,11 +191,11 @@ def test_prepacked_linears_keep_plain_weights_for_single_rows_only_where_asked(t
         pytest.skip("this torch build has no oneDNN")
     plain, _ = load_model(str(tiny_dir), linear="torch")
     both, _ = load_model(str(tiny_dir), linear="torch")
-    prepack_linears(both, one_row=True)
+    prepack_linears(both, one_row=kernel)
     release_weights_file(both)
-    assert linear_in_use(both) == "onednn (torch for one row)"
+    assert linear_in_use(both) == f"onednn ({kernel} for one row)"
     assert linear_in_use(plain) == "torch"
-    if both.config.tie_word_embeddings:
+    if both.config.tie_word_embeddings and kernel == "torch":
         assert both.lm_head.one_row.data_ptr() == both.model.embed_tokens.weight.data_ptr()
     ids = torch.randint(3, 40000, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -203,14 +205,44 @@ def test_prepacked_linears_keep_plain_weights_for_single_rows_only_where_asked(t
         layer = both.model.layers[0].mlp.down_proj
         x = torch.randn(1, 1, layer.in_features)
         before = layer(x)
+        assert before.shape == (1, 1, layer.out_features)
         layer.packed.zero_()  # one row never reads the prepacked weight
         torch.testing.assert_close(layer(x), before)
         assert not layer(torch.randn(2, layer.in_features)).any()
-    verdict = one_row_weights_pay(both, rounds=1)
-    assert isinstance(verdict, bool)
     packed, _ = load_model(str(tiny_dir), linear="onednn")
     assert all(m.one_row is None for m in onednn_linears(packed))
     assert linear_in_use(packed) == "onednn"
+    with pytest.raises(ValueError, match="plain weights"):
+        fastest_one_row(packed)
+
+
+def test_auto_runs_single_rows_on_the_kernel_it_timed_fastest_and_keeps_the_logits(tiny_dir):
+    """The timing at load leaves every layer on one kernel for single rows (or none), and
+    whichever it chose, one row's logits are the plain model's."""
+    import torch
+
+    from starhub.models.loading import (
+        TORCH_ROW,
+        fastest_one_row,
+        linear_in_use,
+        load_model,
+        onednn_linears,
+        prepack_linears,
+    )
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    plain, _ = load_model(str(tiny_dir), linear="torch")
+    auto, _ = load_model(str(tiny_dir), linear="torch")
+    prepack_linears(auto, TORCH_ROW)
+    chosen = fastest_one_row(auto, rounds=1)
+    assert chosen in (None, "torch", "blas")
+    assert {m.one_row_kernel for m in onednn_linears(auto)} == {chosen}
+    assert linear_in_use(auto) == ("onednn" if chosen is None else f"onednn ({chosen} for one row)")
+    ids = torch.tensor([[5, 17, 301]])
+    with torch.inference_mode():
+        torch.testing.assert_close(auto(ids[:, :1]).logits, plain(ids[:, :1]).logits,
+                                   rtol=1e-4, atol=1e-4)
 
 
 @needs_compiler

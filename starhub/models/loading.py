@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from threadpoolctl import threadpool_limits
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from starhub.models.attention import fold_gqa
 from starhub.models.devices import device_map_kwargs, resolve_device
+from starhub.models.fused import fuse_projections
 from starhub.options import DRAFT_DTYPES, DTYPES, LINEARS
 
 log = logging.getLogger(__name__)
@@ -225,9 +227,9 @@ def linear_kernel(linear: str, dtype: torch.dtype, device: str = "cpu",
     ``auto`` picks oneDNN with prepacked weights (``OneDNNLinear``) wherever it can. On CPU
     it is faster than PyTorch's default GEMM for the few-row products of tree verification:
     a float32 pass of SmolLM2-135M over 280 cached tokens took 70 ms instead of 139 for 17
-    tokens. For one row it depends on the CPU (40 ms instead of 64 on an AMD EPYC, slower
-    on an Intel Xeon), so ``auto`` also keeps the plain weights for single rows where a
-    timing at load says they pay (``one_row_weights_pay``)."""
+    tokens. For one row the fastest kernel depends on the CPU, so ``auto`` also keeps a
+    plain copy of the weights for single rows where a timing at load says another kernel
+    is faster (``fastest_one_row``)."""
     if linear not in LINEARS:
         raise ValueError(f"unknown linear kernel '{linear}'; choose from {', '.join(LINEARS)}")
     if linear == "onednn" and compile:
@@ -252,7 +254,8 @@ def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device:
     model over several GPUs instead (see ``starhub.models.devices``). With oneDNN linears (see
     ``linear_kernel``) the weights are prepacked once and the model is for inference only:
     its ``nn.Linear`` layers no longer expose a plain ``.weight``. On a CPU, attention over
-    several fed tokens reads a grouped-query cache without copying it (``fold_gqa``).
+    several fed tokens reads a grouped-query cache without copying it (``fold_gqa``). Each
+decoder layer's projections of one input run as one product (``fuse_projections``).
     ``compile`` runs each decoder layer's MLP under ``torch.compile`` (``compile_mlps``).
     """
     path = resolve(spec)
@@ -266,11 +269,12 @@ def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device:
     fold_gqa(model)
     if layers is not None:
         truncate_layers(model, layers)
+    # a compiled MLP runs transformers' own forward, which inductor traces as it is
+    fuse_projections(model, ("self_attn",) if compile else ("self_attn", "mlp"))
     if linear_kernel(linear, dtype, device, compile) == "onednn":
-        prepack_linears(model, one_row=linear == "auto")
-        if linear == "auto" and not one_row_weights_pay(model):
-            for module in onednn_linears(model):
-                module.one_row = None
+        prepack_linears(model, TORCH_ROW if linear == "auto" else None)
+        if linear == "auto":
+            fastest_one_row(model)
         release_weights_file(model)
     if compile:
         compile_mlps(model)
@@ -314,9 +318,16 @@ def release_weights_file(model: torch.nn.Module) -> None:
     for param in model.parameters():
         copies[param.data.data_ptr()] = param.data = param.data.clone()
     for module in onednn_linears(model):
-        if module.one_row is not None:
+        if module.one_row is not None and module.one_row_kernel == TORCH_ROW:
             shared = copies.get(module.one_row.data_ptr())
             module.one_row = module.one_row.clone() if shared is None else shared
+
+
+TORCH_ROW, BLAS_ROW = "torch", "blas"
+"""The kernels a single row's product may run on beside the prepacked one: PyTorch's own
+(``torch.nn.functional.linear`` over the plain ``[out, in]`` weight), or the BLAS that
+numpy is built with (OpenBLAS in numpy's wheels), as ``x @ W.T`` over a transposed
+``[in, out]`` copy, which its matrix-vector kernel streams as one pass down the rows."""
 
 
 class OneDNNLinear(torch.nn.Module):
@@ -326,24 +337,47 @@ class OneDNNLinear(torch.nn.Module):
     activation to oneDNN's layout and back around each product: with it a float32 forward
     pass of SmolLM2-135M took 63 ms for one token and 119 ms for 17, against 40 and 70.
 
-    ``one_row`` keeps the plain weight as well, for products of a single row (a plain
-    decoding step), where on some CPUs PyTorch's own matrix-vector product streams the
-    weights faster than the prepacked kernel (``one_row_weights_pay``)."""
+    ``one_row`` keeps a plain copy of the weight as well, for products of a single row (a
+    plain decoding step), where on some CPUs another kernel streams the weights faster than
+    the prepacked one (``one_row_kernel``: ``TORCH_ROW`` or ``BLAS_ROW``; chosen at load by
+    ``fastest_one_row``)."""
 
     PACK_ROWS = 16
     """The row count oneDNN picks the weight layout for; any count runs, and 8-32 run
     near their best with it."""
 
-    def __init__(self, linear: torch.nn.Linear, one_row: bool = False):
+    def __init__(self, linear: torch.nn.Linear, one_row: str | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
                                                               self.PACK_ROWS)
         self.bias = None if linear.bias is None else linear.bias.detach()
-        self.one_row = linear.weight.detach() if one_row else None
+        self.one_row: torch.Tensor | None = None
+        self.one_row_kernel: str | None = None
+        self._rows = None
+        self.keep_one_row(one_row, linear.weight.detach() if one_row else None)
+
+    def keep_one_row(self, kernel: str | None, weight: torch.Tensor | None = None) -> None:
+        """Run single rows on ``kernel`` with a copy of ``weight`` (the plain ``[out, in]``
+        weight), or on the prepacked weight (None, dropping any plain copy)."""
+        if kernel is None:
+            self.one_row = self._rows = self.one_row_kernel = None
+        elif weight is None:
+            raise ValueError("a one-row kernel needs the layer's plain weight")
+        elif kernel == TORCH_ROW:
+            self.one_row, self._rows, self.one_row_kernel = weight, None, kernel
+        elif kernel == BLAS_ROW:
+            self.one_row = weight.t().contiguous()
+            self._rows, self.one_row_kernel = self.one_row.numpy(), kernel
+        else:
+            raise ValueError(f"unknown one-row kernel '{kernel}'")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.one_row is not None and x.numel() == self.in_features:
+            if self._rows is not None:  # BLAS_ROW: numpy's matrix-vector product
+                y = torch.from_numpy(x.reshape(1, -1).numpy() @ self._rows)
+                y = y.view(*x.shape[:-1], self.out_features)
+                return y if self.bias is None else y + self.bias
             return torch.nn.functional.linear(x, self.one_row, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
@@ -351,7 +385,8 @@ class OneDNNLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-def prepack_linears(model: torch.nn.Module, one_row: bool = False) -> None:
+def prepack_linears(model: torch.nn.Module, one_row: str | None = None) -> None:
+    """Replace every ``nn.Linear`` by a ``OneDNNLinear`` (single rows on ``one_row``)."""
     for module in list(model.modules()):
         for name, child in module.named_children():
             if type(child) is torch.nn.Linear:
@@ -363,42 +398,50 @@ def onednn_linears(model: torch.nn.Module) -> list[OneDNNLinear]:
 
 
 ONE_ROW_GAIN = 0.95
-"""The plain weights are kept for single rows only where they make one row's products at
-least 5% faster than the prepacked ones: they cost a second copy of the weights."""
+"""A plain copy is kept for single rows only where it makes one row's products at least 5%
+faster than the prepacked ones: it costs a second copy of the weights."""
 
 
 @torch.inference_mode()
-def one_row_weights_pay(model: torch.nn.Module, rounds: int = 3) -> bool:
-    """Whether PyTorch's own products beat the prepacked ones for a single row on this CPU:
-    every linear layer of the model once each way, ``rounds`` times in turn, best round each
-    (the whole model's weights, so that both are timed streaming them from memory as a
-    decoding step does). On an AMD EPYC the prepacked kernel decoded the embedded model at
-    38 tokens/s against 23; on an Intel Xeon (Sapphire Rapids) one row's products took 57 ms
-    plain against 65 prepacked. About 0.1 s a round for the embedded model."""
-    linears = [m for m in onednn_linears(model) if m.one_row is not None]
+def fastest_one_row(model: torch.nn.Module, rounds: int = 3) -> str | None:
+    """The kernel single rows run fastest on here: ``TORCH_ROW``, ``BLAS_ROW`` or None (the
+    prepacked one). Every linear layer of the model once each way, ``rounds`` times in
+    turn, best round each (the whole model's weights, so that each is timed streaming them
+    from memory as a decoding step does). About 0.1 s a kernel and round on the embedded
+    model; the figures behind it are in docs/benchmarks.md ("Kernels, dtypes and threads").
+    The layers must hold their plain weights (``prepack_linears(model, TORCH_ROW)``); they
+    are left running single rows on what was chosen."""
+    linears = onednn_linears(model)
     if not linears:
-        return False
-    dtype = linears[0].one_row.dtype
+        return None
+    if any(m.one_row_kernel != TORCH_ROW for m in linears):
+        raise ValueError("fastest_one_row needs layers prepacked with their plain weights")
+    weights = [m.one_row for m in linears]
+    dtype = linears[0].packed.dtype
     inputs = {n: torch.ones(1, n, dtype=dtype) for n in {m.in_features for m in linears}}
+    kernels = [None, TORCH_ROW] + ([BLAS_ROW] if dtype == torch.float32 else [])
 
-    def seconds(plain: bool) -> float:
+    def seconds() -> float:
         start = time.perf_counter()
         for m in linears:
-            x = inputs[m.in_features]
-            if plain:
-                torch.nn.functional.linear(x, m.one_row, m.bias)
-            else:
-                torch.ops.mkldnn._linear_pointwise(x, m.packed, m.bias, "none", [], "")
+            m(inputs[m.in_features])
         return time.perf_counter() - start
 
-    best = {True: float("inf"), False: float("inf")}
+    best = dict.fromkeys(kernels, float("inf"))
     for _ in range(rounds):
-        for plain in (False, True):
-            best[plain] = min(best[plain], seconds(plain))
-    pays = best[True] < ONE_ROW_GAIN * best[False]
-    log.debug("one row's linear products: %.1f ms plain, %.1f ms prepacked: %s", 1e3 * best[True],
-              1e3 * best[False], "plain weights kept for single rows" if pays else "prepacked")
-    return pays
+        for kernel in kernels:
+            for m, weight in zip(linears, weights, strict=True):
+                m.keep_one_row(kernel, weight)
+            best[kernel] = min(best[kernel], seconds())
+    fastest = min(kernels[1:], key=best.__getitem__)
+    if best[fastest] >= ONE_ROW_GAIN * best[None]:
+        fastest = None
+    for m, weight in zip(linears, weights, strict=True):
+        m.keep_one_row(fastest, weight)
+    log.debug("one row's linear products: %s; single rows on %s",
+              ", ".join(f"{k or 'prepacked'} {1e3 * s:.1f} ms" for k, s in best.items()),
+              fastest or "the prepacked weights")
+    return fastest
 
 
 def linear_in_use(model: torch.nn.Module) -> str:
@@ -406,7 +449,8 @@ def linear_in_use(model: torch.nn.Module) -> str:
     linears = onednn_linears(model)
     if not linears:
         return "torch"
-    return "onednn (torch for one row)" if linears[0].one_row is not None else "onednn"
+    kernel = linears[0].one_row_kernel
+    return f"onednn ({kernel} for one row)" if kernel else "onednn"
 
 
 def truncate_layers(model: PreTrainedModel, layers: int) -> None:
@@ -439,6 +483,10 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def set_threads(threads: int | None) -> int:
+    """Compute on ``threads`` threads (None: leave it as it is); returns the count. Sets
+    torch's pool and the BLAS pool numpy's products run on (single rows may, ``BLAS_ROW``):
+    left alone, that one starts a thread per core and competes with the other processes."""
     if threads:
         torch.set_num_threads(threads)
+        threadpool_limits(threads, user_api="blas")
     return torch.get_num_threads()
