@@ -376,3 +376,28 @@ def test_a_shard_is_parsed_once_and_a_bad_one_is_refused_by_name(capsys):
         with pytest.raises(SystemExit):
             parse(["target", *base, "--out", "o", f"--shard={bad}"])
         assert f"expected I/N with 0 <= I < N, got '{bad}'" in capsys.readouterr().err
+
+
+def test_two_row_products_run_as_three_only_where_timed_faster_and_give_the_same_rows(tiny_dir):
+    """``two_rows_as_three`` pads two-row products with a copy of the first row where a
+    timing says three rows run faster; the two rows' outputs are what two rows give."""
+    import torch
+
+    from starhub.models.loading import load_model, onednn_linears, two_rows_as_three
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    model, _ = load_model(str(tiny_dir), linear="onednn")
+    decided = two_rows_as_three(model, rounds=1)
+    assert {m.pad_two_rows for m in onednn_linears(model)} == {decided}
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(1, 2, layer.in_features)
+    with torch.inference_mode():
+        layer.pad_two_rows = False
+        plain = layer(x)
+        layer.pad_two_rows = True
+        padded = layer(x)
+        three = torch.randn(3, layer.in_features)
+        torch.testing.assert_close(layer(three)[:2], layer(three[:2]))
+    assert padded.shape == plain.shape == (1, 2, layer.out_features)
+    torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
