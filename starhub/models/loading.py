@@ -255,7 +255,7 @@ def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device:
     ``linear_kernel``) the weights are prepacked once and the model is for inference only:
     its ``nn.Linear`` layers no longer expose a plain ``.weight``. On a CPU, attention over
     several fed tokens reads a grouped-query cache without copying it (``fold_gqa``). Each
-decoder layer's projections of one input run as one product (``fuse_projections``).
+    decoder layer's projections of one input run as one product (``fuse_projections``).
     ``compile`` runs each decoder layer's MLP under ``torch.compile`` (``compile_mlps``).
     """
     path = resolve(spec)
@@ -380,7 +380,7 @@ class OneDNNLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.one_row is not None and x.numel() == self.in_features:
             if self._rows is not None:  # BLAS_ROW: numpy's matrix-vector product
-                y = torch.from_numpy(x.reshape(1, -1).numpy() @ self._rows)
+                y = torch.from_numpy(x.detach().reshape(1, -1).numpy() @ self._rows)
                 y = y.view(*x.shape[:-1], self.out_features)
                 return y if self.bias is None else y + self.bias
             return torch.nn.functional.linear(x, self.one_row, self.bias)
@@ -407,9 +407,9 @@ def onednn_linears(model: torch.nn.Module) -> list[OneDNNLinear]:
     return [m for m in model.modules() if isinstance(m, OneDNNLinear)]
 
 
-ONE_ROW_GAIN = 0.95
-"""A plain copy is kept for single rows only where it makes one row's products at least 5%
-faster than the prepacked ones: it costs a second copy of the weights."""
+KERNEL_GAIN = 0.95
+"""Another kernel than the prepacked one's own is taken only where it makes the products at
+least 5% faster: for single rows it costs a second copy of the weights."""
 
 
 @torch.inference_mode()
@@ -418,7 +418,7 @@ def fastest_one_row(model: torch.nn.Module, rounds: int = 3) -> str | None:
     prepacked one). Every linear layer of the model once each way, ``rounds`` times in
     turn, best round each (the whole model's weights, so that each is timed streaming them
     from memory as a decoding step does). About 0.1 s a kernel and round on the embedded
-    model; the figures behind it are in docs/benchmarks.md ("Kernels, dtypes and threads").
+    model; the figures behind it are in docs/benchmarks.md ("One row on the BLAS").
     The layers must hold their plain weights (``prepack_linears(model, TORCH_ROW)``); they
     are left running single rows on what was chosen."""
     linears = onednn_linears(model)
@@ -444,7 +444,7 @@ def fastest_one_row(model: torch.nn.Module, rounds: int = 3) -> str | None:
                 m.keep_one_row(kernel, weight)
             best[kernel] = min(best[kernel], seconds())
     fastest = min(kernels[1:], key=best.__getitem__)
-    if best[fastest] >= ONE_ROW_GAIN * best[None]:
+    if best[fastest] >= KERNEL_GAIN * best[None]:
         fastest = None
     for m, weight in zip(linears, weights, strict=True):
         m.keep_one_row(fastest, weight)
@@ -479,7 +479,7 @@ def two_rows_as_three(model: torch.nn.Module, rounds: int = 3) -> bool:
     for _ in range(rounds):
         for rows in best:
             best[rows] = min(best[rows], seconds(rows))
-    pad = best[3] < ONE_ROW_GAIN * best[2]
+    pad = best[3] < KERNEL_GAIN * best[2]
     for m in linears:
         m.pad_two_rows = pad
     log.debug("two rows' linear products %.1f ms, three rows' %.1f ms: %s", 1e3 * best[2],
