@@ -17,7 +17,10 @@ other's fit (see the gate's notes in ``docs/benchmarks.md``). Where the hub comp
 target's cores, passes are fitted by their time alone (CPU time, ``starhub.cores``) and
 ``slowdown`` holds what running beside the hub adds to a tree pass (wall over alone).
 Each pass is predicted before it joins a fit, so ``mape`` is the error on passes the model
-had not seen.
+had not seen. No prediction falls below the fastest of the last few hundred plain passes:
+every pass reads every weight, and a line through passes whose kernels differ by their rows (one
+row and two rows may each run on a kernel of their own, ``starhub.models.loading``) can
+otherwise reach zero a few rows out.
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ class PassCost:
         """Wall over alone time of the passes that verified trees: what the hub's compute
         next to ours adds to them (1 where it runs elsewhere)."""
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
+        self.plain_recent: deque[float] = deque(maxlen=ERROR_WINDOW)
+        """The last plain passes' times with the cores to themselves: the fastest is a floor
+        under every prediction."""
 
     def observe(self, stats: BatchStats, alone_s: float, wall_s: float | None = None,
                 trees: int = 0) -> None:
@@ -73,6 +79,8 @@ class PassCost:
         fit = self.trees if trees else self.plain
         if fit.samples >= 8 and alone_s > 0:
             self.errors.append(abs(self.predict(stats, trees) - alone_s) / alone_s)
+        if alone_s > 0 and not trees:
+            self.plain_recent.append(alone_s)
         if trees:
             self.trees.update(self._tree_x(stats, trees), alone_s)
             if alone_s > 0:
@@ -93,12 +101,13 @@ class PassCost:
             fit.prior = list(fit.weights)
 
     def predict(self, stats: BatchStats, trees: int = 0) -> float:
-        """A pass of this shape with the cores to itself."""
-        if trees:
-            return max(self.trees.predict(self._tree_x(stats, trees)), 0.0)
-        if not self.plain.samples:
-            return max(self.trees.predict(self._tree_x(stats, 0)), 0.0)
-        return max(self.plain.predict([1.0, stats.new_tokens, stats.cached_x_new]), 0.0)
+        """A pass of this shape with the cores to itself; never below the fastest recent
+        plain pass."""
+        if trees or not self.plain.samples:
+            fitted = self.trees.predict(self._tree_x(stats, trees))
+        else:
+            fitted = self.plain.predict([1.0, stats.new_tokens, stats.cached_x_new])
+        return max(fitted, min(self.plain_recent, default=0.0))
 
     def plain_s(self, cached: Sequence[int]) -> float:
         """A plain pass over sessions of these cache lengths: one token fed each; by the

@@ -555,3 +555,16 @@ def test_trees_a_little_behind_plain_by_the_estimates_are_still_taken():
     assert BATCH_MARGIN * decision.plain_tok_s <= decision.tree_tok_s < decision.plain_tok_s
     assert decision.trees
     assert not fed(1.0).verdict([300], plain=[300, 300]).trees
+
+
+def test_a_wide_plain_pass_is_never_priced_below_the_fastest_pass_seen():
+    """One row and two rows may run on kernels of their own (a two-token pass here cheaper
+    than a one-token one): the plain fit's line then falls with the rows, and a wide batch
+    must still cost at least what the fastest plain pass took, not nothing."""
+    cost = PassCost(0.035)
+    for i in range(40):
+        rows = 1 + i % 2
+        cost.observe(BatchStats(rows, rows, 100 * rows, 100 * rows),
+                     0.035 if rows == 1 else 0.031)
+    assert cost.plain.predict([1.0, 20, 2000]) < 0.0, "the line itself goes below zero"
+    assert cost.plain_s([100] * 20) >= 0.031
