@@ -169,6 +169,18 @@ def test_onednn_linears_keep_float32_logits_and_greedy_tokens(tiny_dir):
         assert packed.generate(ids, **kw).tolist() == plain.generate(ids, **kw).tolist()
 
 
+def _plain_twice(tiny_dir):
+    """Two loads of the tiny model on PyTorch's own linears (skips without oneDNN)."""
+    import torch
+
+    from starhub.models.loading import load_model
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    return (load_model(str(tiny_dir), linear="torch")[0],
+            load_model(str(tiny_dir), linear="torch")[0])
+
+
 @pytest.mark.parametrize("kernel", ["torch", "blas"])
 def test_prepacked_linears_keep_plain_weights_for_single_rows_only_where_asked(tiny_dir, kernel):
     """``--linear auto`` may keep each layer's plain weight for one-row products (a plain
@@ -187,10 +199,7 @@ def test_prepacked_linears_keep_plain_weights_for_single_rows_only_where_asked(t
         release_weights_file,
     )
 
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("this torch build has no oneDNN")
-    plain, _ = load_model(str(tiny_dir), linear="torch")
-    both, _ = load_model(str(tiny_dir), linear="torch")
+    plain, both = _plain_twice(tiny_dir)
     prepack_linears(both, one_row=kernel)
     release_weights_file(both)
     assert linear_in_use(both) == f"onednn ({kernel} for one row)"
@@ -225,15 +234,11 @@ def test_auto_runs_single_rows_on_the_kernel_it_timed_fastest_and_keeps_the_logi
         TORCH_ROW,
         fastest_one_row,
         linear_in_use,
-        load_model,
         onednn_linears,
         prepack_linears,
     )
 
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("this torch build has no oneDNN")
-    plain, _ = load_model(str(tiny_dir), linear="torch")
-    auto, _ = load_model(str(tiny_dir), linear="torch")
+    plain, auto = _plain_twice(tiny_dir)
     prepack_linears(auto, TORCH_ROW)
     chosen = fastest_one_row(auto, rounds=1)
     assert chosen in (None, "torch", "blas")
