@@ -428,7 +428,7 @@ def test_a_decoding_request_steps_between_the_layers_of_a_long_prompts_prefill(t
     whole pass: the request's one-token passes run between the chunk's decoder layers, and
     both outputs are the target's own."""
     model, tokenizer = tiny_model
-    calls: list[int] = []  # the tokens each decoder layer's call ran, in order
+    calls: list[int] = []  # the tokens each decoder layer's MLP ran, in order
     long, short = [(7 * i) % 900 + 3 for i in range(400)], [5, 6, 7]
 
     def timed(_, args, out) -> None:
@@ -436,7 +436,7 @@ def test_a_decoding_request_steps_between_the_layers_of_a_long_prompts_prefill(t
         if args[0].shape[1] == len(long):  # each layer of the chunk as slow as a slice
             time.sleep(SLICE_S)
 
-    hooks = [layer.mlp.register_forward_hook(timed) for layer in model.model.layers]
+    hooks = [layer.mlp.down_proj.register_forward_hook(timed) for layer in model.model.layers]
     heard: list[tuple[str, Event]] = []
     batcher = Batcher(model, tokenizer, prefill_chunk=512)
     batcher.start()
