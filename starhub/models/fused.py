@@ -31,14 +31,14 @@ class FusedLinear(torch.nn.Module):
 
     def __init__(self, linears: list[torch.nn.Linear]):
         super().__init__()
-        first = linears[0].weight
-        biased = [lin.bias is not None for lin in linears]
+        first = linears[0]
         self.sizes = [lin.out_features for lin in linears]
-        self.joint = torch.nn.Linear(linears[0].in_features, sum(self.sizes), bias=biased[0],
-                                     device=first.device, dtype=first.dtype)
+        self.joint = torch.nn.Linear(first.in_features, sum(self.sizes),
+                                     bias=first.bias is not None, device=first.weight.device,
+                                     dtype=first.weight.dtype)
         with torch.no_grad():
             self.joint.weight.copy_(torch.cat([lin.weight for lin in linears]))
-            if biased[0]:
+            if first.bias is not None:
                 self.joint.bias.copy_(torch.cat([lin.bias for lin in linears]))
         self._memo: tuple[torch.Tensor, list[torch.Tensor], set[int]] | None = None
         """The last input, its parts, and which parts are still to be taken."""

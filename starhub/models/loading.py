@@ -437,16 +437,21 @@ def fastest_one_row(model: torch.nn.Module, rounds: int = 3) -> str | None:
             m(inputs[m.in_features])
         return time.perf_counter() - start
 
+    # each kernel's weights made once: the BLAS one's as views of a transposed copy, which
+    # keep_one_row takes as they are
+    given = {None: weights, TORCH_ROW: weights}
+    if BLAS_ROW in kernels:
+        given[BLAS_ROW] = [w.t().contiguous().t() for w in weights]
     best = dict.fromkeys(kernels, float("inf"))
     for _ in range(rounds):
         for kernel in kernels:
-            for m, weight in zip(linears, weights, strict=True):
+            for m, weight in zip(linears, given[kernel], strict=True):
                 m.keep_one_row(kernel, weight)
             best[kernel] = min(best[kernel], seconds())
     fastest = min(kernels[1:], key=best.__getitem__)
     if best[fastest] >= KERNEL_GAIN * best[None]:
         fastest = None
-    for m, weight in zip(linears, weights, strict=True):
+    for m, weight in zip(linears, given[fastest], strict=True):
         m.keep_one_row(fastest, weight)
     log.debug("one row's linear products: %s; single rows on %s",
               ", ".join(f"{k or 'prepacked'} {1e3 * s:.1f} ms" for k, s in best.items()),
