@@ -17,6 +17,7 @@ import tempfile
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -412,6 +413,20 @@ KERNEL_GAIN = 0.95
 least 5% faster: for single rows it costs a second copy of the weights."""
 
 
+def _best_seconds(choices: list, run: Callable, rounds: int) -> dict:
+    """Each choice's best time over ``rounds``, the choices timed in turn within a round (so
+    the host's swings fall on all alike): ``run(choice)`` sets the choice up and returns
+    what to time."""
+    best = dict.fromkeys(choices, float("inf"))
+    for _ in range(rounds):
+        for choice in choices:
+            step = run(choice)
+            start = time.perf_counter()
+            step()
+            best[choice] = min(best[choice], time.perf_counter() - start)
+    return best
+
+
 @torch.inference_mode()
 def fastest_one_row(model: torch.nn.Module, rounds: int = 3) -> str | None:
     """The kernel single rows run fastest on here: ``TORCH_ROW``, ``BLAS_ROW`` or None (the
@@ -431,23 +446,18 @@ def fastest_one_row(model: torch.nn.Module, rounds: int = 3) -> str | None:
     inputs = {n: torch.ones(1, n, dtype=dtype) for n in {m.in_features for m in linears}}
     kernels = [None, TORCH_ROW] + ([BLAS_ROW] if dtype == torch.float32 else [])
 
-    def seconds() -> float:
-        start = time.perf_counter()
-        for m in linears:
-            m(inputs[m.in_features])
-        return time.perf_counter() - start
-
     # each kernel's weights made once: the BLAS one's as views of a transposed copy, which
     # keep_one_row takes as they are
     given = {None: weights, TORCH_ROW: weights}
     if BLAS_ROW in kernels:
         given[BLAS_ROW] = [w.t().contiguous().t() for w in weights]
-    best = dict.fromkeys(kernels, float("inf"))
-    for _ in range(rounds):
-        for kernel in kernels:
-            for m, weight in zip(linears, given[kernel], strict=True):
-                m.keep_one_row(kernel, weight)
-            best[kernel] = min(best[kernel], seconds())
+
+    def run(kernel: str | None) -> Callable[[], None]:
+        for m, weight in zip(linears, given[kernel], strict=True):
+            m.keep_one_row(kernel, weight)
+        return lambda: [m(inputs[m.in_features]) for m in linears]
+
+    best = _best_seconds(kernels, run, rounds)
     fastest = min(kernels[1:], key=best.__getitem__)
     if best[fastest] >= KERNEL_GAIN * best[None]:
         fastest = None
@@ -473,17 +483,11 @@ def two_rows_as_three(model: torch.nn.Module, rounds: int = 3) -> bool:
     inputs = {(r, n): torch.ones(r, n, dtype=dtype)
               for r in (2, 3) for n in {m.in_features for m in linears}}
 
-    def seconds(rows: int) -> float:
-        start = time.perf_counter()
-        for m in linears:
-            torch.ops.mkldnn._linear_pointwise(inputs[rows, m.in_features], m.packed, m.bias,
-                                               "none", [], "")
-        return time.perf_counter() - start
+    def run(rows: int) -> Callable[[], None]:
+        return lambda: [torch.ops.mkldnn._linear_pointwise(
+            inputs[rows, m.in_features], m.packed, m.bias, "none", [], "") for m in linears]
 
-    best = {2: float("inf"), 3: float("inf")}
-    for _ in range(rounds):
-        for rows in best:
-            best[rows] = min(best[rows], seconds(rows))
+    best = _best_seconds([2, 3], run, rounds)
     pad = best[3] < KERNEL_GAIN * best[2]
     for m in linears:
         m.pad_two_rows = pad
