@@ -8,8 +8,9 @@ and values go straight into its session's buffers (``SessionKV``) and its querie
 the front of those buffers under the row's own mask, so no cache is padded, stacked or
 copied, and no mask is made for the batch as a whole.
 
-A plain step and a fresh prompt make the very attention call transformers' ``sdpa`` makes
-for them, so plain decoding gives ``generate()``'s logits bit for bit. A row under a mask
+A fresh prompt makes the very attention call transformers' ``sdpa`` makes for it. A pass
+of one row of one token (a plain step) runs on numpy instead where the model allows
+(``targets.one_token``: the same arithmetic without PyTorch's dispatch). A row under a mask
 (a tree, a later chunk of a prompt) folds a grouped-query model's query heads into the
 query length instead of repeating its keys and values per head (as
 ``starhub.models.attention`` does for transformers' own passes): the same attention,
@@ -22,12 +23,14 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from targets.kv import SessionKV
+from targets.one_token import OneTokenStep, supported
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 """Model types whose decoder layers this pass runs: pre-norm attention with rotary
@@ -110,6 +113,9 @@ class DecoderPass:
         self.token_bytes = 2 * len(self.layers) * self.kv_heads * self.head_dim * \
             self.dtype.itemsize
         """Bytes one cached token takes over every layer (keys and values)."""
+        self.one_token = OneTokenStep(model, self.heads, self.kv_heads, self.head_dim) \
+            if supported(model) else None
+        """Where it runs the model: passes of one row of one token (``targets.one_token``)."""
 
     def new_cache(self, capacity: int = 0) -> SessionKV:
         return SessionKV(self.kv_heads, self.head_dim, self.dtype, self.devices, capacity)
@@ -133,7 +139,28 @@ class DecoderPass:
         return mask.view(1, 1, self.groups * n, cached + n), False
 
     def __call__(self, rows: list[Row]) -> list[RowOut]:
+        if self.one_token is not None and len(rows) == 1 and self._one_token(rows[0]):
+            return [self._step(rows[0])]
         return run_through(self.layer_by_layer(rows))
+
+    @staticmethod
+    def _one_token(row: Row) -> bool:
+        """Whether ``row`` is one token right after its cache (a plain step, or a tree of
+        no nodes)."""
+        return len(row.ids) == 1 and (row.positions is None
+                                      or int(row.positions[0]) == row.kv.length)
+
+    def _step(self, row: Row) -> RowOut:
+        """``row``'s pass on ``OneTokenStep``: the same outputs as ``layer_by_layer``'s."""
+        top = len(self.layers) + 1
+        row.kv.reserve(1)
+        logits, hidden = self.one_token(row.kv, row.ids[0], row.logits != NONE,
+                                        {i % top for i in row.features})
+        feats = None
+        if row.features:
+            feats = torch.from_numpy(np.concatenate([hidden[i % top] for i in row.features]))
+        return RowOut(None if logits is None else torch.from_numpy(logits)[None],
+                      None if feats is None else feats[None])
 
     @torch.inference_mode()  # around each resumption of the generator
     def layer_by_layer(self, rows: list[Row]) -> Generator[None, None, list[RowOut]]:

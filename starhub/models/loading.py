@@ -378,6 +378,12 @@ class OneDNNLinear(torch.nn.Module):
         else:
             raise ValueError(f"unknown one-row kernel '{kernel}'")
 
+    @property
+    def blas_rows(self):
+        """The ``[in, out]`` numpy array single rows are multiplied by (``BLAS_ROW``), or
+        None: a caller holding a numpy row can run the product without PyTorch."""
+        return self._rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.one_row is not None and x.numel() == self.in_features:
             if self._rows is not None:  # BLAS_ROW: numpy's matrix-vector product

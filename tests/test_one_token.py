@@ -1,0 +1,102 @@
+"""A pass of one row of one token on numpy (``targets.one_token``): the outputs and cache
+entries of the layered pass it replaces, on every one-row kernel and on the architectures
+the engine runs; taken for plain steps, and only where it can run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+from starhub.models.fused import fuse_projections
+from starhub.models.loading import (
+    BLAS_ROW,
+    TORCH_ROW,
+    load_model,
+    onednn_linears,
+    prepack_linears,
+)
+from targets.forward import DecoderPass, Row, run_through
+from targets.verify import TargetModel
+
+PROMPT = [1, 5, 9, 14, 3, 77, 1200, 40000, 8]
+FEATURES = (0, 1, -1)
+
+
+def _both_ways(model, steps: int = 6) -> None:
+    """Decode ``steps`` tokens on the numpy step and the same ones on the layered pass, from
+    one prefilled cache each; every step's logits, features and cache entries agree."""
+    runner = DecoderPass(model)
+    assert runner.one_token is not None
+    fast = runner.new_cache(64)
+    with torch.inference_mode():
+        run_through(runner.layer_by_layer([Row(fast, PROMPT)]))
+    slow = copy.deepcopy(fast)
+    token = 11
+    for _ in range(steps):
+        with torch.inference_mode():
+            (a,) = runner([Row(fast, [token], features=FEATURES)])
+            (b,) = run_through(runner.layer_by_layer([Row(slow, [token], features=FEATURES)]))
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a.features, b.features, rtol=1e-4, atol=1e-4)
+        token = int(b.logits[-1].argmax())
+    assert fast.length == slow.length == len(PROMPT) + steps
+    for layer in range(len(runner.layers)):
+        for mine, theirs in ((fast.keys, slow.keys), (fast.values, slow.values)):
+            torch.testing.assert_close(mine[layer][:, :fast.length],
+                                       theirs[layer][:, :slow.length], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", [BLAS_ROW, TORCH_ROW, None])
+def test_a_numpy_step_gives_the_layered_passs_logits_features_and_cache_on_every_kernel(
+        tiny_dir, kernel):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    fuse_projections(model)
+    prepack_linears(model, kernel)
+    assert {linear.one_row_kernel for linear in onednn_linears(model)} == {kernel}
+    _both_ways(model)
+
+
+@pytest.mark.parametrize("config", [
+    Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2),  # biased q/k/v
+    Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16),  # q/k norms
+], ids=["qwen2", "qwen3"])
+def test_a_numpy_step_runs_the_other_architectures_as_the_layered_pass(tmp_path, tokenizer,
+                                                                     config):
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    model, _ = load_model(str(tmp_path))
+    _both_ways(model)
+
+
+def test_a_plain_step_runs_on_numpy_and_a_wider_pass_through_the_layers(tiny_model):
+    model, _ = tiny_model
+    calls = []
+    hooks = [layer.self_attn.qkv_proj.register_forward_hook(lambda *a: calls.append(1))
+             for layer in model.model.layers]
+    try:
+        target = TargetModel(model)
+        target.prefill(PROMPT)
+        calls.clear()
+        target.step()
+        assert calls == [], "a plain step runs on numpy"
+        with torch.inference_mode():
+            target.runner([Row(target.kv, [3, 4])])
+        assert len(calls) == len(model.model.layers)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def test_a_model_the_numpy_step_cannot_run_keeps_the_layered_pass(tiny_dir):
+    half, _ = load_model(str(tiny_dir), dtype="bfloat16")
+    assert DecoderPass(half).one_token is None
+    stock = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    assert DecoderPass(stock).one_token is None, "unfused projections"
+    compiled, _ = load_model(str(tiny_dir), compile=True)  # its MLPs stay unfused
+    assert DecoderPass(compiled).one_token is None
