@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.cost import BatchStats
-from targets.forward import ALL, Row
+from targets.forward import ALL, Row, run_through
 from targets.prefill import CHUNK, ChunkedPrefill
 from targets.verify import TargetModel, Verdict, decoder_pass
 
@@ -42,7 +42,9 @@ def measure_budget(model: PreTrainedModel, slack: float = 1.5, limit: int = 256)
         times = []
         for _ in range(3):
             start = time.perf_counter()
-            runner([Row(runner.new_cache(n), ids, logits=ALL)])
+            # through the layers, as the verifier's passes of several rows run (a single
+            # row may run on numpy: ``targets.one_row``)
+            run_through(runner.layer_by_layer([Row(runner.new_cache(n), ids, logits=ALL)]))
             times.append(time.perf_counter() - start)
         return min(times[1:])
 

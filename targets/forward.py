@@ -9,10 +9,10 @@ the front of those buffers under the row's own mask, so no cache is padded, stac
 copied, and no mask is made for the batch as a whole.
 
 A fresh prompt makes the very attention call transformers' ``sdpa`` makes for it. A pass
-of one row of one token (a plain step) runs on numpy instead where the model allows
-(``targets.one_token``: the same arithmetic without PyTorch's dispatch). A row under a mask
-(a tree, a later chunk of a prompt) folds a grouped-query model's query heads into the
-query length instead of repeating its keys and values per head (as
+of a single row (a plain step, one session's tree) runs on numpy instead where the model
+allows (``targets.one_row``: the same arithmetic without PyTorch's dispatch). Here a row
+under a mask (a tree, a later chunk of a prompt) folds a grouped-query model's query heads
+into the query length instead of repeating its keys and values per head (as
 ``starhub.models.attention`` does for transformers' own passes): the same attention,
 grouped differently by the kernel (logits within about 1e-6).
 """
@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from targets.kv import SessionKV
-from targets.one_token import OneTokenStep, supported
+from targets.one_row import OneRowPass, supported
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 """Model types whose decoder layers this pass runs: pre-norm attention with rotary
@@ -113,9 +113,9 @@ class DecoderPass:
         self.token_bytes = 2 * len(self.layers) * self.kv_heads * self.head_dim * \
             self.dtype.itemsize
         """Bytes one cached token takes over every layer (keys and values)."""
-        self.one_token = OneTokenStep(model, self.heads, self.kv_heads, self.head_dim) \
+        self.one_row = OneRowPass(model, self.heads, self.kv_heads, self.head_dim) \
             if supported(model) else None
-        """Where it runs the model: passes of one row of one token (``targets.one_token``)."""
+        """Where it runs the model: passes of a single row (``targets.one_row``)."""
 
     def new_cache(self, capacity: int = 0) -> SessionKV:
         return SessionKV(self.kv_heads, self.head_dim, self.dtype, self.devices, capacity)
@@ -139,28 +139,30 @@ class DecoderPass:
         return mask.view(1, 1, self.groups * n, cached + n), False
 
     def __call__(self, rows: list[Row]) -> list[RowOut]:
-        if self.one_token is not None and len(rows) == 1 and self._one_token(rows[0]):
-            return [self._step(rows[0])]
+        if self.one_row is not None and len(rows) == 1:
+            return [self._one_row(rows[0])]
         return run_through(self.layer_by_layer(rows))
 
-    @staticmethod
-    def _one_token(row: Row) -> bool:
-        """Whether ``row`` is one token right after its cache (a plain step, or a tree of
-        no nodes)."""
-        return len(row.ids) == 1 and (row.positions is None
-                                      or int(row.positions[0]) == row.kv.length)
-
-    def _step(self, row: Row) -> RowOut:
-        """``row``'s pass on ``OneTokenStep``: the same outputs as ``layer_by_layer``'s."""
+    def _one_row(self, row: Row) -> RowOut:
+        """A pass of a single row on ``OneRowPass``: what ``layer_by_layer`` gives."""
+        n, cached = len(row.ids), row.kv.length
+        positions = np.arange(cached, cached + n) if row.positions is None \
+            else row.positions.numpy()
+        if row.mask is None:
+            mask = np.tri(n, dtype=bool) if n > 1 else None
+        else:
+            mask = None if bool(row.mask.all()) else row.mask.numpy()
         top = len(self.layers) + 1
-        row.kv.reserve(1)
-        logits, hidden = self.one_token(row.kv, row.ids[0], row.logits != NONE,
-                                        {i % top for i in row.features})
+        row.kv.reserve(n)
+        logits, hidden = self.one_row(
+            row.kv, row.ids, positions, mask,
+            slice(None) if row.logits == ALL else slice(n - 1, n) if row.logits == LAST
+            else None, {i % top for i in row.features})
         feats = None
         if row.features:
-            feats = torch.from_numpy(np.concatenate([hidden[i % top] for i in row.features]))
-        return RowOut(None if logits is None else torch.from_numpy(logits)[None],
-                      None if feats is None else feats[None])
+            feats = torch.from_numpy(np.concatenate([hidden[i % top] for i in row.features],
+                                                    -1))
+        return RowOut(None if logits is None else torch.from_numpy(logits), feats)
 
     @torch.inference_mode()  # around each resumption of the generator
     def layer_by_layer(self, rows: list[Row]) -> Generator[None, None, list[RowOut]]:

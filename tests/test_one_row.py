@@ -1,11 +1,13 @@
-"""A pass of one row of one token on numpy (``targets.one_token``): the outputs and cache
-entries of the layered pass it replaces, on every one-row kernel and on the architectures
-the engine runs; taken for plain steps, and only where it can run."""
+"""A pass of a single row on numpy (``targets.one_row``): the outputs and cache entries of
+the layered pass it replaces, for plain steps, trees and chunks, on every one-row kernel
+and on the architectures the engine runs; taken for single rows, and only where it can
+run."""
 
 from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
@@ -18,31 +20,46 @@ from starhub.models.loading import (
     onednn_linears,
     prepack_linears,
 )
-from targets.forward import DecoderPass, Row, run_through
+from starhub.wire.tree import DraftTree, ancestor_mask, depths
+from targets.forward import ALL, LAST, NONE, DecoderPass, Row, run_through
 from targets.verify import TargetModel
 
 PROMPT = [1, 5, 9, 14, 3, 77, 1200, 40000, 8]
 FEATURES = (0, 1, -1)
+TREE = DraftTree(np.array([21, 22, 23, 24, 25, 26]), np.array([-1, 0, 0, 1, 1, 3]))
 
 
-def _both_ways(model, steps: int = 6) -> None:
-    """Decode ``steps`` tokens on the numpy step and the same ones on the layered pass, from
-    one prefilled cache each; every step's logits, features and cache entries agree."""
+def _rows(kv, token: int) -> list[Row]:
+    """A plain step, a tree's row, a causal chunk: each logits choice once."""
+    positions = kv.length + torch.from_numpy(np.concatenate([[0], depths(TREE.parents)]))
+    return [Row(kv, [token], features=FEATURES, logits=ALL),
+            Row(kv, [token, *TREE.tokens.tolist()], positions, ancestor_mask(TREE.parents),
+                features=FEATURES, logits=ALL),
+            Row(kv, [token, 40, 41], features=FEATURES, logits=LAST),
+            Row(kv, [token, 42], logits=NONE)]
+
+
+def _both_ways(model) -> None:
+    """Passes of each kind on numpy and the same ones on the layered pass, from one
+    prefilled cache each: every pass's logits, features and cache entries agree."""
     runner = DecoderPass(model)
-    assert runner.one_token is not None
+    assert runner.one_row is not None
     fast = runner.new_cache(64)
     with torch.inference_mode():
         run_through(runner.layer_by_layer([Row(fast, PROMPT)]))
     slow = copy.deepcopy(fast)
     token = 11
-    for _ in range(steps):
+    for kind in range(4):
         with torch.inference_mode():
-            (a,) = runner([Row(fast, [token], features=FEATURES)])
-            (b,) = run_through(runner.layer_by_layer([Row(slow, [token], features=FEATURES)]))
-        torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(a.features, b.features, rtol=1e-4, atol=1e-4)
-        token = int(b.logits[-1].argmax())
-    assert fast.length == slow.length == len(PROMPT) + steps
+            (a,) = runner([_rows(fast, token)[kind]])
+            (b,) = run_through(runner.layer_by_layer([_rows(slow, token)[kind]]))
+        for mine, theirs in ((a.logits, b.logits), (a.features, b.features)):
+            assert (mine is None) == (theirs is None)
+            if mine is not None:
+                torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+        if b.logits is not None:
+            token = int(b.logits[-1].argmax())
+    assert fast.length == slow.length
     for layer in range(len(runner.layers)):
         for mine, theirs in ((fast.keys, slow.keys), (fast.values, slow.values)):
             torch.testing.assert_close(mine[layer][:, :fast.length],
@@ -50,7 +67,7 @@ def _both_ways(model, steps: int = 6) -> None:
 
 
 @pytest.mark.parametrize("kernel", [BLAS_ROW, TORCH_ROW, None])
-def test_a_numpy_step_gives_the_layered_passs_logits_features_and_cache_on_every_kernel(
+def test_a_numpy_pass_gives_the_layered_passs_logits_features_and_cache_on_every_kernel(
         tiny_dir, kernel):
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
     fuse_projections(model)
@@ -65,7 +82,7 @@ def test_a_numpy_step_gives_the_layered_passs_logits_features_and_cache_on_every
     Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16),  # q/k norms
 ], ids=["qwen2", "qwen3"])
-def test_a_numpy_step_runs_the_other_architectures_as_the_layered_pass(tmp_path, tokenizer,
+def test_a_numpy_pass_runs_the_other_architectures_as_the_layered_pass(tmp_path, tokenizer,
                                                                      config):
     torch.manual_seed(7)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
@@ -74,7 +91,7 @@ def test_a_numpy_step_runs_the_other_architectures_as_the_layered_pass(tmp_path,
     _both_ways(model)
 
 
-def test_a_plain_step_runs_on_numpy_and_a_wider_pass_through_the_layers(tiny_model):
+def test_a_single_row_runs_on_numpy_and_several_rows_through_the_layers(tiny_model):
     model, _ = tiny_model
     calls = []
     hooks = [layer.self_attn.qkv_proj.register_forward_hook(lambda *a: calls.append(1))
@@ -82,21 +99,24 @@ def test_a_plain_step_runs_on_numpy_and_a_wider_pass_through_the_layers(tiny_mod
     try:
         target = TargetModel(model)
         target.prefill(PROMPT)
+        other = TargetModel(model)
+        other.prefill(PROMPT)
         calls.clear()
         target.step()
-        assert calls == [], "a plain step runs on numpy"
+        target.verify(TREE)
+        assert calls == [], "a plain step and a tree of one session run on numpy"
         with torch.inference_mode():
-            target.runner([Row(target.kv, [3, 4])])
+            target.runner([Row(target.kv, [3]), Row(other.kv, [4])])
         assert len(calls) == len(model.model.layers)
     finally:
         for hook in hooks:
             hook.remove()
 
 
-def test_a_model_the_numpy_step_cannot_run_keeps_the_layered_pass(tiny_dir):
+def test_a_model_the_numpy_pass_cannot_run_keeps_the_layered_pass(tiny_dir):
     half, _ = load_model(str(tiny_dir), dtype="bfloat16")
-    assert DecoderPass(half).one_token is None
+    assert DecoderPass(half).one_row is None
     stock = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
-    assert DecoderPass(stock).one_token is None, "unfused projections"
+    assert DecoderPass(stock).one_row is None, "unfused projections"
     compiled, _ = load_model(str(tiny_dir), compile=True)  # its MLPs stay unfused
-    assert DecoderPass(compiled).one_token is None
+    assert DecoderPass(compiled).one_row is None
