@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from targets.kv import SessionKV
-from targets.one_row import OneRowPass, supported
+from targets.one_row import MAX_TOKENS, OneRowPass, supported
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 """Model types whose decoder layers this pass runs: pre-norm attention with rotary
@@ -139,7 +139,7 @@ class DecoderPass:
         return mask.view(1, 1, self.groups * n, cached + n), False
 
     def __call__(self, rows: list[Row]) -> list[RowOut]:
-        if self.one_row is not None and len(rows) == 1:
+        if self.one_row is not None and len(rows) == 1 and len(rows[0].ids) <= MAX_TOKENS:
             return [self._one_row(rows[0])]
         return run_through(self.layer_by_layer(rows))
 

@@ -5,8 +5,6 @@ run."""
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
@@ -22,6 +20,7 @@ from starhub.models.loading import (
 )
 from starhub.wire.tree import DraftTree, ancestor_mask, depths
 from targets.forward import ALL, LAST, NONE, DecoderPass, Row, run_through
+from targets.one_row import MAX_TOKENS
 from targets.verify import TargetModel
 
 PROMPT = [1, 5, 9, 14, 3, 77, 1200, 40000, 8]
@@ -30,33 +29,58 @@ TREE = DraftTree(np.array([21, 22, 23, 24, 25, 26]), np.array([-1, 0, 0, 1, 1, 3
 
 
 def _rows(kv, token: int) -> list[Row]:
-    """A plain step, a tree's row, a causal chunk: each logits choice once."""
+    """A plain step, a tree's row, a causal chunk, a chunk that sees all of itself: each
+    logits choice at least once."""
     positions = kv.length + torch.from_numpy(np.concatenate([[0], depths(TREE.parents)]))
     return [Row(kv, [token], features=FEATURES, logits=ALL),
             Row(kv, [token, *TREE.tokens.tolist()], positions, ancestor_mask(TREE.parents),
                 features=FEATURES, logits=ALL),
             Row(kv, [token, 40, 41], features=FEATURES, logits=LAST),
+            Row(kv, [token, 43], mask=torch.ones(2, 2, dtype=torch.bool), logits=ALL),
             Row(kv, [token, 42], logits=NONE)]
+
+
+def _prepared(path, kernel: str | None):
+    """The model at ``path`` with norm weights and biases moved off their initial 1s and 0s
+    (so that a norm or bias left out or misplaced shows), fused and prepacked with single
+    rows on ``kernel``."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.5 * torch.randn(param.shape, generator=generator))
+            elif name.endswith("bias"):
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    fuse_projections(model)
+    prepack_linears(model, kernel)
+    assert {linear.one_row_kernel for linear in onednn_linears(model)} == {kernel}
+    return model
+
+
+def _close(a, b) -> None:
+    for mine, theirs in ((a.logits, b.logits), (a.features, b.features)):
+        assert (mine is None) == (theirs is None)
+        if mine is not None:
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
 
 
 def _both_ways(model) -> None:
     """Passes of each kind on numpy and the same ones on the layered pass, from one
-    prefilled cache each: every pass's logits, features and cache entries agree."""
+    prefilled cache each (and a prompt's first chunk, from none): every pass's logits,
+    features and cache entries agree."""
     runner = DecoderPass(model)
     assert runner.one_row is not None
-    fast = runner.new_cache(64)
+    fast, slow = runner.new_cache(64), runner.new_cache(64)
     with torch.inference_mode():
-        run_through(runner.layer_by_layer([Row(fast, PROMPT)]))
-    slow = copy.deepcopy(fast)
+        _close(runner([Row(fast, PROMPT, features=FEATURES)])[0],
+               run_through(runner.layer_by_layer([Row(slow, PROMPT, features=FEATURES)]))[0])
     token = 11
-    for kind in range(4):
+    for kind in range(len(_rows(fast, token))):
         with torch.inference_mode():
             (a,) = runner([_rows(fast, token)[kind]])
             (b,) = run_through(runner.layer_by_layer([_rows(slow, token)[kind]]))
-        for mine, theirs in ((a.logits, b.logits), (a.features, b.features)):
-            assert (mine is None) == (theirs is None)
-            if mine is not None:
-                torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+        _close(a, b)
         if b.logits is not None:
             token = int(b.logits[-1].argmax())
     assert fast.length == slow.length
@@ -69,26 +93,38 @@ def _both_ways(model) -> None:
 @pytest.mark.parametrize("kernel", [BLAS_ROW, TORCH_ROW, None])
 def test_a_numpy_pass_gives_the_layered_passs_logits_features_and_cache_on_every_kernel(
         tiny_dir, kernel):
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    fuse_projections(model)
-    prepack_linears(model, kernel)
-    assert {linear.one_row_kernel for linear in onednn_linears(model)} == {kernel}
-    _both_ways(model)
+    _both_ways(_prepared(tiny_dir, kernel))
 
 
+@pytest.mark.parametrize("kernel", [BLAS_ROW, None])
 @pytest.mark.parametrize("config", [
     Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2),  # biased q/k/v
     Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16),  # q/k norms
+                num_attention_heads=4, num_key_value_heads=1, head_dim=16),  # q/k norms
 ], ids=["qwen2", "qwen3"])
-def test_a_numpy_pass_runs_the_other_architectures_as_the_layered_pass(tmp_path, tokenizer,
-                                                                     config):
+def test_a_numpy_pass_runs_the_other_architectures_as_the_layered_pass(tmp_path, config,
+                                                                     kernel):
     torch.manual_seed(7)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    model, _ = load_model(str(tmp_path))
-    _both_ways(model)
+    _both_ways(_prepared(tmp_path, kernel))
+
+
+def test_a_row_too_long_for_numpy_runs_through_the_layers(tiny_model):
+    model, _ = tiny_model
+    calls = []
+    hooks = [layer.self_attn.qkv_proj.register_forward_hook(lambda *a: calls.append(1))
+             for layer in model.model.layers]
+    try:
+        runner = DecoderPass(model)
+        with torch.inference_mode():
+            runner([Row(runner.new_cache(64), list(range(3, 3 + MAX_TOKENS)))])
+            assert calls == []
+            runner([Row(runner.new_cache(64), list(range(3, 4 + MAX_TOKENS)))])
+        assert len(calls) == len(model.model.layers)
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def test_a_single_row_runs_on_numpy_and_several_rows_through_the_layers(tiny_model):

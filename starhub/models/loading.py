@@ -136,8 +136,8 @@ def native_bf16_cpu() -> bool:
 
 
 def target_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
-    """``auto`` is float32 on CPUs, so that greedy output matches ``generate()`` bit for bit,
-    and bfloat16 on accelerators."""
+    """``auto`` is float32 on CPUs, so that greedy output matches ``generate()`` token for
+    token (logits within float32 rounding), and bfloat16 on accelerators."""
     if isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:

@@ -174,7 +174,7 @@ class WeightFields(Settings):
     SECTION: ClassVar = ("weights", "the target model's weights and where it runs")
 
     dtype: Dtype = Field(Dtype.AUTO, description="the target's weights. auto: float32 on CPU, "
-                         "where greedy output then matches generate() bit for bit; bfloat16 "
+                         "where greedy output then matches generate() token for token; bfloat16 "
                          "on GPU. On CPUs with AVX512-BF16 or AMX, bfloat16 verifies a tree "
                          "for little more than the cost of one token")
     linear: Linear = Field(Linear.AUTO, description="the target's matrix-multiply kernel. "
