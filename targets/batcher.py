@@ -70,7 +70,7 @@ from starhub.wire.tree import DraftTree, accepted_path, subtree
 from targets.acceptance import Sampling
 from targets.calibration import ROWS, TREE_NODES, calibrate
 from targets.card import eos_ids, feature_dtype, measure_step, on_wire, target_card
-from targets.cohort import hold_until
+from targets.cohort import waits
 from targets.cost import PassCost
 from targets.engine import VerifyEngine
 from targets.gate import BATCH_MARGIN, COALESCE, PRIOR_TAU, Decision, SpeculationGate
@@ -773,15 +773,15 @@ class Batcher:
         so that they stay in one batch: the hub drafts a pass's trees together, but the
         first COMMIT can start a batch of its own."""
         last = self._pass_no
-        start = time.perf_counter()
         trip = self.gate.round_trip.get(0.0) if self.gate is not None else 0.0
-        while not self._stop.is_set():
-            # the hub's turnaround, and the passes this engine ran meanwhile
-            due = [s.waiting_since + trip + self._busy_s - s.busy_mark
-                   for s in self._slots.values()
-                   if s.waiting_since is not None and s.cohort == last]
-            wait = hold_until(start, self.pass_s, COALESCE, due) - time.perf_counter()
-            if wait <= 0:
+
+        def due() -> list[float]:  # the hub's turnaround, and the passes run meanwhile
+            return [s.waiting_since + trip + self._busy_s - s.busy_mark
+                    for s in self._slots.values()
+                    if s.waiting_since is not None and s.cohort == last]
+
+        for wait in waits(time.perf_counter(), self.pass_s, COALESCE, due, time.perf_counter):
+            if self._stop.is_set():
                 break
             self._read_hub(client, wait)
         return [s for s in self._slots.values() if s.ready]

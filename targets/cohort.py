@@ -4,10 +4,13 @@ A pass over a few rows costs far less than a pass per row. Without a short wait,
 that were verified together fall apart: the first to come back starts a pass of its own,
 and the cohort alternates half-empty passes. Both target-side loops (the core's
 ``Batcher`` for a hub's trees, the edge ``Verifier`` for its drafters') hold a pass by
-this one rule and differ only in how they wait (a socket poll, an asyncio event).
+this one rule (``waits``) and differ only in how they wait (a socket poll, an asyncio
+event).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
 
 SLACK = 0.2
 """How long past its expected arrival a row is waited for, in passes."""
@@ -24,3 +27,12 @@ def hold_until(start: float, pass_s: float, cap: float, due: list[float]) -> flo
     if not soon:
         return start
     return max(start, min(max(soon) + SLACK * pass_s, limit))
+
+
+def waits(start: float, pass_s: float, cap: float, due: Callable[[], list[float]],
+          clock: Callable[[], float]) -> Iterator[float]:
+    """The waits of a pass that could start at ``start`` (on ``clock``): each the seconds
+    until the rows ``due()`` expects now are in (``hold_until``), asked again after each
+    wait, as rows arrive; done once nobody is waited for."""
+    while (wait := hold_until(start, pass_s, cap, due()) - clock()) > 0:
+        yield wait

@@ -59,7 +59,7 @@ from starhub.wire.reports import VerifierReport
 from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.card import feature_dtype, measure_step, on_wire, target_card
-from targets.cohort import hold_until
+from targets.cohort import waits
 from targets.cost import PassCost
 from targets.engine import VerifyEngine, measure_budget
 from targets.prefill import PrefillShare, PrefillTurns
@@ -193,18 +193,17 @@ class Verifier(Server):
         """Wait briefly for the proposals expected within ``gather_fraction`` of a pass
         (``targets.cohort``), so that they share this pass; nobody is waited for once the
         waiting rows fill a pass."""
-        start = time.monotonic()
-        pass_s = self.scheduler.pass_s
-        while not self.scheduler.full([p.waiting for p in self.pending.values()]):
-            due = [s.committed_at + s.turnaround.value for t, s in self.table.sessions.items()
-                   if t not in self.pending and s.committed_at and s.turnaround.value]
-            until = hold_until(start, pass_s, self.config.gather_fraction, due)
-            now = time.monotonic()
-            if until <= now:
+        def due() -> list[float]:
+            return [s.committed_at + s.turnaround.value for t, s in self.table.sessions.items()
+                    if t not in self.pending and s.committed_at and s.turnaround.value]
+
+        for wait in waits(time.monotonic(), self.scheduler.pass_s,
+                          self.config.gather_fraction, due, time.monotonic):
+            if self.scheduler.full([p.waiting for p in self.pending.values()]):
                 return
             self.arrived.clear()
             try:
-                await asyncio.wait_for(self.arrived.wait(), until - now)
+                await asyncio.wait_for(self.arrived.wait(), wait)
             except TimeoutError:
                 return
 
