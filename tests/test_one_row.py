@@ -5,6 +5,8 @@ run."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 import torch
@@ -110,43 +112,42 @@ def test_a_numpy_pass_runs_the_other_architectures_as_the_layered_pass(tmp_path,
     _both_ways(_prepared(tmp_path, kernel))
 
 
-def test_a_row_too_long_for_numpy_runs_through_the_layers(tiny_model):
-    model, _ = tiny_model
-    calls = []
+@contextmanager
+def _layered_passes(model):
+    """A list that counts the decoder layers the layered pass runs (the numpy pass runs
+    none of them as modules)."""
+    calls: list[int] = []
     hooks = [layer.self_attn.qkv_proj.register_forward_hook(lambda *a: calls.append(1))
              for layer in model.model.layers]
     try:
-        runner = DecoderPass(model)
-        with torch.inference_mode():
-            runner([Row(runner.new_cache(64), list(range(3, 3 + MAX_TOKENS)))])
-            assert calls == []
-            runner([Row(runner.new_cache(64), list(range(3, 4 + MAX_TOKENS)))])
-        assert len(calls) == len(model.model.layers)
+        yield calls
     finally:
         for hook in hooks:
             hook.remove()
 
 
+def test_a_row_too_long_for_numpy_runs_through_the_layers(tiny_model):
+    model, _ = tiny_model
+    runner = DecoderPass(model)
+    with _layered_passes(model) as calls, torch.inference_mode():
+        runner([Row(runner.new_cache(64), list(range(3, 3 + MAX_TOKENS)))])
+        assert calls == []
+        runner([Row(runner.new_cache(64), list(range(3, 4 + MAX_TOKENS)))])
+        assert len(calls) == len(model.model.layers)
+
+
 def test_a_single_row_runs_on_numpy_and_several_rows_through_the_layers(tiny_model):
     model, _ = tiny_model
-    calls = []
-    hooks = [layer.self_attn.qkv_proj.register_forward_hook(lambda *a: calls.append(1))
-             for layer in model.model.layers]
-    try:
-        target = TargetModel(model)
-        target.prefill(PROMPT)
-        other = TargetModel(model)
-        other.prefill(PROMPT)
-        calls.clear()
+    target, other = TargetModel(model), TargetModel(model)
+    target.prefill(PROMPT)
+    other.prefill(PROMPT)
+    with _layered_passes(model) as calls:
         target.step()
         target.verify(TREE)
         assert calls == [], "a plain step and a tree of one session run on numpy"
         with torch.inference_mode():
             target.runner([Row(target.kv, [3]), Row(other.kv, [4])])
         assert len(calls) == len(model.model.layers)
-    finally:
-        for hook in hooks:
-            hook.remove()
 
 
 def test_a_model_the_numpy_pass_cannot_run_keeps_the_layered_pass(tiny_dir):
