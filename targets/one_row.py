@@ -47,9 +47,10 @@ def _product(linear: torch.nn.Module) -> Product:
     where the layer runs single rows there (asked at each call: the choice can change after
     load), anything else through the layer itself."""
     bias = None if linear.bias is None else linear.bias.detach().numpy()
+    prepacked = isinstance(linear, OneDNNLinear)
 
     def product(x: np.ndarray) -> np.ndarray:
-        rows = linear.blas_rows if isinstance(linear, OneDNNLinear) else None
+        rows = linear.blas_rows if prepacked else None
         if rows is None or x.shape[0] != 1:
             return linear(torch.from_numpy(x)[None]).numpy()[0]
         return x @ rows if bias is None else x @ rows + bias
