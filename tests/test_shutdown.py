@@ -40,7 +40,7 @@ def test_a_close_that_crosses_the_shutdown_gets_no_error():
             "in service, a CLOSE for a tag the hub does not hold is an error"
         harness.hub.metrics.errors.clear()
         sent = _shut_down(harness)
-        assert [(type(m), m.tag, m.code) for m in sent] == [(Error, tag, ErrorCode.REJECTED)]
+        assert [(type(m), m.tag, m.code) for m in sent] == [(Error, tag, ErrorCode.DRAINING)]
         assert harness.send(A, Close(tag=tag)) == []
         assert not harness.hub.metrics.errors
     finally:

@@ -127,7 +127,7 @@ class Hub(Server):
     def handle(self, identity: bytes, msg: Message) -> None:
         """Route one valid message. Anything that needs drafting goes to the buffer."""
         if not self.accepting and isinstance(msg, TargetCard | ObserverCard | Open):
-            raise ProtocolError(ErrorCode.REJECTED, "the hub is shutting down", tag=msg.tag,
+            raise ProtocolError(ErrorCode.DRAINING, "the hub is shutting down", tag=msg.tag,
                                 ref=getattr(msg, "ref", 0))
         if isinstance(msg, TargetCard):
             self.handle_target_card(identity, msg)

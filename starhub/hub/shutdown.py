@@ -13,9 +13,10 @@ log = logging.getLogger("starhub.hub")
 
 
 async def drain(hub, task: asyncio.Task, timeout_s: float = 10.0) -> None:
-    """Shut ``hub`` down; ``task`` is its ``serve()``. New cards and OPEN get REJECTED at
-    once; a round a target is waiting for is drafted and sent; then each open session's
-    target gets an ERROR, so it finishes without waiting out its reply deadline."""
+    """Shut ``hub`` down; ``task`` is its ``serve()``. New cards and OPEN get ERROR
+    (DRAINING) at once; a round a target is waiting for is drafted and sent; then each open
+    session's target gets an ERROR (DRAINING), so it finishes without waiting out its reply
+    deadline and takes its next sessions to another hub of its pool."""
     hub.accepting = False
     log.info("shutting down: %d sessions, %d requests queued", len(hub.table),
              len(hub.worker.buffer))
@@ -24,7 +25,7 @@ async def drain(hub, task: asyncio.Task, timeout_s: float = 10.0) -> None:
             and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     for tag, session in list(hub.table.sessions.items()):
-        hub.reply(session.owner, Error(tag=tag, code=int(ErrorCode.REJECTED),
+        hub.reply(session.owner, Error(tag=tag, code=int(ErrorCode.DRAINING),
                                        message="the hub is shutting down"))
         hub.close(tag)
     while hub.outbox and time.monotonic() < deadline:

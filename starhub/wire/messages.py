@@ -53,6 +53,9 @@ class ErrorCode(enum.IntEnum):
     REJECTED = 9
     INTERNAL = 10
     STALE = 11
+    DRAINING = 12
+    """The hub is shutting down: the target's sessions there are over, and its next ones
+    belong on another hub of its pool (or alone)."""
 
 
 class ProtocolError(Exception):
