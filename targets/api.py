@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from targets.generate import SpeculativeGenerator, encode_prompt
 from targets.stats import GenerationResult
 
 
 class Attached:
-    """A loaded HF model and tokenizer, served drafts by a hub."""
+    """A loaded HF model and tokenizer, served drafts by a hub, or by the best hub of a pool
+    (``hub``: a list, or addresses separated by commas)."""
 
-    def __init__(self, model, tokenizer, hub: str, name: str = "api", timeout_s: float = 3.0,
-                 chat_template: bool = True, shared_cores: str = "auto"):
+    def __init__(self, model, tokenizer, hub: str | Sequence[str], name: str = "api",
+                 timeout_s: float = 3.0, chat_template: bool = True,
+                 shared_cores: str = "auto"):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self._gen = SpeculativeGenerator(model, tokenizer, hub, name=name, timeout_s=timeout_s,
@@ -59,5 +61,6 @@ class Attached:
         self.close()
 
 
-def attach(model, tokenizer, hub: str = "tcp://127.0.0.1:5555", **kwargs) -> Attached:
+def attach(model, tokenizer, hub: str | Sequence[str] = "tcp://127.0.0.1:5555",
+           **kwargs) -> Attached:
     return Attached(model, tokenizer, hub, **kwargs)

@@ -40,7 +40,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -233,8 +233,8 @@ class Batcher:
 
     _refs = itertools.count(1)
 
-    def __init__(self, model, tokenizer, hub: str | None = None, name: str = "serve",
-                 timeout_s: float = 3.0, prefill_chunk: int = 0,
+    def __init__(self, model, tokenizer, hub: str | Sequence[str] | None = None,
+                 name: str = "serve", timeout_s: float = 3.0, prefill_chunk: int = 0,
                  client_options: dict | None = None, speculate: str = "auto",
                  shared_cores: str = AUTO, decode_ahead: bool = True):
         self.model = model
@@ -479,6 +479,8 @@ class Batcher:
         if isinstance(msg, Error):
             if msg.code == ErrorCode.NO_CARD:
                 self._rejoin()
+            elif msg.code == ErrorCode.DRAINING:  # its next sessions go to another hub
+                self._lost(f"the hub {slot.client.address} is shutting down")
             else:
                 self._alone(slot, f"hub error {msg.code}: {msg.message}")
             return
@@ -736,6 +738,7 @@ class Batcher:
         it had before was closed: the new one's rounds count from the start again."""
         req = slot.req
         slot.client, slot.ref = client, next(self._refs)
+        slot.stats.hub = client.address
         slot.seq, slot.reopened = -1, False
         slot.waiting_since, slot.busy_mark = time.perf_counter(), self._busy_s
         slot.cohort, slot.ahead, slot.lag = -1, self.decode_ahead, None

@@ -10,7 +10,7 @@ the same state, so the output is the same either way; only the speed differs.
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import fields
 
 from starhub.client.connection import HubClient
@@ -29,9 +29,9 @@ WAIT_S = 600.0
 class SpeculativeGenerator:
     """Decodes with a hub when one is reachable and willing, and on its own otherwise."""
 
-    def __init__(self, model, tokenizer, hub: str | None = None, name: str = "target",
-                 timeout_s: float = 3.0, client_options: dict | None = None,
-                 shared_cores: str = AUTO):
+    def __init__(self, model, tokenizer, hub: str | Sequence[str] | None = None,
+                 name: str = "target", timeout_s: float = 3.0,
+                 client_options: dict | None = None, shared_cores: str = AUTO):
         self.tokenizer = tokenizer
         self.core = Batcher(model, tokenizer, hub, name=name, timeout_s=timeout_s,
                             client_options=client_options, shared_cores=shared_cores,

@@ -1,17 +1,24 @@
 """The target core's link to its hub (``targets.batcher``, under the star target and the
 server alike): the one greeting (our TARGET_CARD), the clock that follows whether the hub
 computes on our cores, the OPEN every session starts with, and the check every PROPOSE
-passes before it is verified."""
+passes before it is verified.
+
+Given a pool of hubs (``--hub A,B,C``), each greeting goes to the hub whose own figures
+promise this target the most tokens per second (``starhub.client.pool``): at start, and
+whenever the link reconnects, after its hub died, hung or began to drain.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Sequence
 
 import torch
 
 from starhub.client.connection import HubClient, HubUnavailable
 from starhub.client.link import Link
+from starhub.client.pool import offer, pool_addresses, rank, survey
 from starhub.cores import CoreClock
 from starhub.wire.messages import DrafterCard, Open, Propose, TargetCard
 from targets.acceptance import Sampling
@@ -20,28 +27,65 @@ log = logging.getLogger("starhub.target")
 
 
 class HubLink(Link):
-    """``Link`` to a hub, greeting it with ``card()``. Each new DRAFTER_CARD it holds (at
-    start, after a reconnect, after the hub forgot us) is logged once and tells ``clock``
-    whether plain steps and passes must be timed by CPU time, the hub sharing our cores."""
+    """``Link`` to a hub, or to the best of a pool of hubs (``hub``: an address, several
+    comma-separated, or a list), greeting it with ``card()``. Each new DRAFTER_CARD it
+    holds (at start, after a reconnect, after the hub forgot us) is logged once and tells
+    ``clock`` whether plain steps and passes must be timed by CPU time, the hub sharing our
+    cores. ``address`` is the hub greeted last."""
 
-    def __init__(self, hub: str, card: Callable[[], TargetCard], clock: CoreClock,
-                 name: str = "target", timeout_s: float = 3.0,
+    def __init__(self, hub: str | Sequence[str], card: Callable[[], TargetCard],
+                 clock: CoreClock, name: str = "target", timeout_s: float = 3.0,
                  client_options: dict | None = None):
-        super().__init__(hub, self._greet, name, floor_s=timeout_s)
+        self.pool = pool_addresses(hub)
+        super().__init__(self.pool[0], self._greet, name, floor_s=timeout_s)
         self.target_card = card
         self.clock = clock
         self.client_options = client_options or {}
+        self.rng = random.Random()
+        """Breaks ties between hubs with equal offers (``starhub.client.pool.rank``)."""
         self._followed: object = None
 
     def _greet(self) -> tuple[HubClient, DrafterCard]:
-        """A new connection to the hub, and its DRAFTER_CARD (``HubUnavailable`` if none)."""
-        client = HubClient(self.address, timeout_s=max(self.floor_s, 5.0),
-                           **self.client_options)
+        """A new connection to the hub (or the pool's best that admits us), and its
+        DRAFTER_CARD; ``HubUnavailable`` if none."""
+        if len(self.pool) == 1:
+            return self._greet_one(self.pool[0])
+        reports = survey(self.pool, client_options=self.client_options)
+        offers = rank([offer(address, report) for address, report in reports.items()],
+                      self.rng)
+        if not offers:
+            raise HubUnavailable(f"no hub of the pool {','.join(self.pool)} answered")
+        refusals = []
+        for hub in offers:
+            try:
+                found = self._greet_one(hub.address)
+            except HubUnavailable as exc:
+                refusals.append(exc)
+                continue
+            self.address = hub.address
+            return found
+        waits = [e.retry_after_s for e in refusals if e.retry_after_s > 0]
+        silent = len(self.pool) - len(offers)
+        raise HubUnavailable(
+            "; ".join(map(str, refusals)) + (f"; {silent} more did not answer" if silent else ""),
+            retry_after_s=min(waits, default=0.0),
+            rejected=not silent and all(e.rejected for e in refusals))
+
+    def _greet_one(self, address: str) -> tuple[HubClient, DrafterCard]:
+        client = HubClient(address, timeout_s=max(self.floor_s, 5.0), **self.client_options)
         try:
             return client, client.greet(self.target_card())
         except HubUnavailable:
             client.close()
             raise
+
+    def connect(self) -> bool:
+        """``Link.connect``, saying once why there is no hub where there is none."""
+        if super().connect():
+            return True
+        log.warning("%s: no hub to draft with yet (%s); decoding alone, and asking again in "
+                    "the background", self.name, self.note)
+        return False
 
     def open(self) -> DrafterCard:
         card = super().open()

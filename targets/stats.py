@@ -36,6 +36,8 @@ class GenerationStats:
     accept_len_hist: dict[str, int] = field(default_factory=dict)
     standalone: bool = False
     note: str = ""
+    hub: str = ""
+    """The hub its session opened on (the last, if it opened more than one); empty: none."""
 
 
 @dataclass

@@ -77,7 +77,7 @@ def tiny_model(tiny_dir):
 class HubThread:
     """A real Hub on an ephemeral loopback port, run in a background event loop."""
 
-    def __init__(self, drafter, **config):
+    def __init__(self, drafter, bind: str = "tcp://127.0.0.1:0", **config):
         import asyncio
 
         from starhub.hub.server import Hub, HubConfig
@@ -85,7 +85,7 @@ class HubThread:
         self.loop = asyncio.new_event_loop()
         self.hub = Hub.__new__(Hub)
         self._started = threading.Event()
-        self._config = HubConfig(bind="tcp://127.0.0.1:0", **config)
+        self._config = HubConfig(bind=bind, **config)
         self._drafter = drafter
         self.task = None
         self.thread = threading.Thread(target=self._run, daemon=True)

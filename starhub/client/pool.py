@@ -1,0 +1,125 @@
+"""A pool of hubs, seen from one target: which hub its sessions should open on.
+
+Placement is each target's own choice from what the hubs say about themselves; there is no
+coordinator. Before it greets, a target asks every hub of its pool for its STATS (no card:
+asking takes no admission slot) and reads from each answer how fast one more target would
+decode there (``offer``): StarSD's model with the hub's own figures, a round of ``S``
+drafting and ``Z`` returning for ``τ`` tokens, ``τ / max(S + Z, (N + 1)·S)`` with ``N``
+targets admitted already, or nothing where the hub's admission rule would turn it away.
+It greets the hubs in that order (``rank``), the one with fewer targets first where the
+offers are equal, and stays with the first that admits it.
+
+Every hub is asked, not two at random (the "power of two choices"): a pool is a handful of
+hubs, and asking each costs one small message, so the best answer is as cheap as a sampled
+one. Answers are as old as the survey, and targets that start together see the same ones;
+so hubs whose offers and target counts are equal are tried in a random order, and a crowd
+of newcomers spreads over them instead of herding onto one. A hub
+that does not answer within the survey's timeout (down, hung, restarting) is not greeted;
+the link asks again after its backoff.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import zmq
+
+from starhub.client.connection import HubClient, HubUnavailable
+from starhub.wire.messages import StatsQuery, StatsReport
+from starhub.wire.reports import HubReport
+
+TIE = 0.05
+"""Offers within this share of each other are equal (``rank``)."""
+SURVEY_S = 0.5
+"""How long a survey waits for the hubs' answers: a hub on the same network answers a STATS
+in milliseconds."""
+
+
+def pool_addresses(hub: str | Sequence[str]) -> list[str]:
+    """The addresses in ``hub``: one, a comma-separated list, or a list; each once."""
+    parts = hub.split(",") if isinstance(hub, str) else list(hub)
+    found = list(dict.fromkeys(p.strip() for p in parts if p.strip()))
+    if not found:
+        raise ValueError(f"no hub address in {hub!r}")
+    return found
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What one hub's STATS promise a newcomer: ``tok_s``, the tokens per second one more
+    target would decode at (0: the hub would turn it away), beside the hub's load and the
+    targets it has admitted."""
+
+    address: str
+    tok_s: float
+    admitted: int
+    load: float
+
+
+def offer(address: str, report: HubReport) -> Offer:
+    """``report``'s promise to one more target (see the module's docstring)."""
+    control = report.control
+    n = control.admitted
+    limit = control.max_targets
+    full = (limit == "auto" and control.n_max is not None and n + 1 > control.n_max) or \
+        (isinstance(limit, int) and limit > 0 and n + 1 > limit)
+    typical = control.typical
+    s, z = typical.S_ms / 1e3, typical.Z_ms / 1e3
+    cycle = max(s + z, (n + 1) * s)
+    tok_s = 0.0 if full else typical.tau / cycle if cycle > 0 else math.inf
+    return Offer(address, tok_s, n, report.load)
+
+
+def rank(offers: Sequence[Offer], rng: random.Random | None = None) -> list[Offer]:
+    """The order to greet: the best offer first; among offers within ``TIE`` of each other
+    (below saturation every hub promises the same), the hub with the fewest targets, then
+    a random one; full hubs last (their admission may still say yes)."""
+    rng = rng or random.Random()
+    shuffled = list(offers)
+    rng.shuffle(shuffled)
+
+    def level(o: Offer) -> tuple[float, int]:
+        if o.tok_s <= 0:
+            return math.inf, o.admitted
+        if math.isinf(o.tok_s):
+            return -math.inf, o.admitted
+        return -round(math.log(o.tok_s) / math.log1p(TIE)), o.admitted
+
+    return sorted(shuffled, key=level)  # stable: equal keys keep the shuffled order
+
+
+def survey(addresses: Sequence[str], timeout_s: float = SURVEY_S,
+           client_options: dict | None = None) -> dict[str, HubReport]:
+    """Every hub's STATS that came within ``timeout_s``, asked of all at once; a hub that
+    refused us, said something else or stayed silent is left out."""
+    clients: dict[zmq.Socket, tuple[str, HubClient]] = {}
+    poller = zmq.Poller()
+    try:
+        for address in addresses:
+            client = HubClient(address, timeout_s=timeout_s, **(client_options or {}))
+            clients[client.sock] = address, client
+            try:
+                client.send(StatsQuery())
+            except HubUnavailable:
+                continue
+            poller.register(client.sock, zmq.POLLIN)
+        found: dict[str, HubReport] = {}
+        deadline = time.monotonic() + timeout_s
+        while poller.sockets and (left := deadline - time.monotonic()) > 0:
+            for sock, _ in poller.poll(int(1000 * left) + 1):
+                address, client = clients[sock]
+                poller.unregister(sock)
+                try:
+                    reply = client.recv(0)
+                except HubUnavailable:
+                    continue
+                if isinstance(reply, StatsReport) and isinstance(reply.body, HubReport):
+                    found[address] = reply.body
+        return found
+    finally:
+        for _, client in clients.values():
+            client.close()

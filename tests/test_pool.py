@@ -1,0 +1,179 @@
+"""A target given a pool of hubs: it reads each hub's offer, opens its sessions on the best,
+moves to another when its hub dies or drains, decodes alone while none will have it, and
+its output never changes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import socket
+import time
+
+import pytest
+import torch
+
+from starhub.client.connection import HubClient
+from starhub.client.pool import Offer, offer, pool_addresses, rank, survey
+from starhub.drafters.ngram import NgramDrafter
+from starhub.hub.shutdown import drain
+from starhub.wire.messages import DrafterCard, TargetCard
+from targets import attach
+from tests.conftest import HubThread
+
+PROMPT = [1, 5, 9, 14, 3, 5, 9, 14, 3]
+NEW = 12
+
+
+def _free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _reference(model) -> list[int]:
+    return model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False,
+                          eos_token_id=None)[0, len(PROMPT):].tolist()
+
+
+def _holder(address: str, vocab_size: int) -> HubClient:
+    """A target that holds an admission slot at ``address`` and does nothing else."""
+    client = HubClient(address, timeout_s=10)
+    assert isinstance(client.greet(TargetCard(name="holder", vocab_size=vocab_size)),
+                      DrafterCard)
+    return client
+
+
+def test_pool_addresses_take_a_list_or_commas_and_name_each_hub_once():
+    assert pool_addresses("tcp://a:1, tcp://b:2,tcp://a:1") == ["tcp://a:1", "tcp://b:2"]
+    assert pool_addresses(["tcp://b:2"]) == ["tcp://b:2"]
+    with pytest.raises(ValueError, match="no hub address"):
+        pool_addresses(" , ")
+
+
+def test_rank_puts_the_best_offer_first_then_fewer_targets_and_full_hubs_last():
+    offers = [Offer("full", 0.0, 1, 0.2), Offer("busy", 100.0, 9, 1.0),
+              Offer("fast", 300.0, 2, 0.5), Offer("fast-but-crowded", 299.0, 5, 0.5)]
+    for seed in range(20):
+        order = [o.address for o in rank(offers, random.Random(seed))]
+        assert order == ["fast", "fast-but-crowded", "busy", "full"]
+
+
+def test_equal_offers_are_tried_in_a_random_order_so_that_newcomers_spread():
+    offers = [Offer(name, 100.0, 0, 0.0) for name in "abcd"]
+    firsts = {rank(offers, random.Random(seed))[0].address for seed in range(40)}
+    assert firsts == set("abcd")
+
+
+def test_a_hubs_offer_follows_its_admission_rule_and_the_star_model(tiny_model):
+    """The offer is read from a real hub's STATS: a rate while it has room, none once its
+    admission limit is reached; asking took no slot."""
+    model, _ = tiny_model
+    hub = HubThread(NgramDrafter(), max_targets=1)
+    try:
+        reports = survey([hub.address])
+        first = offer(hub.address, reports[hub.address])
+        typical = reports[hub.address].control.typical
+        s, z = typical.S_ms / 1e3, typical.Z_ms / 1e3
+        assert first.admitted == 0 and first.tok_s == pytest.approx(typical.tau / max(s + z, s))
+        holder = _holder(hub.address, model.config.vocab_size)
+        full = offer(hub.address, survey([hub.address])[hub.address])
+        assert full.admitted == 1 and full.tok_s == 0
+        holder.close()
+    finally:
+        hub.stop()
+
+
+def test_a_survey_leaves_out_hubs_that_do_not_answer():
+    hub = HubThread(NgramDrafter())
+    try:
+        dead = _free_address()
+        found = survey([dead, hub.address], timeout_s=0.5)
+        assert list(found) == [hub.address]
+    finally:
+        hub.stop()
+
+
+def test_a_target_opens_on_the_hub_with_room_and_moves_when_its_hub_dies(tiny_model):
+    """Two hubs, one of them holding a target already: the newcomer opens on the other; that
+    one killed, the request under way finishes alone and a later one opens on the first.
+    Every output is generate()'s."""
+    model, tok = tiny_model
+    want = _reference(model)
+    a, b = HubThread(NgramDrafter()), HubThread(NgramDrafter())
+    holder = _holder(a.address, model.config.vocab_size)
+    try:
+        with attach(model, tok, [a.address, b.address], name="pooled", timeout_s=1.0) as t:
+            first = t.generate(PROMPT, max_new_tokens=NEW)
+            assert first.output_ids == want
+            assert first.stats.hub == b.address and first.stats.rounds > 0, first.stats
+            b.stop()
+            results = []
+            deadline = time.monotonic() + 60
+            while not results or results[-1].stats.hub != a.address:
+                assert time.monotonic() < deadline, [r.stats for r in results]
+                results.append(t.generate(PROMPT, max_new_tokens=NEW))
+                time.sleep(0.05)
+            assert all(r.output_ids == want for r in results)
+            assert all(r.stats.standalone and r.stats.note for r in results[:-1])
+            assert results[-1].stats.rounds > 0 and not results[-1].stats.note
+    finally:
+        holder.close()
+        a.stop()
+        b.stop()
+
+
+def test_a_draining_hub_sends_its_targets_to_the_other_hub(tiny_model):
+    """SIGTERM's drain on the hub a target decodes with: the request under way finishes
+    with the same tokens, and once the link has moved, requests open on the other hub."""
+    model, tok = tiny_model
+    want = _reference(model)
+    hubs = {h.address: h for h in (HubThread(NgramDrafter()), HubThread(NgramDrafter()))}
+    try:
+        with attach(model, tok, list(hubs), name="pooled", timeout_s=2.0) as t:
+            first = t.generate(PROMPT, max_new_tokens=NEW)
+            assert first.stats.hub in hubs and first.stats.rounds > 0
+            draining = hubs[first.stats.hub]
+            ids: list[int] = []
+            for n, chunk in enumerate(t.stream(PROMPT, max_new_tokens=NEW)):
+                ids.append(chunk)
+                if n == 0:
+                    asyncio.run_coroutine_threadsafe(drain(draining.hub, draining.task),
+                                                     draining.loop).result(15)
+            assert tok.decode(want, skip_special_tokens=True) == "".join(ids)
+            deadline = time.monotonic() + 60
+            while True:
+                after = t.generate(PROMPT, max_new_tokens=NEW)
+                assert after.output_ids == want and after.stats.hub != draining.address
+                if after.stats.rounds > 0:
+                    break
+                assert time.monotonic() < deadline, after.stats
+                time.sleep(0.05)
+    finally:
+        for hub in hubs.values():
+            hub.stop()
+
+
+def test_a_target_whose_whole_pool_is_down_decodes_alone_says_so_once_and_joins_later(
+        tiny_model, caplog):
+    model, tok = tiny_model
+    want = _reference(model)
+    pool = [_free_address(), _free_address()]
+    with caplog.at_level(logging.INFO, logger="starhub"), \
+            attach(model, tok, pool, name="pooled", timeout_s=1.0) as t:
+        alone = [t.generate(PROMPT, max_new_tokens=NEW) for _ in range(3)]
+        assert all(r.output_ids == want and r.stats.standalone for r in alone)
+        said = [r for r in caplog.records if "no hub" in r.getMessage()]
+        assert len(said) == 1, [r.getMessage() for r in caplog.records]
+        hub = HubThread(NgramDrafter(), bind=pool[1])
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                result = t.generate(PROMPT, max_new_tokens=NEW)
+                assert result.output_ids == want
+                if result.stats.hub == pool[1] and result.stats.rounds > 0:
+                    break
+                assert time.monotonic() < deadline, result.stats
+                time.sleep(0.2)
+        finally:
+            hub.stop()
