@@ -9,7 +9,8 @@ from pathlib import Path
 
 from bench.defaults import BASELINES, DEFAULT_PROMPTS, DEFAULT_REPLAY_PROMPTS
 from bench.emulate import EmulateOptions, EmulateSpec, emulated_doc
-from bench.plot import plot, plot_edge, plot_serve
+from bench.emulate_pool import pool_doc
+from bench.plot import plot, plot_edge, plot_pool, plot_serve
 from bench.report import markdown_table, text_table
 from bench.settings import SERVE_TARGETS, Bench, hub_value, rate, setting_value
 from starhub.options import (
@@ -95,6 +96,13 @@ def single(text: str | None, flag: str) -> int | None:
     if len(values) > 1:
         raise ValueError(f"{flag} takes one value with --topology edge (got {text})")
     return values[0]
+
+
+def hub_count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"{value} hubs: give 1 or more")
+    return value
 
 
 def parse_targets(text: str) -> list[int]:
@@ -227,14 +235,24 @@ def main(args: argparse.Namespace) -> int:
     tree = tree_options(args, depths)
     if args.hub_load:
         return write(args, hub_load_doc(args, ns, tree, admission))
+    if args.hubs and not (args.emulate and not args.hub_load):
+        raise ValueError("--hubs runs an emulated pool: give --emulate SPEC (a real pool of "
+                         "hubs runs with `starhub launch`)")
     if args.emulate:
         spec = EmulateSpec.parse(args.emulate)
         opts = EmulateOptions(duration_s=args.duration, warmup_s=args.warmup,
                               procs=args.emulate_procs,
                               max_new_tokens=args.max_new_tokens or 512,
                               metrics_port=args.metrics_port, log_dir=args.log_dir)
-        doc = emulated_doc(spec, ns, opts, progress=args.progress,
-                           depths=depths or [spec.depth], max_targets=admission)
+        if args.hubs:
+            if depths or len(admission) > 1:
+                raise ValueError("--hubs takes the spec's depth and one --max-targets")
+            hubs = parse_list(args.hubs, hub_count, "--hubs")
+            doc = pool_doc(spec, ns, hubs, opts, progress=args.progress,
+                           max_targets=admission[0])
+        else:
+            doc = emulated_doc(spec, ns, opts, progress=args.progress,
+                               depths=depths or [spec.depth], max_targets=admission)
     else:
         # deferred: torch and transformers load only when this runs
         from bench.run import BenchConfig, run_real
@@ -287,7 +305,9 @@ def write(args: argparse.Namespace, doc: dict) -> int:
         Path(args.markdown).write_text(markdown_table(doc))
     if args.plot:
         mode = "serve" if doc["config"].get("mode") == "serve" else doc["config"].get("topology")
-        {"serve": plot_serve, "edge": plot_edge}.get(mode, plot)(doc, args.plot)
+        mode = "pool" if doc["config"].get("mode") == "pool" else mode
+        {"serve": plot_serve, "edge": plot_edge, "pool": plot_pool}.get(mode, plot)(doc,
+                                                                                   args.plot)
     for path in filter(None, (args.json_out, args.markdown, args.plot)):
         print(f"wrote {path}", file=sys.stderr)
     return 0

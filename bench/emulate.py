@@ -27,7 +27,7 @@ from itertools import pairwise
 import msgspec
 
 from bench.emulate_spec import VOCAB, EmulateSpec, load_trace
-from bench.emulate_targets import targets_main
+from bench.emulate_targets import PLACEMENTS, targets_main
 from bench.model import StarModel
 from bench.notes import METRIC_NOTES
 from bench.settings import hub_value
@@ -134,47 +134,70 @@ def run_point(spec: EmulateSpec, n: int, opts: EmulateOptions, log_dir: str,
     depth = spec.depth if depth is None else depth
     if depth != "auto":
         spec = replace(spec, depth=int(depth))
+    windows, totals = measure_point(spec, n, opts, log_dir, tick, depth, max_targets)
+    ((c0, c1),) = windows
     model = spec.model()
-    name = f"n{n}-d{depth}-m{max_targets}"
+    row = emulated_row(spec, n, derive(c0["counters"], c1["counters"], targets=n), c1,
+                       totals, None if depth == "auto" else model)
+    row.update(depth=depth, max_targets=max_targets)
+    return row
+
+
+def measure_point(spec: EmulateSpec, n: int, opts: EmulateOptions, log_dir: str,
+                  tick: Callable[[float], None], depth: int | str, max_targets: int | str,
+                  hubs: int = 1, placement: str = "admission") -> tuple[list, list[dict]]:
+    """A fresh hub process for each of ``hubs``, N emulated targets placed over them, and a
+    measured window between two STATS readings of each hub after a warm-up. Returns each
+    hub's (first, last) STATS as plain data and the target processes' totals."""
+    name = f"n{n}-d{depth}-m{max_targets}" + (f"-h{hubs}-{placement}" if hubs > 1 else "")
     hub_cmd = [sys.executable, "-m", "bench.emulate", "hub", "--bind", "tcp://127.0.0.1:0",
                "--t-s", repr(spec.t_s), "--depth", str(depth), "--threads", "1",
-               "--max-targets", str(max_targets), "--metrics-port", str(opts.metrics_port)]
-    hub, address = _spawn_ready(hub_cmd, f"{log_dir}/hub-{name}.log")
+               "--max-targets", str(max_targets)]
+    servers: list[subprocess.Popen] = []
     procs: list[subprocess.Popen] = []
     try:
+        addresses = []
+        for h in range(hubs):
+            port = str(opts.metrics_port + h if opts.metrics_port else 0)
+            hub, address = _spawn_ready([*hub_cmd, "--metrics-port", port],
+                                        f"{log_dir}/hub{h}-{name}.log")
+            servers.append(hub)
+            addresses.append(address)
         shares = [len(range(i, n, min(opts.procs, n))) for i in range(min(opts.procs, n))]
         first = 0
         for share in shares:
-            cmd = [sys.executable, "-m", "bench.emulate", "targets", "--hub", address,
-                   "--spec", spec.text(), "--count", str(share), "--first", str(first),
-                   "--max-new-tokens", str(opts.max_new_tokens), "--seed", str(opts.seed),
-                   "--procs", str(len(shares))]
+            cmd = [sys.executable, "-m", "bench.emulate", "targets", "--hub", ",".join(addresses),
+                   "--placement", placement, "--spec", spec.text(), "--count", str(share),
+                   "--first", str(first), "--max-new-tokens", str(opts.max_new_tokens),
+                   "--seed", str(opts.seed), "--procs", str(len(shares))]
             proc, _ = _spawn_ready(cmd, f"{log_dir}/targets-{name}.log", stdin=True)
             procs.append(proc)
             first += share
-        client = observer_client(address, timeout_s=30, name="bench")
+        clients = [observer_client(address, timeout_s=30, name="bench")
+                   for address in addresses]
         _command(procs, "go")
-        iteration = model.iteration(n)
+        iteration = spec.model().iteration(-(-n // hubs))
         _sleep(max(opts.warmup_s, 1.5 * iteration), tick)
         _command(procs, "mark")
-        c0 = msgspec.to_builtins(client.request(StatsQuery(counters=True)).body)
+        before = [msgspec.to_builtins(c.request(StatsQuery(counters=True)).body)
+                  for c in clients]
         _sleep(max(opts.duration_s, opts.min_iterations * iteration), tick)
         _command(procs, "mark")
-        c1 = msgspec.to_builtins(client.request(StatsQuery(counters=True)).body)
-        client.close()
+        after = [msgspec.to_builtins(c.request(StatsQuery(counters=True)).body)
+                 for c in clients]
+        for client in clients:
+            client.close()
         totals = []
         for proc in procs:
-            out, _ = proc.communicate("stop\n", timeout=30)
+            out, _ = proc.communicate("stop\n", timeout=60)
             totals += [json.loads(line[7:]) for line in out.splitlines()
                        if line.startswith("RESULT ")]
     finally:
         for proc in procs:
             _stop(proc)
-        _stop(hub)
-    row = emulated_row(spec, n, derive(c0["counters"], c1["counters"], targets=n), c1,
-                       totals, None if depth == "auto" else model)
-    row.update(depth=depth, max_targets=max_targets)
-    return row
+        for hub in servers:
+            _stop(hub)
+    return list(zip(before, after, strict=True)), totals
 
 
 def _command(procs: list[subprocess.Popen], command: str) -> None:
@@ -380,7 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     hub.add_argument("--metrics-port", type=int, default=0)
     hub.add_argument("--log-every", type=float, default=10.0)
     tgt = sub.add_parser("targets", help="emulated targets on one event loop")
-    tgt.add_argument("--hub", required=True)
+    tgt.add_argument("--hub", required=True, help="a hub, or a pool: addresses separated "
+                     "by commas")
+    tgt.add_argument("--placement", choices=PLACEMENTS, default="admission",
+                     help="how each target chooses its hub in a pool")
     tgt.add_argument("--spec", required=True)
     tgt.add_argument("--count", type=int, default=1)
     tgt.add_argument("--first", type=int, default=0)

@@ -1,5 +1,10 @@
 """Emulated target processes: many targets on one asyncio loop, each its own DEALER socket.
 
+Given several hubs, each target chooses its own as a real target does with a pool
+(``starhub.client.pool``: every hub's STATS read, the best offer greeted first), or, with
+``placement="random"``, greets one hub drawn at random and stays with it. Targets connect
+one after another, so that each sees the admissions before it.
+
 A target waits ``t_v`` to "verify" every proposal and ``t_c`` for the link (less the
 loopback round trip the real sockets already add), then commits an accepted length drawn
 per token with its own ``beta``. Told to decode plainly, or turned away by admission, it
@@ -22,17 +27,24 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from bench.emulate_spec import PROMPT_LEN, VOCAB, EmulateSpec
+from starhub.client.pool import offer, pool_addresses, rank
 from starhub.wire.messages import (
     Close,
     Commit,
     DrafterCard,
+    Error,
+    ErrorCode,
     Open,
     Ping,
     Propose,
     Reject,
     StatsQuery,
+    StatsReport,
     TargetCard,
 )
+from starhub.wire.reports import HubReport
+
+PLACEMENTS = ("admission", "random")
 
 
 def dealer(ctx, hub: str, name: str):
@@ -94,6 +106,8 @@ class TargetTotals:
     betas: list[float] = field(default_factory=list)
     admitted: list[bool] = field(default_factory=list)
     """Whether each target held an admission slot at the end of the window."""
+    hubs: list[str] = field(default_factory=list)
+    """The hub each target was admitted by at the end of the window ("": none)."""
     marks: list[list] = field(default_factory=list)
     """``[time, [tokens of each target]]`` at each ``mark`` command."""
 
@@ -102,10 +116,16 @@ class EmulatedTargets:
     """``count`` targets on one event loop, each a DEALER socket with one session at a time."""
 
     def __init__(self, hub: str, spec: EmulateSpec, count: int, first: int = 0,
-                 max_new_tokens: int = 64, seed: int = 0, share: float = 1.0):
+                 max_new_tokens: int = 64, seed: int = 0, share: float = 1.0,
+                 placement: str = "admission"):
         import zmq.asyncio
 
-        self.hub, self.spec, self.count, self.first = hub, spec, count, first
+        self.hubs = pool_addresses(hub)
+        self.spec, self.count, self.first = spec, count, first
+        self.placement = placement
+        self.rng = random.Random(seed * 104729 + first)
+        self.home = [self.rng.choice(self.hubs) for _ in range(count)]
+        """Each target's hub under random placement."""
         self.max_new_tokens = max_new_tokens
         self.ctx = zmq.asyncio.Context()
         # libzmq caps a context at 1,023 sockets by default; one socket a target, plus room
@@ -114,6 +134,7 @@ class EmulatedTargets:
         self.totals = TargetTotals(targets=count, first=first)
         self.totals.betas = [spec.target_beta(first + i, seed) for i in range(count)]
         self.totals.admitted = [False] * count
+        self.totals.hubs = [""] * count
         self.draws = [spec.sampler(random.Random(seed * 7919 + first + i), beta)
                       for i, beta in enumerate(self.totals.betas)]
         self.tokens = [0] * count
@@ -131,23 +152,60 @@ class EmulatedTargets:
         """Sockets for every target, each greeted once (admitted or not), and the link's
         own round trip measured so that the emulated ``t_c`` includes it."""
 
-        socks = [dealer(self.ctx, self.hub, f"emu{self.first + i}") for i in range(self.count)]
-        replies = await asyncio.gather(*(ask(s, self.card(self.first + i))
-                                         for i, s in enumerate(socks)))
-        for i, reply in enumerate(replies):
-            if not isinstance(reply, DrafterCard | Reject):
-                raise RuntimeError(f"hub answered our card with {reply}")
-            self.totals.admitted[i] = isinstance(reply, DrafterCard)
+        self.surveyors = {h: dealer(self.ctx, h, "emu-survey") for h in self.hubs}
+        self.survey_lock = asyncio.Lock()
+        if len(self.hubs) == 1:  # one hub: every target greets it at once
+            hub = self.hubs[0]
+            socks = [dealer(self.ctx, hub, f"emu{self.first + i}") for i in range(self.count)]
+            replies = await asyncio.gather(*(ask(s, self.card(self.first + i))
+                                             for i, s in enumerate(socks)))
+            for i, reply in enumerate(replies):
+                self.admit(i, hub, reply)
+        else:
+            socks, replies = [], []
+            for i in range(self.count):
+                sock, reply = await self.place(i)
+                socks.append(sock)
+                replies.append(reply)
         self.retry_after = [getattr(r, "retry_after_s", 0.0) for r in replies]
         rtts = []
+        probe = self.surveyors[self.hubs[0]]
         for nonce in range(30):
             start = time.monotonic()
-            await ask(socks[0], Ping(nonce=nonce))
+            await ask(probe, Ping(nonce=nonce))
             rtts.append(time.monotonic() - start)
         rtt = sorted(rtts[5:])[len(rtts[5:]) // 2]
         self.link_delay = max(0.0, self.spec.t_c - rtt)
         self.totals.link_rtt_ms, self.totals.link_delay_ms = 1e3 * rtt, 1e3 * self.link_delay
         return socks
+
+    def admit(self, i: int, hub: str, reply) -> None:
+        if not isinstance(reply, DrafterCard | Reject):
+            raise RuntimeError(f"hub {hub} answered our card with {reply}")
+        self.totals.admitted[i] = isinstance(reply, DrafterCard)
+        self.totals.hubs[i] = hub if self.totals.admitted[i] else ""
+
+    async def place(self, i: int) -> tuple:
+        """Greet target ``i``'s hub (random placement) or the pool's best offers in turn
+        until one admits it: its socket (to the last hub greeted) and that hub's answer."""
+        if self.placement == "random":
+            order = [self.home[i]]
+        else:
+            async with self.survey_lock:
+                answers = [await ask(sock, StatsQuery()) for sock in self.surveyors.values()]
+            order = [o.address for o in rank(
+                [offer(hub, a.body) for hub, a in zip(self.surveyors, answers, strict=True)
+                 if isinstance(a, StatsReport) and isinstance(a.body, HubReport)], self.rng)]
+        sock = reply = None
+        for hub in order:
+            if sock is not None:
+                sock.close(0)
+            sock = dealer(self.ctx, hub, f"emu{self.first + i}")
+            reply = await ask(sock, self.card(self.first + i))
+            self.admit(i, hub, reply)
+            if self.totals.admitted[i]:
+                break
+        return sock, reply
 
     async def calibrate_link(self, period_s: float = 0.2, gain: float = 0.5) -> None:
         """Steer the added link delay so that the return time the hub measures (from a
@@ -157,21 +215,23 @@ class EmulatedTargets:
         negative (shortening the emulated verification), and the row reports it."""
 
         await self.go.wait()
-        sock = dealer(self.ctx, self.hub, "emu-1")
+        socks = [dealer(self.ctx, hub, "emu-1") for hub in self.hubs]
         before = None
         try:
             while True:
-                stats = await ask(sock, StatsQuery(counters=True))
-                now = stats.body.counters
-                if before is not None and now.returns - before.returns >= 4:
-                    z = (now.return_s - before.return_s) / (now.returns - before.returns)
+                counters = [(await ask(sock, StatsQuery(counters=True))).body.counters
+                            for sock in socks]
+                now = (sum(c.returns for c in counters), sum(c.return_s for c in counters))
+                if before is not None and now[0] - before[0] >= 4:
+                    z = (now[1] - before[1]) / (now[0] - before[0])
                     step = gain * self.share * (self.spec.t_c + self.spec.t_v - z)
                     self.link_delay = min(max(self.link_delay + step, -self.spec.t_v / 2),
                                           self.spec.t_c)
                 before = now
                 await asyncio.sleep(period_s)
         finally:
-            sock.close(0)
+            for sock in socks:
+                sock.close(0)
 
     def open_message(self, index: int):
         import numpy as np
@@ -180,21 +240,26 @@ class EmulatedTargets:
         return Open(ref=next(self.refs), prompt_len=PROMPT_LEN, tokens=tokens,
                     step_ms=1e3 * self.spec.step)
 
-    async def run_one(self, i: int, sock) -> None:
-        """Target ``first + i``: sessions while admitted; alone, and asking again, while not."""
+    async def run_one(self, i: int) -> None:
+        """Target ``first + i``: sessions while admitted; alone, and asking again (its pool,
+        or its one hub), while not."""
 
         await self.go.wait()
         while not self.stop.is_set():
             if self.totals.admitted[i]:
-                await self.session(i, sock)
+                await self.session(i, self.socks[i])
                 continue
             retry = self.retry_after[i]
             if retry <= 0:
                 await self.alone(i, float("inf"))
                 return
             await self.alone(i, time.monotonic() + retry)
-            reply = await ask(sock, self.card(self.first + i))
-            self.totals.admitted[i] = isinstance(reply, DrafterCard)
+            if len(self.hubs) == 1:
+                reply = await ask(self.socks[i], self.card(self.first + i))
+                self.admit(i, self.hubs[0], reply)
+            else:
+                self.socks[i].close(0)
+                self.socks[i], reply = await self.place(i)
             self.retry_after[i] = getattr(reply, "retry_after_s", 0.0)
             self.totals.rejections += not self.totals.admitted[i]
 
@@ -220,6 +285,11 @@ class EmulatedTargets:
         while not self.stop.is_set():
             msg = decode(await sock.recv_multipart(copy=False))
             arrived = time.monotonic()
+            if isinstance(msg, Error) and msg.code == ErrorCode.NO_CARD:
+                # the hub let our idle slot go (its peer grace) before the run began:
+                # greet again, as a real target does
+                self.totals.admitted[i], self.retry_after[i] = False, 1e-3
+                return
             if not isinstance(msg, Propose):
                 self.totals.errors += 1
                 logging.warning("emulated target %d got %s", index, msg)
@@ -251,8 +321,8 @@ class EmulatedTargets:
                 verify_ms=1e3 * busy, step_ms=1e3 * self.spec.step)), copy=False)
 
     async def main(self, commands: asyncio.Queue) -> TargetTotals:
-        socks = await self.connect()
-        tasks = [asyncio.create_task(self.run_one(i, s)) for i, s in enumerate(socks)]
+        self.socks = await self.connect()
+        tasks = [asyncio.create_task(self.run_one(i)) for i in range(self.count)]
         tasks.append(asyncio.create_task(self.calibrate_link()))
         print("READY " + json.dumps({"link_rtt_ms": self.totals.link_rtt_ms}), flush=True)
         while True:
@@ -267,7 +337,7 @@ class EmulatedTargets:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for s in socks:
+        for s in [*self.socks, *self.surveyors.values()]:
             s.close(0)
         self.ctx.term()
         import torch
@@ -292,7 +362,8 @@ def targets_main(args: argparse.Namespace) -> int:
 
         threading.Thread(target=read, daemon=True).start()
         targets = EmulatedTargets(args.hub, spec, args.count, args.first, args.max_new_tokens,
-                                  args.seed, share=1.0 / max(args.procs, 1))
+                                  args.seed, share=1.0 / max(args.procs, 1),
+                                  placement=args.placement)
         totals = await targets.main(commands)
         print("RESULT " + json.dumps(asdict(totals)), flush=True)
 

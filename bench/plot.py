@@ -213,3 +213,35 @@ def plot_serve(doc: dict, out: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def plot_pool(doc: dict, out: str | Path) -> None:
+    """System tokens/s against N, one line per hub count: admission placement solid,
+    random placement dashed, the model (targets spread evenly) dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    cfg = doc["config"]
+    for i, hubs in enumerate(cfg["hubs"]):
+        color = f"C{i}"
+        rows = sorted((r for r in doc["rows"] if r["hubs"] == hubs), key=lambda r: r["targets"])
+        for placement, style in (("admission", "o-"), ("random", "x--")):
+            ours = [r for r in rows if r["placement"] == placement]
+            if ours:
+                ax.plot(*_series(ours, "system_tok_s"), style, color=color,
+                        label=f"H={hubs}" + (f", {placement}" if hubs > 1 else ""))
+        model = [r for r in rows if r["placement"] == "admission"]
+        ax.plot(*_series(model, "system_tok_s", "model"), ":", color=color, alpha=0.6)
+    ax.set_xlabel("targets N")
+    ax.set_ylabel("system tokens/s")
+    ax.set_xscale("log", base=2)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.suptitle(f"starhub pool of hubs, emulated {cfg['emulate']} (dotted: model)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)

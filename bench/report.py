@@ -62,6 +62,22 @@ HUB_LOAD_COLUMNS = [
     ("critical_ms", "critical_draft_ms", "{:.2f}"),
 ]
 
+POOL_COLUMNS = [
+    ("H", "hubs", "{}"),
+    ("placement", "placement", "{}"),
+    ("N", "targets", "{}"),
+    ("system_tok_s", "system_tok_s", "{:.1f}"),
+    ("vs 1 hub", "vs_one_hub", "{:.2f}x"),
+    ("model system_tok_s", ("model", "system_tok_s"), "{:.1f}"),
+    ("hub loads", "hub_loads", "{:.2f}"),
+    ("load spread", "load_spread", "{:.1%}"),
+    ("targets/hub", "targets_per_hub", "{}"),
+    ("alone", "alone", "{}"),
+    ("r_q per hub", "hub_r_q", "{:.0f}"),
+    ("sched ms/round", "sched_ms_per_round", "{:.3f}"),
+    ("overhead_ms", "overhead_ms", "{:.2f}"),
+]
+"""An emulated pool of hubs (``bench.emulate_pool``): one value per hub where listed."""
 
 EDGE_COLUMNS = [
     ("mode", "mode", "{}"),
@@ -136,6 +152,8 @@ def with_tree_columns(cols: list, rows: list[dict]) -> list:
 
 def columns(doc: dict) -> list[tuple[str, object, str]]:
     emulated = doc["config"].get("mode") == "emulated"
+    if doc["config"].get("mode") == "pool":
+        return POOL_COLUMNS
     if doc["config"].get("mode") == "serve":
         cols = SERVE_COLUMNS
         if any("slo_attainment" in row for row in doc["rows"]):
@@ -207,6 +225,13 @@ def run_lines(doc: dict) -> list[str]:
                 cfg.get("threads_note", "")]
     if cfg.get("mode") == "hub-load":
         return hub_load_preamble(cfg)
+    if cfg.get("mode") == "pool":
+        m = cfg["model"]
+        return [f"emulated pool {cfg['emulate']}, hubs {cfg['hubs']}, max-targets "
+                f"{cfg['max_targets']}: each hub S(d)={m['S_ms']:.2f}ms Z(d)={m['Z_ms']:.2f}ms "
+                f"N_full={m['n_full']} tau={m['tau']:.2f}",
+                "placement admission: every hub's STATS read, the best offer greeted first; "
+                "random: one hub at random; model: StarSD's per hub, targets spread evenly"]
     if cfg.get("mode") == "emulated":
         m = cfg["model"]
         lines.append(f"emulated {cfg['emulate']}: S(d)={m['S_ms']:.2f}ms Z(d)={m['Z_ms']:.2f}ms "

@@ -156,6 +156,11 @@ class BenchSettings(Settings):
                                             "first")
     emulate_procs: Positive = Field(1, description="emulation: processes the targets are "
                                                    "spread over")
+    hubs: str | None = Field(
+        None, description="emulation: comma-separated hub counts H (e.g. 1,2,4): each N "
+        "targets over H emulated hubs of the spec, each target choosing its hub by the hubs' "
+        "admission offers as a real target given a pool does, and again at random (H > 1) for "
+        "comparison; one row per N, H and placement. A real pool: `starhub launch`")
     metrics_port: Port = Field(0, description="emulation: the hub serves Prometheus text on "
                                               "this port")
     log_dir: str | None = Field(None, description="hub and target logs (default: a temp dir)")

@@ -45,3 +45,23 @@ def test_the_emulated_star_bench_runs_a_row_per_target_count(tmp_path):
                   str(tmp_path / "logs")], tmp_path / "star.json")
     star = [r for r in rows if r["mode"] == "star"]
     assert [r["targets"] for r in star] == [1, 2] and all(r["system_tok_s"] > 0 for r in star)
+
+
+def test_the_emulated_pool_bench_spreads_targets_over_hubs_and_compares_random_placement(
+        tmp_path):
+    """Targets placed by the hubs' offers land evenly; every row reports one load and one
+    target count per hub, and a plot is drawn."""
+    plot = tmp_path / "pool.png"
+    rows = _rows(["--emulate", "t_s=1ms,t_v=10ms,t_c=1ms,beta=0.8,depth=3", "--targets", "4",
+                  "--hubs", "1,2", "--duration", "1", "--warmup", "0.5", "--plot", str(plot),
+                  "--log-dir", str(tmp_path / "logs")], tmp_path / "pool.json")
+    assert [(r["hubs"], r["placement"]) for r in rows] == [
+        (1, "admission"), (2, "admission"), (2, "random")]
+    assert all(len(r["hub_loads"]) == r["hubs"] and r["system_tok_s"] > 0 for r in rows)
+    assert rows[0]["targets_per_hub"] == [4] and rows[1]["targets_per_hub"] == [2, 2]
+    assert sum(rows[2]["targets_per_hub"]) == 4 and plot.stat().st_size > 0
+
+
+def test_hubs_without_an_emulation_is_refused_with_where_to_go(caplog):
+    assert main(["bench", "--hubs", "2"]) == 2
+    assert "--emulate" in caplog.text and "starhub launch" in caplog.text

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import zmq
 
-from starhub.client.connection import HubClient, HubUnavailable
 from starhub.wire.messages import StatsQuery, StatsReport
 from starhub.wire.reports import HubReport
 
@@ -96,7 +95,10 @@ def survey(addresses: Sequence[str], timeout_s: float = SURVEY_S,
            client_options: dict | None = None) -> dict[str, HubReport]:
     """Every hub's STATS that came within ``timeout_s``, asked of all at once; a hub that
     refused us, said something else or stayed silent is left out."""
-    clients: dict[zmq.Socket, tuple[str, HubClient]] = {}
+    # deferred: the connection's codec loads torch; ranking offers needs none
+    from starhub.client.connection import HubClient, HubUnavailable
+
+    clients: dict[zmq.Socket, tuple[str, object]] = {}
     poller = zmq.Poller()
     try:
         for address in addresses:
