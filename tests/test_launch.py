@@ -58,7 +58,11 @@ def starhub(*args: str, **kw) -> subprocess.CompletedProcess:
     ('[targets]\nmodel = "default"\ncount = true\n', "targets.count",
      "Input should be a valid integer, got True"),
     ('[targets]\nmodel = "default"\n[hub]\ndepth = "deep"\n', "hub.depth", "'auto'"),
-    ('[targets]\nmodel = "default"\n[hubs]\n', "hubs", "allowed here: backend"),
+    ('[targets]\nmodel = "default"\n[hubz]\n', "hubz", "allowed here: backend"),
+    ('[targets]\nmodel = "default"\n[hubs]\n', "hubs", "written [[hubs]]"),
+    ('[targets]\nmodel = "default"\n[hub]\n[[hubs]]\n', "hubs", "not both"),
+    ('[targets]\nmodel = "default"\n[[hubs]]\nport = 1\nbind = "tcp://127.0.0.1:2"\n'
+     '[[hubs]]\n', "hubs[0].port", "bind or port"),
     ('[targets]\nmodel = "default"\ncount = 2\ngpus = [1]\n', "targets.gpus",
      "one index per process"),
     ('backend = "ray"\n[targets]\nmodel = "default"\n[hub]\ngpu = 0\n', "hub.gpu",

@@ -9,11 +9,18 @@ from pathlib import Path
 
 import msgspec
 
+from starhub.client.pool import pool_addresses
 from starhub.launch.config import load_config, schema_text
 from starhub.launch.plan import build_plan, check_commands, describe
 from starhub.launch.ray_backend import RayBackend, ray_address
 from starhub.launch.runner import Launcher, LocalBackend
-from starhub.launch.status import query_stats, report, serve_report, server_health
+from starhub.launch.status import (
+    pool_report,
+    query_stats,
+    report,
+    serve_report,
+    server_health,
+)
 from starhub.models.prompts import read_prompts
 from starhub.options import Seconds
 from starhub.settings.cli import add_settings, value_type
@@ -77,7 +84,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "and tau from its /health.")
     s.add_argument("address", help="e.g. tcp://127.0.0.1:5555 or http://127.0.0.1:8000 (the "
                                    "address its 'STARHUB READY' line or `starhub launch` "
-                                   "printed)")
+                                   "printed); a pool's hubs separated by commas show the "
+                                   "pool: each hub's load, admitted targets, N_max and which "
+                                   "targets it serves")
     s.add_argument("--timeout", type=value_type(Seconds), default=5.0,
                    help="seconds to wait for a reply")
     s.add_argument("--json", action="store_true", help="print the raw STATS body as JSON")
@@ -131,13 +140,24 @@ def cmd_status(args: argparse.Namespace) -> int:
               else serve_report(args.address, body))
         return 0
     secure = ClientSecurity.from_args(args)
-    try:
-        body = query_stats(args.address, args.timeout, peers=True, security=secure)
-    except HubUnavailable as exc:
-        print(f"starhub status: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(msgspec.to_builtins(body), indent=1, sort_keys=True) if args.json
-          else report(args.address, body))
+    addresses = pool_addresses(args.address)
+    found: dict = {}
+    for address in addresses:
+        try:
+            found[address] = query_stats(address, args.timeout, peers=True, security=secure)
+        except HubUnavailable as exc:
+            if len(addresses) == 1:
+                print(f"starhub status: {exc}", file=sys.stderr)
+                return 1
+            found[address] = f"no answer: {exc}"
+    if args.json:
+        body = {a: msgspec.to_builtins(b) for a, b in found.items()}
+        print(json.dumps(body if len(found) > 1 else body[addresses[0]], indent=1,
+                         sort_keys=True))
+    elif len(found) > 1:
+        print(pool_report(found))
+    else:
+        print(report(args.address, found[args.address]))
     return 0
 
 

@@ -141,6 +141,10 @@ class Deployment(Settings):
     ready_timeout_s: Annotated[float, Field(ge=1, allow_inf_nan=False)] = 600.0
     status_interval_s: Amount = Field(2.0, description="live status line (0: off)")
     hub: HubSection | None = None
+    hubs: list[HubSection] | None = Field(
+        None, description="[[hubs]]: a pool of hubs instead of one [hub], each table with "
+        "its own settings, device and port; every target is given the pool and opens its "
+        "sessions on the hub that offers it most (see docs/deployment.md)")
     targets: TargetsSection | None = None
     verifier: VerifierSection | None = None
     drafters: DraftersSection | None = None
@@ -154,7 +158,13 @@ class Deployment(Settings):
 
     @property
     def server(self):
+        """The (first) hub, or the verifier."""
         return self.hub if self.topology == Topology.STAR else self.verifier
+
+    @property
+    def servers(self) -> list:
+        """Every hub of the pool, or the verifier."""
+        return list(self.hubs) if self.topology == Topology.STAR else [self.verifier]
 
     @property
     def workers(self):
@@ -163,6 +173,7 @@ class Deployment(Settings):
 
 TABLES = {"hub": HubSection, "targets": TargetsSection, "verifier": VerifierSection,
           "drafters": DraftersSection, "ray": RaySection}
+"""The tables a deployment holds once each (``[[hubs]]``, a pool, holds ``[hub]``'s keys)."""
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple = ()) -> Deployment:
@@ -205,6 +216,9 @@ def apply_override(raw: dict, item: str, source: str) -> None:
 def parse_config(raw: dict, source: str = "<config>") -> Deployment:
     """A deployment from a file's tables, typed as the file wrote them (``"4"`` is not a
     number); its processes' settings checked as their flags check them."""
+    if isinstance(raw.get("hubs"), dict):
+        raise ConfigError(f"{source}: hubs: a pool of hubs is written [[hubs]], one table per "
+                          f"hub (one hub: [hub])")
     try:
         dep = Deployment.model_validate_json(json.dumps(raw, default=str), strict=True)
     except ValidationError as exc:
@@ -219,7 +233,7 @@ def parse_config(raw: dict, source: str = "<config>") -> Deployment:
 # --- checks across tables ---------------------------------------------------------------
 
 def _check_topology(dep: Deployment, raw: dict, source: str) -> None:
-    star = [k for k in ("hub", "targets") if k in raw]
+    star = [k for k in ("hub", "hubs", "targets") if k in raw]
     edge = [k for k in ("verifier", "drafters") if k in raw]
     if dep.topology is None:
         dep.topology = Topology.EDGE if edge and not star else Topology.STAR
@@ -236,23 +250,33 @@ def _check_topology(dep: Deployment, raw: dict, source: str) -> None:
         raise ConfigError(f"{source}: verifier: missing; an edge deployment needs a "
                           f"[verifier] table with at least model = \"...\"")
     if dep.topology == "star":
-        dep.hub = dep.hub or HubSection()
-        dep.hub.model = dep.hub.model or dep.targets.model
+        if dep.hub is not None and dep.hubs is not None:
+            raise ConfigError(f"{source}: hubs: give one [hub] or a pool of [[hubs]], not both")
+        if dep.hubs == []:
+            raise ConfigError(f"{source}: hubs: an empty pool; give at least one [[hubs]] "
+                              f"table")
+        dep.hubs = dep.hubs or [dep.hub or HubSection()]
+        dep.hub = dep.hubs[0]
+        for hub in dep.hubs:
+            hub.model = hub.model or dep.targets.model
     else:
         dep.drafters = dep.drafters or DraftersSection()
         dep.drafters.model = dep.drafters.model or dep.verifier.model
-    for section in wanted:
-        table = getattr(dep, section)
+    tables = [(section, getattr(dep, section)) for section in wanted]
+    if dep.topology == "star" and len(dep.hubs) > 1:
+        tables = [(f"hubs[{i}]", hub) for i, hub in enumerate(dep.hubs)] + tables[1:]
+    for section, table in tables:
         if getattr(table, "bind", None) and getattr(table, "port", None) is not None:
             raise ConfigError(f"{source}: {section}.port: give bind or port, not both")
 
 
 def _check_placement(dep: Deployment, source: str) -> None:
-    server, workers = dep.server, dep.workers
+    workers = dep.workers
     name = "hub" if dep.topology == "star" else "verifier"
     group = "targets" if dep.topology == "star" else "drafters"
     if dep.backend == "ray":
-        for key, table in ((f"{name}.gpu", server.gpu), (f"{group}.gpus", workers.gpus)):
+        pins = [(f"{name}.gpu", s.gpu) for s in dep.servers]
+        for key, table in (*pins, (f"{group}.gpus", workers.gpus)):
             if table not in (None, []):
                 raise ConfigError(f"{source}: {key}: GPU pins are for the local backend; on "
                                   f"Ray ask for num_gpus and Ray assigns the GPUs")
@@ -267,9 +291,12 @@ def schema_text() -> str:
     --schema``."""
     lines = []
     for title, cls in (("(top level)", Deployment), *((f"[{k}]", t) for k, t in TABLES.items())):
+        if title == "[targets]":
+            lines.append("[[hubs]]  (instead of [hub]: a pool of hubs, one table per hub, "
+                         "each with [hub]'s keys)")
         lines.append(title)
         for name, field in cls.model_fields.items():
-            if name in TABLES:
+            if name in TABLES or name == "hubs":
                 continue
             default = "  (required)" if field.is_required() else \
                 f" = {_toml(field.get_default(call_default_factory=True))}"

@@ -23,8 +23,14 @@ from starhub.wire.security import is_loopback
 HUB = "{hub}"
 PROMPTS = "{prompts}"
 OUT = "{out}"
-"""Placeholders a backend fills in: the server's address once it is ready, and where the
-prompt and output files are on the machine the process runs on."""
+"""Placeholders a backend fills in: the server's address once it is ready (a pool's
+addresses, comma-separated), and where the prompt and output files are on the machine the
+process runs on."""
+
+
+TABLE_OF = {"hub": "hub", "target": "targets", "serve": "targets", "verifier": "verifier",
+            "drafter": "drafters"}
+"""The deployment table (``LAUNCHER_CHOSEN``'s key) each role's settings come from."""
 
 
 @dataclass
@@ -63,13 +69,18 @@ class ProcessSpec:
 @dataclass
 class Plan:
     deployment: Deployment
-    server: ProcessSpec
+    servers: list[ProcessSpec]
+    """The hubs of the pool (one, or several), or the verifier: started first."""
     workers: list[ProcessSpec]
     prompts: str | None
 
     @property
+    def server(self) -> ProcessSpec:
+        return self.servers[0]
+
+    @property
     def processes(self) -> list[ProcessSpec]:
-        return [self.server, *self.workers]
+        return [*self.servers, *self.workers]
 
 
 def build_plan(dep: Deployment, prompts: str | None = None) -> Plan:
@@ -87,12 +98,12 @@ def build_plan(dep: Deployment, prompts: str | None = None) -> Plan:
                           f"{group}.count = 0 to serve only)")
     _check_security(dep)
     if dep.topology == "star":
-        server = _hub(dep)
+        servers = [_hub(dep, i) for i in range(len(dep.hubs))]
         procs = [_target(dep, i) for i in range(workers.count)]
     else:
-        server = _verifier(dep)
+        servers = [_verifier(dep)]
         procs = [_drafter(dep, i) for i in range(workers.count)]
-    return Plan(dep, server, procs, prompts)
+    return Plan(dep, servers, procs, prompts)
 
 
 def _bind(dep: Deployment, section) -> str:
@@ -105,22 +116,37 @@ def _bind(dep: Deployment, section) -> str:
 def _check_security(dep: Deployment) -> None:
     """The loopback rule and the keys' pairing, before anything starts (the processes
     check the key files themselves: on Ray they live on the nodes)."""
-    server, workers, src = dep.server, dep.workers, dep.source
-    name = "hub" if dep.topology == "star" else "verifier"
+    workers, src = dep.workers, dep.source
     group = "targets" if dep.topology == "star" else "drafters"
-    if bool(server.curve_secret) != bool(server.curve_allow):
-        raise ConfigError(f"{src}: {name}.curve_secret and {name}.curve_allow go together")
     if bool(workers.curve_secret) != bool(workers.curve_server):
         raise ConfigError(f"{src}: {group}.curve_secret and {group}.curve_server go together")
-    curve, bind = bool(server.curve_secret), _bind(dep, server)
-    if not curve and not server.insecure and not is_loopback(bind):
-        raise ConfigError(f"{src}: {name}.bind: {bind} is reachable from other machines; set "
-                          f"{name}.curve_secret and {name}.curve_allow (keys from `starhub "
-                          f"keys generate`), or {name}.insecure = true on a network you trust")
+    for name, server in _named_servers(dep):
+        if bool(server.curve_secret) != bool(server.curve_allow):
+            raise ConfigError(f"{src}: {name}.curve_secret and {name}.curve_allow go together")
+        curve, bind = bool(server.curve_secret), _bind(dep, server)
+        if not curve and not server.insecure and not is_loopback(bind):
+            raise ConfigError(f"{src}: {name}.bind: {bind} is reachable from other machines; "
+                              f"set {name}.curve_secret and {name}.curve_allow (keys from "
+                              f"`starhub keys generate`), or {name}.insecure = true on a "
+                              f"network you trust")
+    if len({bool(s.curve_secret) for s in dep.servers}) > 1:
+        raise ConfigError(f"{src}: hubs: some hubs of the pool use CURVE and some do not; "
+                          f"its targets connect to all of them the same way")
+    curve, name = bool(dep.server.curve_secret), _named_servers(dep)[0][0]
     if curve != bool(workers.curve_secret) and workers.count:
         raise ConfigError(f"{src}: {group}.curve_secret: the {name} "
                           f"{'uses' if curve else 'does not use'} CURVE, so its {group} "
                           f"{'need' if curve else 'take no'} curve_secret and curve_server")
+
+
+def _named_servers(dep: Deployment) -> list[tuple[str, object]]:
+    """Each server's table with the name an error gives it: ``hub``, ``hubs[i]`` in a pool,
+    or ``verifier``."""
+    if dep.topology != "star":
+        return [("verifier", dep.verifier)]
+    if len(dep.hubs) == 1:
+        return [("hub", dep.hub)]
+    return [(f"hubs[{i}]", hub) for i, hub in enumerate(dep.hubs)]
 
 
 def _plain(dep: Deployment, section) -> bool:
@@ -137,7 +163,7 @@ def _threads(dep: Deployment, section) -> int:
         return int(section.threads)
     if dep.backend == "ray":
         return max(1, int(section.num_cpus or 1))
-    return resolve_threads(AUTO, sharing=1 + dep.workers.count)
+    return resolve_threads(AUTO, sharing=len(dep.servers) + dep.workers.count)
 
 
 def _ray_options(p: Placement, threads: int) -> dict:
@@ -150,13 +176,13 @@ def _ray_options(p: Placement, threads: int) -> dict:
     return opts
 
 
-def _settings(dep: Deployment, role: str, table: str, chosen: dict) -> dict:
+def _settings(dep: Deployment, role: str, table: str, section, chosen: dict) -> dict:
     """The settings a process of ``role`` runs on: its table's values for every setting the
     process has, and what the launcher ``chosen`` for it, validated as the process will."""
-    section = getattr(dep, table)
     model: type[Settings] = PROCESSES[role]
+    launcher = LAUNCHER_CHOSEN[TABLE_OF[role]]
     values = {k: getattr(section, k) for k in model.model_fields
-              if k in type(section).model_fields and k not in LAUNCHER_CHOSEN[table]}
+              if k in type(section).model_fields and k not in launcher}
     try:
         settings = model.model_validate({**values, **chosen})
     except ValidationError as exc:
@@ -166,20 +192,23 @@ def _settings(dep: Deployment, role: str, table: str, chosen: dict) -> dict:
 
 
 def _spec(dep: Deployment, name: str, role: str, table: str, chosen: dict, threads: int,
-          gpu: int | None) -> ProcessSpec:
-    section = getattr(dep, table)
+          gpu: int | None, section=None) -> ProcessSpec:
+    """``table``: the section's name in errors and ``--dry-run``; ``section``: its settings
+    (default: the deployment's table of that name)."""
+    section = getattr(dep, table) if section is None else section
     if section is dep.workers:
         chosen = {**chosen, "insecure": _plain(dep, section)}
-    config = _settings(dep, role, table, {**chosen, "threads": threads})
+    config = _settings(dep, role, table, section, {**chosen, "threads": threads})
     return ProcessSpec(name, role, config, str(dep.log_level), threads,
                        role in ("hub", "serve", "verifier"), table, gpu,
                        _ray_options(section, threads))
 
 
-def _hub(dep: Deployment) -> ProcessSpec:
-    h = dep.hub
-    return _spec(dep, "hub", "hub", "hub", {"bind": _bind(dep, h), "model": h.model},
-                 _threads(dep, h), h.gpu)
+def _hub(dep: Deployment, i: int) -> ProcessSpec:
+    table, h = _named_servers(dep)[i]
+    name = "hub" if len(dep.hubs) == 1 else f"hub{i}"
+    return _spec(dep, name, "hub", table, {"bind": _bind(dep, h), "model": h.model},
+                 _threads(dep, h), h.gpu, h)
 
 
 def _gpu(w, index: int) -> int | None:
@@ -231,8 +260,9 @@ def describe(plan: Plan, out_dir: str, ray_address: str | None) -> str:
     dep = plan.deployment
     kind = "hub" if dep.topology == "star" else "verifier"
     group = "targets" if dep.topology == "star" else "drafters"
-    lines = [f"{dep.source}: {dep.topology} topology, {dep.backend} backend: 1 {kind} and "
-             f"{len(plan.workers)} {group}"]
+    kinds = kind if len(plan.servers) == 1 else f"{kind}s (a pool)"
+    lines = [f"{dep.source}: {dep.topology} topology, {dep.backend} backend: "
+             f"{len(plan.servers)} {kinds} and {len(plan.workers)} {group}"]
     if dep.backend == "ray":
         lines.append(f"Ray cluster: {ray_address or '(none: set ray.address or RAY_ADDRESS)'}"
                      f", namespace {dep.ray.namespace}")
@@ -251,7 +281,8 @@ def describe(plan: Plan, out_dir: str, ray_address: str | None) -> str:
             python = sys.executable
             prompts = str(Path(plan.prompts).resolve()) if plan.prompts else ""
             out = str(Path(out_dir).resolve() / spec.out_name)
-        when = "" if spec is plan.server else f", once the {kind} is ready"
+        when = "" if spec in plan.servers else \
+            f", once the {kind}{'s are' if len(plan.servers) > 1 else ' is'} ready"
         lines.append(f"{spec.name}: {where}{when}")
         env = spec.environment(hub=f"<{kind} address>", prompts=prompts, out=out)
         lines.append("  " + shlex.join(["env", *(f"{k}={v}" for k, v in env.items()),

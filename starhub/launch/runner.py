@@ -1,7 +1,9 @@
-"""Run a plan: start the server, wait until it is ready, start the workers with its
-address, stream every process's log with a prefix, keep a status line, collect each
-worker's output as soon as it finishes (and release its host), and stop everything when the
-batch is done, when a process fails, or on Ctrl-C / SIGTERM.
+"""Run a plan: start the server (or every hub of a pool), wait until it is ready, start
+the workers with its address (the pool's addresses), stream every process's log with a
+prefix, keep a status line, collect each worker's output as soon as it finishes (and
+release its host), and stop everything when the batch is done, when a process fails, or on
+Ctrl-C / SIGTERM. In a pool, a hub that exits is reported and the run goes on: its targets
+carry on at the other hubs, or alone.
 
 The supervision is the same for both backends; a backend only knows how to start one
 process (``LocalBackend`` here, ``RayBackend`` in ``ray_backend``)."""
@@ -129,7 +131,10 @@ class Launcher:
         self._status_at = 0.0
         self.dep = plan.deployment
         self.kind = "hub" if self.dep.topology == "star" else "verifier"
-        self.address: str | None = None
+        self.addresses: dict[str, str] = {}
+        """Each server's address, as it announced it."""
+        self.lost: set[str] = set()
+        """Hubs of a pool that exited while the run went on."""
         self.urls: dict[str, str] = {}
         """Serving targets' addresses, as each announced it."""
 
@@ -182,8 +187,8 @@ class Launcher:
             codes[name] = state["code"]
             if not state.get("address"):
                 continue
-            if name == self.plan.server.name:
-                self.address = state["address"]
+            if name in self.server_names:
+                self.addresses[name] = state["address"]
             elif name not in self.urls:
                 self.urls[name] = state["address"]
                 self.say(f"{name} serving at {state['address']}")
@@ -208,19 +213,25 @@ class Launcher:
         what = f"exited with code {code}" if code is not None else "did not become ready"
         return ProcessFailed(f"{name} {what}; its last lines:\n{tail}")
 
+    @property
+    def server_names(self) -> list[str]:
+        return [spec.name for spec in self.plan.servers]
+
     def _wait_ready(self) -> str:
-        name = self.plan.server.name
+        """Every server's address once all are ready: comma-separated for a pool."""
         deadline = time.monotonic() + self.dep.ready_timeout_s
         while True:
             codes = self.pump()
-            if self.address:
-                return self.address
-            if codes[name] is not None:
-                raise self._failed(name, codes[name])
+            if len(self.addresses) == len(self.server_names):
+                return ",".join(self.addresses[name] for name in self.server_names)
+            for name in self.server_names:
+                if codes[name] is not None:
+                    raise self._failed(name, codes[name])
             if time.monotonic() > deadline:
-                self.say(f"{name} not ready after {self.dep.ready_timeout_s:.0f}s "
+                late = [n for n in self.server_names if n not in self.addresses]
+                self.say(f"{', '.join(late)} not ready after {self.dep.ready_timeout_s:.0f}s "
                          f"(ready_timeout_s)")
-                raise self._failed(name, None)
+                raise self._failed(late[0], None)
             time.sleep(self.backend.poll_s)
 
     def run(self) -> int:
@@ -230,13 +241,16 @@ class Launcher:
         poller = None
         try:
             self.backend.check(self.plan.processes)
-            self._start(self.plan.server, None)
+            for spec in self.plan.servers:
+                self._start(spec, None)
             address = self._wait_ready()
-            self.say(f"{self.kind} ready at {address}")
+            self.say(f"{self.kind} ready at {address}" if len(self.server_names) == 1 else
+                     f"pool of {len(self.server_names)} hubs ready at {address}")
             for spec in self.plan.workers:
                 self._start(spec, address)
             if self.dep.status_interval_s:
-                poller = StatusPoller(address, self.dep.status_interval_s,
+                poller = StatusPoller(self.addresses[self.server_names[0]],
+                                      self.dep.status_interval_s,
                                       len(self.plan.workers), self.kind == "verifier",
                                       status_security(self.dep.server,
                                                       self.dep.workers)).start()
@@ -263,7 +277,6 @@ class Launcher:
         return any(p.serves for p in self.plan.workers)
 
     def _supervise(self, poller: StatusPoller | None) -> None:
-        server = self.plan.server.name
         workers = [p.name for p in self.plan.workers]
         while True:
             codes = self.pump()
@@ -273,8 +286,7 @@ class Launcher:
                     raise self._failed(spec.name, code)
                 if code == 0 and spec.name not in self.collected:
                     self._collect(spec)
-            if codes[server] is not None:
-                raise self._failed(server, codes[server])
+            self._check_servers(codes)
             if workers and not self.serving and all(codes[n] == 0 for n in workers):
                 return
             if poller is not None and poller.line:
@@ -284,6 +296,21 @@ class Launcher:
                     tail = f"done {sum(codes[n] == 0 for n in workers)}/{len(workers)}"
                 self._show_status(f"{poller.line} | {tail}")
             time.sleep(self.backend.poll_s)
+
+    def _check_servers(self, codes: dict[str, int | None]) -> None:
+        """A lone server that exits ends the run; a hub of a pool is reported once, and its
+        targets go on at the other hubs (or alone, the last one gone)."""
+        for name in self.server_names:
+            if codes[name] is None or name in self.lost:
+                continue
+            if len(self.server_names) == 1:
+                raise self._failed(name, codes[name])
+            self.lost.add(name)
+            left = len(self.server_names) - len(self.lost)
+            self.say(f"{name} exited with code {codes[name]}; its targets go on at the "
+                     f"{left} other hub{'s' if left != 1 else ''} of the pool"
+                     if left else f"{name} exited with code {codes[name]}; no hub of the "
+                     f"pool is left, so the targets decode alone")
 
     def _collect(self, spec: ProcessSpec) -> None:
         """A worker finished: its output goes to the output folder now, and its host (a Ray

@@ -220,3 +220,25 @@ def report(address: str, body: HubReport | VerifierReport) -> str:
     if isinstance(body, VerifierReport):
         return verifier_report(address, body)
     return hub_report(address, body)
+
+
+def pool_report(found: dict[str, HubReport | VerifierReport | str]) -> str:
+    """The ``starhub status`` text for a pool of hubs: one line per hub (its load, admitted
+    targets and N_max, or why it did not answer), where each target is, then each hub's
+    own report."""
+    rows = [["hub", "state", "load", "admitted", "n_max", "r_q/s", "tok/s", "targets"]]
+    for address, body in found.items():
+        if not isinstance(body, HubReport):
+            state = body if isinstance(body, str) else "not a hub"
+            rows.append([address, state, *["-"] * 6])
+            continue
+        names = sorted(printable(p[0]) for p in (body.counters.peers or [])) \
+            if body.counters else []
+        rows.append([address, "up", _fmt(body.load, ".2f"), str(body.admitted),
+                     _fmt(body.n_max, "d"), _fmt(body.r_q), _fmt(body.system_tok_s),
+                     ", ".join(names) or "-"])
+    up = sum(isinstance(b, HubReport) for b in found.values())
+    parts = [f"pool of {len(found)} hubs, {up} answering", table(rows)]
+    parts += [report(address, body) for address, body in found.items()
+              if isinstance(body, HubReport)]
+    return "\n\n".join(parts)

@@ -297,8 +297,10 @@ class TargetSettings(ClientKeys, SharedCoresField, WeightFields, SamplingFields)
     """``starhub target``: decode a prompt file with drafts from a hub."""
 
     PROCESS: ClassVar[str] = "TARGET"
-    hub: str | None = Field(None, description="hub address, e.g. tcp://127.0.0.1:5555 (omit to "
-                                              "decode alone)")
+    hub: str | None = Field(None, description="hub address, e.g. tcp://127.0.0.1:5555, or a "
+                            "pool's addresses separated by commas: sessions open on the hub "
+                            "that offers the most, and move when it dies or drains (omit to "
+                            "decode alone)")
     model: str = Field("default", description=MODEL_HELP)
     prompts: str = Field(description=PROMPTS_HELP)
     out: str = Field(description="JSONL output")
@@ -321,8 +323,10 @@ class ServeSettings(ClientKeys, SharedCoresField, WeightFields):
     """``starhub serve``: an OpenAI-compatible HTTP server for a target."""
 
     PROCESS: ClassVar[str] = "SERVE"
-    hub: str | None = Field(None, description="hub address, e.g. tcp://127.0.0.1:5555 (omit to "
-                                              "serve without drafts)")
+    hub: str | None = Field(None, description="hub address, e.g. tcp://127.0.0.1:5555, or a "
+                            "pool's addresses separated by commas: sessions open on the hub "
+                            "that offers the most, and move when it dies or drains (omit to "
+                            "serve without drafts)")
     model: str = Field("default", description=MODEL_HELP)
     served_model_name: str | None = Field(
         None, description="the name requests give as 'model' (default: the model's own name)")
