@@ -369,8 +369,11 @@ class Batcher:
 
     # -- the hub connection -----------------------------------------------------------
     def _client(self) -> HubClient | None:
-        """The connection new sessions open on; sessions of any other go on alone."""
-        client = self.link.current() if self.link is not None else None
+        """The connection new sessions open on; sessions of any other go on alone. A move
+        to a better hub of the pool waits until no session is open."""
+        if self.link is None:
+            return None
+        client = self.link.current(idle=all(s.client is None for s in self._slots.values()))
         for slot in self._slots.values():
             if slot.client is not None and slot.client is not client:
                 self._alone(slot, "the hub connection was replaced")

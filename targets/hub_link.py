@@ -5,25 +5,33 @@ passes before it is verified.
 
 Given a pool of hubs (``--hub A,B,C``), each greeting goes to the hub whose own figures
 promise this target the most tokens per second (``starhub.client.pool``): at start, and
-whenever the link reconnects, after its hub died, hung or began to drain.
+whenever the link reconnects, after its hub died, hung or began to drain. Targets that
+start together see the same offers and may crowd one hub; so every ``REBALANCE_S`` a
+watcher thread asks the pool again, and where another hub would serve this target better
+(``starhub.client.pool.move_chance``) it greets that hub, and the core moves there between
+two requests, never while a session is open.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
 
 from starhub.client.connection import HubClient, HubUnavailable
 from starhub.client.link import Link
-from starhub.client.pool import offer, pool_addresses, rank, survey
+from starhub.client.pool import move_chance, offer, pool_addresses, rank, survey
 from starhub.cores import CoreClock
 from starhub.wire.messages import DrafterCard, Open, Propose, TargetCard
 from targets.acceptance import Sampling
 
 log = logging.getLogger("starhub.target")
+
+REBALANCE_S = 10.0
+"""How often a target of a pool asks whether another hub would serve it better."""
 
 
 class HubLink(Link):
@@ -44,6 +52,11 @@ class HubLink(Link):
         self.rng = random.Random()
         """Breaks ties between hubs with equal offers (``starhub.client.pool.rank``)."""
         self._followed: object = None
+        self._move: tuple[str, HubClient, DrafterCard] | None = None
+        """A hub that would serve us better, greeted, until the core is between requests."""
+        self.moves = 0
+        if len(self.pool) > 1:
+            threading.Thread(target=self._watch, name=f"{name}-pool", daemon=True).start()
 
     def _greet(self) -> tuple[HubClient, DrafterCard]:
         """A new connection to the hub (or the pool's best that admits us), and its
@@ -92,10 +105,62 @@ class HubLink(Link):
         self.follow()
         return card
 
-    def current(self) -> HubClient | None:
+    def current(self, idle: bool = True) -> HubClient | None:
+        """``Link.current``; ``idle`` (no session open on the connection now): adopt the
+        better hub the watcher greeted, if any."""
+        if idle:
+            self._adopt_move()
         client = super().current()
         self.follow()
         return client
+
+    def _watch(self) -> None:
+        """Every ``REBALANCE_S`` (the first time sooner, at a random moment, so that
+        targets that started together ask apart): where another hub would serve us better,
+        greet it and leave the move to ``current``."""
+        wait = self.rng.uniform(1.0, 3.0)
+        while not self._closed.wait(wait):
+            wait = REBALANCE_S
+            here = self.address
+            if self.client is None or self._move is not None:
+                continue  # reconnecting, or a move is waiting for the core
+            reports = survey(self.pool, client_options=self.client_options)
+            if here not in reports:
+                continue
+            offers = [offer(a, r) for a, r in reports.items() if a != here]
+            better = [o for o in rank(offers, self.rng)
+                      if self.rng.random() < move_chance(reports[here], o)]
+            if not better:
+                continue
+            try:
+                client, card = self._greet_one(better[0].address)
+            except HubUnavailable:
+                continue
+            with self._lock:
+                self._move = better[0].address, client, card
+            log.info("%s: hub %s would serve this target better than %s (%d targets there, "
+                     "%d here); moving between requests", self.name, better[0].address, here,
+                     better[0].admitted, reports[here].control.admitted)
+
+    def _adopt_move(self) -> None:
+        with self._lock:
+            move, self._move = self._move, None
+        if move is None:
+            return
+        address, client, card = move
+        if self.client is None:  # lost meanwhile: the reconnection decides
+            client.close()
+            return
+        self.close_client()
+        self.client, self.card, self.address = client, card, address
+        self.moves += 1
+
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            move, self._move = self._move, None
+        if move is not None:
+            move[1].close()
 
     def follow(self) -> None:
         """Read the card the link holds, if it is new: log what the hub drafts with and

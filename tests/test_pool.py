@@ -5,20 +5,24 @@ its output never changes."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
+import signal
 import socket
+import subprocess
 import time
 
 import pytest
 import torch
 
 from starhub.client.connection import HubClient
-from starhub.client.pool import Offer, offer, pool_addresses, rank, survey
+from starhub.client.pool import Offer, move_chance, offer, pool_addresses, rank, survey
 from starhub.drafters.ngram import NgramDrafter
 from starhub.hub.shutdown import drain
+from starhub.launch import child_env, spawn_hub, target_command
 from starhub.wire.messages import DrafterCard, TargetCard
-from targets import attach
+from targets import attach, hub_link
 from tests.conftest import HubThread
 
 PROMPT = [1, 5, 9, 14, 3, 5, 9, 14, 3]
@@ -177,3 +181,118 @@ def test_a_target_whose_whole_pool_is_down_decodes_alone_says_so_once_and_joins_
                 time.sleep(0.2)
         finally:
             hub.stop()
+
+
+def _rows(path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines(keepends=True)
+            if line.endswith("\n")]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "drained"])
+def test_target_processes_carry_on_at_the_other_hub_when_theirs_is_killed_or_drained(
+        tiny_dir, tiny_model, tmp_path, sig):
+    """Two hub processes, two target processes given both: the hub the first target uses is
+    SIGKILLed (or SIGTERMed: it drains and exits 0) mid-run. No request fails or is lost,
+    every output is generate()'s, and every request that starts 5 s after the signal runs
+    through the other hub, as the targets' stats say."""
+    model, tok = tiny_model
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"count {i} {i + 1} {i + 2}"})
+                               + "\n" for i in range(400)))
+    outs = [tmp_path / "t0.jsonl", tmp_path / "t1.jsonl"]
+    hubs = {h.address: h for h in (spawn_hub(["--drafter", "ngram", "--depth", "4"]),
+                                   spawn_hub(["--drafter", "ngram", "--depth", "4"]))}
+    procs = [subprocess.Popen(target_command(",".join(hubs), str(prompts), str(out), extra=[
+        "--model", str(tiny_dir), "--max-new-tokens", str(NEW), "--shard", f"{i}/2",
+        "--hub-timeout", "1", "--name", f"t{i}"]), env=child_env(1),
+        stderr=subprocess.DEVNULL) for i, out in enumerate(outs)]
+    try:
+        deadline = time.monotonic() + 120
+        while not all(any(r["stats"]["hub"] for r in _rows(out)) for out in outs):
+            assert time.monotonic() < deadline, "the targets never used a hub"
+            time.sleep(0.1)
+        gone = next(r["stats"]["hub"] for r in _rows(outs[0]) if r["stats"]["hub"])
+        (other,) = set(hubs) - {gone}
+        hubs[gone].proc.send_signal(sig)
+        signalled = time.time()
+        if sig == signal.SIGTERM:
+            assert hubs[gone].proc.wait(15) == 0
+        settled = signalled + 5.0
+        deadline = time.monotonic() + 120
+        while not all(sum(r["stats"]["started_at"] > settled for r in _rows(out)) >= 2
+                      for out in outs):
+            assert all(p.poll() is None for p in procs), "a target died"
+            assert time.monotonic() < deadline, "the targets made no progress"
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        for hub in hubs.values():
+            hub.stop()
+    for k, out in enumerate(outs):
+        rows = _rows(out)
+        assert [r["id"] for r in rows] == list(range(k, 2 * len(rows), 2))  # none lost
+        later = [r["stats"] for r in rows if r["stats"]["started_at"] > settled]
+        assert all(s["hub"] == other and s["rounds"] > 0 for s in later), later
+        for r in rows:
+            want = model.generate(torch.tensor([r["prompt_ids"]]), max_new_tokens=NEW,
+                                  do_sample=False)[0, len(r["prompt_ids"]):].tolist()
+            assert r["output_ids"] == want, r["id"]
+
+
+def test_move_chance_evens_out_a_crowd_and_follows_a_better_offer(tiny_model):
+    import msgspec
+
+    hub = HubThread(NgramDrafter())
+    try:
+        report = survey([hub.address])[hub.address]
+    finally:
+        hub.stop()
+
+    def at(n: int):
+        return msgspec.structs.replace(report, control=msgspec.structs.replace(
+            report.control, admitted=n))
+
+    def there(n: int, faster: float = 1.0) -> Offer:
+        o = offer("b", at(n))
+        return Offer("b", o.tok_s * faster, n, 0.0)
+
+    assert move_chance(at(4), there(0)) == 0.5  # two of four move, on average
+    assert move_chance(at(3), there(1)) == pytest.approx(1 / 3)
+    assert move_chance(at(2), there(1)) == 0 and move_chance(at(1), there(0)) == 0
+    assert move_chance(at(1), there(0, faster=1.5)) == 0.5
+    assert move_chance(at(1), Offer("b", 0.0, 0, 0.0)) == 0  # full
+
+
+def test_a_target_moves_between_requests_to_a_hub_that_serves_it_better(tiny_model,
+                                                                       monkeypatch):
+    """A target that found only a crowded hub (three targets beside it) moves to an empty
+    one that comes up later, between two requests, with the same output."""
+    monkeypatch.setattr(hub_link, "REBALANCE_S", 0.2)
+    model, tok = tiny_model
+    want = _reference(model)
+    crowded, later = HubThread(NgramDrafter()), _free_address()
+    holders = [_holder(crowded.address, model.config.vocab_size) for _ in range(3)]
+    empty = None
+    try:
+        with attach(model, tok, [crowded.address, later], name="pooled", timeout_s=1.0) as t:
+            first = t.generate(PROMPT, max_new_tokens=NEW)
+            assert first.stats.hub == crowded.address and first.output_ids == want
+            empty = HubThread(NgramDrafter(), bind=later)
+            deadline = time.monotonic() + 60
+            while True:
+                result = t.generate(PROMPT, max_new_tokens=NEW)
+                assert result.output_ids == want and not result.stats.note, result.stats
+                if result.stats.hub == later:
+                    break
+                assert time.monotonic() < deadline, result.stats
+                time.sleep(0.05)
+    finally:
+        for h in holders:
+            h.close()
+        crowded.stop()
+        if empty is not None:
+            empty.stop()

@@ -59,18 +59,38 @@ class Offer:
     load: float
 
 
-def offer(address: str, report: HubReport) -> Offer:
-    """``report``'s promise to one more target (see the module's docstring)."""
+def offer(address: str, report: HubReport, joining: bool = True) -> Offer:
+    """``report``'s promise to one more target (see the module's docstring), or with
+    ``joining`` false to one of the targets it admitted already (it has room for them)."""
     control = report.control
     n = control.admitted
+    after = n + 1 if joining else n
     limit = control.max_targets
-    full = (limit == "auto" and control.n_max is not None and n + 1 > control.n_max) or \
-        (isinstance(limit, int) and limit > 0 and n + 1 > limit)
+    full = joining and (
+        (limit == "auto" and control.n_max is not None and after > control.n_max)
+        or (isinstance(limit, int) and limit > 0 and after > limit))
     typical = control.typical
     s, z = typical.S_ms / 1e3, typical.Z_ms / 1e3
-    cycle = max(s + z, (n + 1) * s)
+    cycle = max(s + z, after * s)
     tok_s = 0.0 if full else typical.tau / cycle if cycle > 0 else math.inf
     return Offer(address, tok_s, n, report.load)
+
+
+def move_chance(here: HubReport, there: Offer) -> float:
+    """How likely a target admitted by the hub that reported ``here`` should move to the hub
+    of ``there``: where the other hub's offer is better by more than ``TIE``, one chance in
+    two; where the offers are equal, the share of the difference in targets that moving
+    evens out, ``(n_here - n_there) / (2·n_here)``, once the gap is two or more (so that a
+    crowd that arrived together splits about evenly instead of moving together); else 0."""
+    stay = offer("", here, joining=False)
+    if there.tok_s <= 0:
+        return 0.0
+    if stay.tok_s > 0 and there.tok_s > stay.tok_s * (1 + TIE):
+        return 0.5
+    n = stay.admitted
+    if there.tok_s * (1 + TIE) < stay.tok_s or n - there.admitted < 2:
+        return 0.0
+    return (n - there.admitted) / (2 * n)
 
 
 def rank(offers: Sequence[Offer], rng: random.Random | None = None) -> list[Offer]:
