@@ -8,15 +8,19 @@ promise this target the most tokens per second (``starhub.client.pool``): at sta
 whenever the link reconnects, after its hub died, hung or began to drain. Targets that
 start together see the same offers and may crowd one hub; so every ``REBALANCE_S`` a
 watcher thread asks the pool again, and where another hub would serve this target better
-(``starhub.client.pool.move_chance``) it greets that hub, and the core moves there between
-two requests, never while a session is open.
+(``starhub.client.pool.move_chance``) the core moves there between two requests, never
+while a session is open, and stays at least ``SETTLE_S``: the hubs' counts of their
+targets lag a move by their peer grace, and a target that moved on every glance at them
+would swing back and forth.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -32,6 +36,9 @@ log = logging.getLogger("starhub.target")
 
 REBALANCE_S = 10.0
 """How often a target of a pool asks whether another hub would serve it better."""
+SETTLE_S = 3.0
+"""How long a target stays at a hub it moved to before it may move again, in
+``REBALANCE_S``."""
 
 
 class HubLink(Link):
@@ -52,8 +59,9 @@ class HubLink(Link):
         self.rng = random.Random()
         """Breaks ties between hubs with equal offers (``starhub.client.pool.rank``)."""
         self._followed: object = None
-        self._move: tuple[str, HubClient, DrafterCard] | None = None
-        """A hub that would serve us better, greeted, until the core is between requests."""
+        self._move: str | None = None
+        """A hub that would serve us better, until the core is between requests."""
+        self._moved_at = -math.inf
         self.moves = 0
         if len(self.pool) > 1:
             threading.Thread(target=self._watch, name=f"{name}-pool", daemon=True).start()
@@ -122,45 +130,37 @@ class HubLink(Link):
         while not self._closed.wait(wait):
             wait = REBALANCE_S
             here = self.address
-            if self.client is None or self._move is not None:
-                continue  # reconnecting, or a move is waiting for the core
+            settled = time.monotonic() - self._moved_at > SETTLE_S * REBALANCE_S
+            if self.client is None or self._move is not None or not settled:
+                continue  # reconnecting, a move waits for the core, or it just moved
             reports = survey(self.pool, client_options=self.client_options)
             if here not in reports:
                 continue
             offers = [offer(a, r) for a, r in reports.items() if a != here]
             better = [o for o in rank(offers, self.rng)
                       if self.rng.random() < move_chance(reports[here], o)]
-            if not better:
-                continue
-            try:
-                client, card = self._greet_one(better[0].address)
-            except HubUnavailable:
-                continue
-            with self._lock:
-                self._move = better[0].address, client, card
-            log.info("%s: hub %s would serve this target better than %s (%d targets there, "
-                     "%d here); moving between requests", self.name, better[0].address, here,
-                     better[0].admitted, reports[here].control.admitted)
+            if better:
+                self._move = better[0].address
+                log.info("%s: hub %s would serve this target better than %s (%d targets "
+                         "there, %d here); moving between requests", self.name,
+                         better[0].address, here, better[0].admitted,
+                         reports[here].control.admitted)
 
     def _adopt_move(self) -> None:
-        with self._lock:
-            move, self._move = self._move, None
-        if move is None:
+        """Greet the hub the watcher chose and switch to it (on the core's thread, between
+        requests); where it turns us away, stay."""
+        move, self._move = self._move, None
+        if move is None or self.client is None:  # lost meanwhile: the reconnection decides
             return
-        address, client, card = move
-        if self.client is None:  # lost meanwhile: the reconnection decides
-            client.close()
+        try:
+            client, card = self._greet_one(move)
+        except HubUnavailable as exc:
+            log.info("%s: staying with %s: %s", self.name, self.address, exc)
             return
         self.close_client()
-        self.client, self.card, self.address = client, card, address
+        self.client, self.card, self.address = client, card, move
+        self._moved_at = time.monotonic()
         self.moves += 1
-
-    def close(self) -> None:
-        super().close()
-        with self._lock:
-            move, self._move = self._move, None
-        if move is not None:
-            move[1].close()
 
     def follow(self) -> None:
         """Read the card the link holds, if it is new: log what the hub drafts with and

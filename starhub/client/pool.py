@@ -33,6 +33,8 @@ from starhub.wire.reports import HubReport
 
 TIE = 0.05
 """Offers within this share of each other are equal (``rank``)."""
+DAMPING = 0.25
+"""The chance of a move at one look, before the gap in targets scales it (``move_chance``)."""
 SURVEY_S = 0.5
 """How long a survey waits for the hubs' answers: a hub on the same network answers a STATS
 in milliseconds."""
@@ -78,19 +80,20 @@ def offer(address: str, report: HubReport, joining: bool = True) -> Offer:
 
 def move_chance(here: HubReport, there: Offer) -> float:
     """How likely a target admitted by the hub that reported ``here`` should move to the hub
-    of ``there``: where the other hub's offer is better by more than ``TIE``, one chance in
-    two; where the offers are equal, the share of the difference in targets that moving
-    evens out, ``(n_here - n_there) / (2·n_here)``, once the gap is two or more (so that a
-    crowd that arrived together splits about evenly instead of moving together); else 0."""
+    of ``there`` at one look: where the other hub's offer is better by more than ``TIE``,
+    ``DAMPING``; where the offers are equal and the gap in targets is two or more,
+    ``DAMPING`` times ``(n_here - n_there) / n_here``, so that a crowd that arrived together
+    sends about a quarter of the gap each look instead of moving together (every target
+    looks at counts that lag the moves others just made); else 0."""
     stay = offer("", here, joining=False)
     if there.tok_s <= 0:
         return 0.0
     if stay.tok_s > 0 and there.tok_s > stay.tok_s * (1 + TIE):
-        return 0.5
+        return DAMPING
     n = stay.admitted
     if there.tok_s * (1 + TIE) < stay.tok_s or n - there.admitted < 2:
         return 0.0
-    return (n - there.admitted) / (2 * n)
+    return DAMPING * (n - there.admitted) / n
 
 
 def rank(offers: Sequence[Offer], rng: random.Random | None = None) -> list[Offer]:
