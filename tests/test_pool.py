@@ -264,6 +264,8 @@ def test_move_chance_evens_out_a_crowd_and_follows_a_better_offer(tiny_model):
     assert move_chance(at(3), there(1)) == pytest.approx(1 / 6)
     assert move_chance(at(2), there(1)) == 0 and move_chance(at(1), there(0)) == 0
     assert move_chance(at(1), there(0, faster=1.5)) == 0.25
+    assert move_chance(at(1), there(0, faster=1.2)) == 0  # within the estimates' noise
+    assert move_chance(at(4), there(0, faster=1 / 1.5)) == 0  # fewer targets, far slower
     assert move_chance(at(1), Offer("b", 0.0, 0, 0.0)) == 0  # full
 
 

@@ -33,6 +33,8 @@ from starhub.wire.reports import HubReport
 
 TIE = 0.05
 """Offers within this share of each other are equal (``rank``)."""
+MOVE_MARGIN = 0.25
+"""How much better another hub's offer must be for a target to leave its hub for it."""
 DAMPING = 0.25
 """The chance of a move at one look, before the gap in targets scales it (``move_chance``)."""
 SURVEY_S = 0.5
@@ -80,18 +82,20 @@ def offer(address: str, report: HubReport, joining: bool = True) -> Offer:
 
 def move_chance(here: HubReport, there: Offer) -> float:
     """How likely a target admitted by the hub that reported ``here`` should move to the hub
-    of ``there`` at one look: where the other hub's offer is better by more than ``TIE``,
-    ``DAMPING``; where the offers are equal and the gap in targets is two or more,
-    ``DAMPING`` times ``(n_here - n_there) / n_here``, so that a crowd that arrived together
-    sends about a quarter of the gap each look instead of moving together (every target
-    looks at counts that lag the moves others just made); else 0."""
+    of ``there`` at one look: where the other hub's offer is better by more than
+    ``MOVE_MARGIN``, ``DAMPING``; where neither offer beats the other by that much and the
+    gap in targets is two or more, ``DAMPING`` times ``(n_here - n_there) / n_here``, so
+    that a crowd that arrived together sends about a quarter of the gap each look instead of
+    moving together (every target looks at counts that lag the moves others just made);
+    else 0. The margin is wider than ``TIE``: two like hubs' estimates of their rounds
+    differ by more than 5% by chance, and a move on such a difference would be undone."""
     stay = offer("", here, joining=False)
     if there.tok_s <= 0:
         return 0.0
-    if stay.tok_s > 0 and there.tok_s > stay.tok_s * (1 + TIE):
+    if stay.tok_s > 0 and there.tok_s > stay.tok_s * (1 + MOVE_MARGIN):
         return DAMPING
     n = stay.admitted
-    if there.tok_s * (1 + TIE) < stay.tok_s or n - there.admitted < 2:
+    if there.tok_s * (1 + MOVE_MARGIN) < stay.tok_s or n - there.admitted < 2:
         return 0.0
     return DAMPING * (n - there.admitted) / n
 

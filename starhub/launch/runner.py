@@ -249,8 +249,7 @@ class Launcher:
             for spec in self.plan.workers:
                 self._start(spec, address)
             if self.dep.status_interval_s:
-                poller = StatusPoller(self.addresses[self.server_names[0]],
-                                      self.dep.status_interval_s,
+                poller = StatusPoller(address, self.dep.status_interval_s,
                                       len(self.plan.workers), self.kind == "verifier",
                                       status_security(self.dep.server,
                                                       self.dep.workers)).start()

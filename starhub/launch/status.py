@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from starhub.client.pool import pool_addresses
 from starhub.wire.messages import ObserverCard, StatsQuery
 from starhub.wire.reports import DrafterHealth, HubReport, VerifierReport
 from starhub.wire.security import ClientSecurity, SecurityError, client_curve
@@ -65,12 +66,14 @@ def query_stats(address: str, timeout_s: float = 5.0, peers: bool = False,
 
 
 class StatusPoller:
-    """Asks the server for ``STATS`` every ``interval_s`` in a thread and keeps one line:
-    peers up, rounds per second over the last interval, τ and tokens per second."""
+    """Asks the server (every hub of a pool: ``address`` comma-separated) for ``STATS``
+    every ``interval_s`` in a thread and keeps one line: peers up, rounds per second over
+    the last interval, τ and tokens per second, over the whole pool."""
 
     def __init__(self, address: str, interval_s: float, expected: int, edge: bool,
                  security: ClientSecurity | None = None):
-        self.address, self.interval_s, self.security = address, interval_s, security
+        self.addresses = pool_addresses(address)
+        self.interval_s, self.security = interval_s, security
         self.expected, self.edge = expected, edge
         self.line: str | None = None
         self._stop = threading.Event()
@@ -87,22 +90,31 @@ class StatusPoller:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                body = query_stats(self.address, timeout_s=max(self.interval_s, 2.0),
-                                   security=self.security, observe=False)
-                self.line = self.summarize(body, time.monotonic())
-            except Exception as exc:  # a status line must never stop the deployment
-                self.line = f"no STATS from {self.address}: {exc}"
+            bodies, failed = [], ""
+            for address in self.addresses:
+                try:
+                    bodies.append(query_stats(address, timeout_s=max(self.interval_s, 2.0),
+                                              security=self.security, observe=False))
+                except Exception as exc:  # a status line must never stop the deployment
+                    failed = f"no STATS from {address}: {exc}"
+            self.line = self.summarize(bodies, time.monotonic()) if bodies else failed
             self._stop.wait(self.interval_s)
 
-    def summarize(self, body: HubReport | VerifierReport, now: float) -> str:
+    def summarize(self, bodies: list[HubReport | VerifierReport] | HubReport | VerifierReport,
+                  now: float) -> str:
+        """One line over ``bodies`` (one server's report, or every hub's of a pool)."""
+        bodies = bodies if isinstance(bodies, list) else [bodies]
+        body = bodies[0]
         if isinstance(body, VerifierReport):
             up, rounds, tokens = body.drafters, body.rounds, body.committed
             tau = tokens / rounds if rounds else 0.0
             who = "drafters"
         else:
-            up, rounds, tokens = body.peers, body.rounds, body.tokens
-            tau, who = body.mean_accept_len, "targets"
+            up, rounds, tokens = (sum(b.peers for b in bodies), sum(b.rounds for b in bodies),
+                                  sum(b.tokens for b in bodies))
+            tau = sum(b.mean_accept_len * b.rounds for b in bodies) / rounds if rounds \
+                else body.mean_accept_len
+            who = "targets"
         rate = tok = 0.0
         if self._last is not None and now > self._last[0]:
             dt = now - self._last[0]
@@ -110,11 +122,14 @@ class StatusPoller:
         self._last = (now, rounds, tokens)
         line = (f"{who} up {up}/{self.expected} | {rate:.1f} rounds/s | tau {tau:.2f} | "
                 f"{tok:.1f} tok/s")
-        drafting = body.drafting if isinstance(body, HubReport) else None
-        if drafting is not None and not drafting.healthy:
-            line += " | drafting process restarting"
-        elif drafting is not None and drafting.restarts:
-            line += f" | drafting process restarted {drafting.restarts}x"
+        if len(self.addresses) > 1:
+            line += f" | hubs up {len(bodies)}/{len(self.addresses)}"
+        for b in bodies:
+            drafting = b.drafting if isinstance(b, HubReport) else None
+            if drafting is not None and not drafting.healthy:
+                line += " | drafting process restarting"
+            elif drafting is not None and drafting.restarts:
+                line += f" | drafting process restarted {drafting.restarts}x"
         return line
 
 
