@@ -7,7 +7,7 @@ Given a pool of hubs (``--hub A,B,C``), each greeting goes to the hub whose own 
 promise this target the most tokens per second (``starhub.client.pool``): at start, and
 whenever the link reconnects, after its hub died, hung or began to drain. Targets that
 start together see the same offers and may crowd one hub; so every ``REBALANCE_S`` a
-watcher thread asks the pool again, and where another hub would serve this target better
+watcher thread asks the pool again, and where another hub has clearly fewer targets
 (``starhub.client.pool.move_chance``) the core moves there between two requests, never
 while a session is open, and stays at least ``SETTLE_S``: the hubs' counts of their
 targets lag a move by their peer grace, and a target that moved on every glance at them
@@ -35,7 +35,7 @@ from targets.acceptance import Sampling
 log = logging.getLogger("starhub.target")
 
 REBALANCE_S = 10.0
-"""How often a target of a pool asks whether another hub would serve it better."""
+"""How often a target of a pool asks whether another hub has clearly fewer targets."""
 SETTLE_S = 3.0
 """How long a target stays at a hub it moved to before it may move again, in
 ``REBALANCE_S``."""
@@ -60,7 +60,7 @@ class HubLink(Link):
         """Breaks ties between hubs with equal offers (``starhub.client.pool.rank``)."""
         self._followed: object = None
         self._move: str | None = None
-        """A hub that would serve us better, until the core is between requests."""
+        """A hub with clearly fewer targets, until the core is between requests."""
         self._moved_at = -math.inf
         self.moves = 0
         if len(self.pool) > 1:
@@ -124,8 +124,8 @@ class HubLink(Link):
 
     def _watch(self) -> None:
         """Every ``REBALANCE_S`` (the first time sooner, at a random moment, so that
-        targets that started together ask apart): where another hub would serve us better,
-        greet it and leave the move to ``current``."""
+        targets that started together ask apart): where another hub has clearly fewer
+        targets, choose it and leave the move to ``current``."""
         wait = self.rng.uniform(1.0, 3.0)
         while not self._closed.wait(wait):
             wait = REBALANCE_S
@@ -141,10 +141,9 @@ class HubLink(Link):
                       if self.rng.random() < move_chance(reports[here], o)]
             if better:
                 self._move = better[0].address
-                log.info("%s: hub %s would serve this target better than %s (%d targets "
-                         "there, %d here); moving between requests", self.name,
-                         better[0].address, here, better[0].admitted,
-                         reports[here].control.admitted)
+                log.info("%s: hub %s has %d targets, %s %d with this one; moving there "
+                         "between requests", self.name, better[0].address,
+                         better[0].admitted, here, reports[here].control.admitted)
 
     def _adopt_move(self) -> None:
         """Greet the hub the watcher chose and switch to it (on the core's thread, between

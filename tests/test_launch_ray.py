@@ -96,23 +96,31 @@ def ray_head():
         shutil.rmtree(temp, ignore_errors=True)
 
 
+HUB = """
+num_cpus = 1
+insecure = true           # binds every interface of the node
+"""
+
+
 @pytest.mark.slow
-def test_ray_launch_is_lossless_and_leaves_no_actor_behind(ray_head, tmp_path):
+@pytest.mark.parametrize("hubs", [1, 2], ids=["hub", "pool"])
+def test_ray_launch_is_lossless_and_leaves_no_actor_behind(ray_head, tmp_path, hubs):
+    """One hub, or a pool of two ([[hubs]]), each an actor of its own; with a pool, every
+    hub binds every interface of its node and the targets get both nodes' addresses."""
     from tests.test_e2e_default_model import assert_identical_to_generate
 
     address, env = ray_head
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
                                for i, p in enumerate(PROMPTS)))
+    server_tables = "[hub]" + HUB if hubs == 1 else ("[[hubs]]" + HUB) * hubs
     config = tmp_path / "ray.toml"
     config.write_text(f"""
 backend = "ray"
 name = "ray-test"
 [ray]
 address = "127.0.0.1:1"   # RAY_ADDRESS wins over this
-[hub]
-num_cpus = 1
-insecure = true           # binds every interface of the node
+{server_tables}
 [targets]
 count = 2
 model = "default"
@@ -126,17 +134,23 @@ max_new_tokens = {NEW}
     log = out.stderr
     assert out.returncode == 0, log
     assert f"attached to the Ray cluster at {address}" in log
-    # the hub binds every interface; targets dial the IP of the node Ray put it on
-    assert re.search(r"\[ *hub\] .* listening on tcp://0\.0\.0\.0:\d+", log), log
-    assert re.search(r"hub ready at tcp://\d+\.\d+\.\d+\.\d+:\d+", log), log
-    assert "hub ready at tcp://0.0.0.0" not in log
+    # each hub binds every interface; targets dial the IP of the node Ray put it on
+    names = ["hub"] if hubs == 1 else [f"hub{i}" for i in range(hubs)]
+    for name in names:
+        assert re.search(rf"\[ *{name}\] .* listening on tcp://0\.0\.0\.0:\d+", log), log
+    ready = re.search(r"(?:hub|pool of \d+ hubs) ready at (\S+)", log)
+    assert ready and "0.0.0.0" not in ready[1], log
+    addresses = ready[1].split(",")
+    assert len(addresses) == hubs and all(
+        re.fullmatch(r"tcp://\d+\.\d+\.\d+\.\d+:\d+", a) for a in addresses), log
     rows = [json.loads(line) for i in range(2)
             for line in (tmp_path / "out" / f"target{i}.jsonl").read_text().splitlines()]
     assert sorted(r["id"] for r in rows) == list(range(len(PROMPTS)))
     assert_identical_to_generate(rows, NEW)
+    assert {r["stats"]["hub"] for r in rows} <= set(addresses)
 
     pids = {m[1]: int(m[2]) for m in re.finditer(r"started (\w+) on .*, pid (\d+)", log)}
-    assert set(pids) == {"hub", "target0", "target1"}
+    assert set(pids) == {*names, "target0", "target1"}
     assert not [n for n, p in pids.items() if psutil.pid_exists(p)], "processes left behind"
     check = subprocess.run([sys.executable, "-c", LIST_ACTORS.format(address=address)],
                            capture_output=True, text=True, env=env, timeout=120)

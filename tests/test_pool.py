@@ -243,7 +243,7 @@ def test_target_processes_carry_on_at_the_other_hub_when_theirs_is_killed_or_dra
             assert r["output_ids"] == want, r["id"]
 
 
-def test_move_chance_evens_out_a_crowd_and_follows_a_better_offer(tiny_model):
+def test_move_chance_evens_out_a_crowd_but_never_follows_an_offer_alone(tiny_model):
     import msgspec
 
     hub = HubThread(NgramDrafter())
@@ -263,9 +263,9 @@ def test_move_chance_evens_out_a_crowd_and_follows_a_better_offer(tiny_model):
     assert move_chance(at(4), there(0)) == 0.25  # one of four moves at a look, on average
     assert move_chance(at(3), there(1)) == pytest.approx(1 / 6)
     assert move_chance(at(2), there(1)) == 0 and move_chance(at(1), there(0)) == 0
-    assert move_chance(at(1), there(0, faster=1.5)) == 0.25
-    assert move_chance(at(1), there(0, faster=1.2)) == 0  # within the estimates' noise
+    assert move_chance(at(1), there(0, faster=1.5)) == 0  # counts move targets, offers not
     assert move_chance(at(4), there(0, faster=1 / 1.5)) == 0  # fewer targets, far slower
+    assert move_chance(at(4), there(0, faster=1 / 1.2)) == 0.25  # within the offers' noise
     assert move_chance(at(1), Offer("b", 0.0, 0, 0.0)) == 0  # full
 
 

@@ -34,7 +34,8 @@ from starhub.wire.reports import HubReport
 TIE = 0.05
 """Offers within this share of each other are equal (``rank``)."""
 MOVE_MARGIN = 0.25
-"""How much better another hub's offer must be for a target to leave its hub for it."""
+"""How much worse another hub's offer may be for a target to move there to even out the
+targets' counts (``move_chance``)."""
 DAMPING = 0.25
 """The chance of a move at one look, before the gap in targets scales it (``move_chance``)."""
 SURVEY_S = 0.5
@@ -82,20 +83,21 @@ def offer(address: str, report: HubReport, joining: bool = True) -> Offer:
 
 def move_chance(here: HubReport, there: Offer) -> float:
     """How likely a target admitted by the hub that reported ``here`` should move to the hub
-    of ``there`` at one look: where the other hub's offer is better by more than
-    ``MOVE_MARGIN``, ``DAMPING``; where neither offer beats the other by that much and the
-    gap in targets is two or more, ``DAMPING`` times ``(n_here - n_there) / n_here``, so
-    that a crowd that arrived together sends about a quarter of the gap each look instead of
-    moving together (every target looks at counts that lag the moves others just made);
-    else 0. The margin is wider than ``TIE``: two like hubs' estimates of their rounds
-    differ by more than 5% by chance, and a move on such a difference would be undone."""
+    of ``there`` at one look: where the other hub has room, at least two targets fewer, and
+    an offer not worse by more than ``MOVE_MARGIN``, ``DAMPING`` times ``(n_here - n_there)
+    / n_here``, so that a crowd that arrived together sends about a quarter of the gap each
+    look instead of moving together (every target looks at counts that lag the moves others
+    just made); else 0.
+
+    Only counts move a target, not a better offer alone: on a shared CPU two like hubs'
+    estimates of their rounds (and so their offers) differed by more than 25% from one look
+    to the next, and targets that followed them swung from hub to hub. A newcomer still
+    goes to the best offer (``rank``)."""
     stay = offer("", here, joining=False)
-    if there.tok_s <= 0:
-        return 0.0
-    if stay.tok_s > 0 and there.tok_s > stay.tok_s * (1 + MOVE_MARGIN):
-        return DAMPING
     n = stay.admitted
-    if there.tok_s * (1 + MOVE_MARGIN) < stay.tok_s or n - there.admitted < 2:
+    if there.tok_s <= 0 or n - there.admitted < 2:
+        return 0.0
+    if there.tok_s * (1 + MOVE_MARGIN) < stay.tok_s:
         return 0.0
     return DAMPING * (n - there.admitted) / n
 
