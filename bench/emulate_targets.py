@@ -154,6 +154,7 @@ class EmulatedTargets:
 
         self.surveyors = {h: dealer(self.ctx, h, "emu-survey") for h in self.hubs}
         self.survey_lock = asyncio.Lock()
+        """One placement at a time (``place``)."""
         if len(self.hubs) == 1:  # one hub: every target greets it at once
             hub = self.hubs[0]
             socks = [dealer(self.ctx, hub, f"emu{self.first + i}") for i in range(self.count)]
@@ -187,25 +188,28 @@ class EmulatedTargets:
 
     async def place(self, i: int) -> tuple:
         """Greet target ``i``'s hub (random placement) or the pool's best offers in turn
-        until one admits it: its socket (to the last hub greeted) and that hub's answer."""
-        if self.placement == "random":
-            order = [self.home[i]]
-        else:
-            async with self.survey_lock:
+        until one admits it: its socket (to the last hub greeted) and that hub's answer.
+        This process's targets place themselves one at a time, each seeing the last one's
+        admission, as targets that start apart do."""
+        async with self.survey_lock:
+            if self.placement == "random":
+                order = [self.home[i]]
+            else:
                 answers = [await ask(sock, StatsQuery()) for sock in self.surveyors.values()]
-            order = [o.address for o in rank(
-                [offer(hub, a.body) for hub, a in zip(self.surveyors, answers, strict=True)
-                 if isinstance(a, StatsReport) and isinstance(a.body, HubReport)], self.rng)]
-        sock = reply = None
-        for hub in order:
-            if sock is not None:
-                sock.close(0)
-            sock = dealer(self.ctx, hub, f"emu{self.first + i}")
-            reply = await ask(sock, self.card(self.first + i))
-            self.admit(i, hub, reply)
-            if self.totals.admitted[i]:
-                break
-        return sock, reply
+                order = [o.address for o in rank(
+                    [offer(hub, a.body) for hub, a in zip(self.surveyors, answers, strict=True)
+                     if isinstance(a, StatsReport) and isinstance(a.body, HubReport)],
+                    self.rng)]
+            sock = reply = None
+            for hub in order:
+                if sock is not None:
+                    sock.close(0)
+                sock = dealer(self.ctx, hub, f"emu{self.first + i}")
+                reply = await ask(sock, self.card(self.first + i))
+                self.admit(i, hub, reply)
+                if self.totals.admitted[i]:
+                    break
+            return sock, reply
 
     async def calibrate_link(self, period_s: float = 0.2, gain: float = 0.5) -> None:
         """Steer the added link delay so that the return time the hub measures (from a
