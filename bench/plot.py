@@ -218,6 +218,7 @@ def plot_serve(doc: dict, out: str | Path) -> None:
 def plot_pool(doc: dict, out: str | Path) -> None:
     """System tokens/s against N, one line per hub count: admission placement solid,
     random placement dashed, the model (targets spread evenly) dotted."""
+    # deferred: matplotlib loads only when a plot is asked for
     import matplotlib
 
     matplotlib.use("Agg")

@@ -373,7 +373,8 @@ class Batcher:
         to a better hub of the pool waits until no session is open."""
         if self.link is None:
             return None
-        client = self.link.current(idle=all(s.client is None for s in self._slots.values()))
+        idle = not self._asked and all(s.client is None for s in self._slots.values())
+        client = self.link.current(idle=idle)
         for slot in self._slots.values():
             if slot.client is not None and slot.client is not client:
                 self._alone(slot, "the hub connection was replaced")

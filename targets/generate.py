@@ -38,6 +38,8 @@ class SpeculativeGenerator:
                             decode_ahead=False)
         self.core.start()
         self._peer_totals: PeerEntry | None = None
+        self._peer_hub = ""
+        """The hub ``_peer_totals`` came from (a pool's target may move between requests)."""
 
     @property
     def link(self):
@@ -109,6 +111,8 @@ class SpeculativeGenerator:
             return
         before = self._peer_totals or PeerEntry()
         self._peer_totals = totals
+        if stats.hub != self._peer_hub:  # a hub of a pool it had not used: its own count
+            self._peer_hub, before = stats.hub, PeerEntry()
         stats.hub_queue_s = totals.queue_s - before.queue_s
         stats.hub_draft_s = totals.draft_s - before.draft_s
         stats.comm_s = max(0.0, stats.hub_wait_s - stats.hub_queue_s - stats.hub_draft_s)

@@ -36,9 +36,12 @@ log = logging.getLogger("starhub.target")
 
 REBALANCE_S = 10.0
 """How often a target of a pool asks whether another hub has clearly fewer targets."""
-SETTLE_S = 3.0
-"""How long a target stays at a hub it moved to before it may move again, in
-``REBALANCE_S``."""
+SETTLE_S = 30.0
+"""How long a target stays at a hub it moved to before it may move again."""
+MOVE_GREET_S = 1.0
+"""How long a move's greeting may hold the core up (between two requests): a hub that
+answered the survey a moment ago and cannot answer a card within this is not one to move
+to."""
 
 
 class HubLink(Link):
@@ -59,8 +62,9 @@ class HubLink(Link):
         self.rng = random.Random()
         """Breaks ties between hubs with equal offers (``starhub.client.pool.rank``)."""
         self._followed: object = None
-        self._move: str | None = None
-        """A hub with clearly fewer targets, until the core is between requests."""
+        self._move: tuple[str, float] | None = None
+        """A hub with clearly fewer targets and when it was chosen, until the core is
+        between requests (a choice older than ``REBALANCE_S`` is dropped)."""
         self._moved_at = -math.inf
         self.moves = 0
         if len(self.pool) > 1:
@@ -71,29 +75,32 @@ class HubLink(Link):
         DRAFTER_CARD; ``HubUnavailable`` if none."""
         if len(self.pool) == 1:
             return self._greet_one(self.pool[0])
-        reports = survey(self.pool, client_options=self.client_options)
-        offers = rank([offer(address, report) for address, report in reports.items()],
-                      self.rng)
-        if not offers:
-            raise HubUnavailable(f"no hub of the pool {','.join(self.pool)} answered")
+        reports = survey(self.pool, patience_s=self.floor_s, client_options=self.client_options)
+        order = [o.address for o in rank([offer(address, report)
+                                          for address, report in reports.items()], self.rng)]
+        if not order:
+            raise HubUnavailable(f"no hub of the pool {','.join(self.pool)} answered within "
+                                 f"{self.floor_s:g}s")
         refusals = []
-        for hub in offers:
+        for address in order:
             try:
-                found = self._greet_one(hub.address)
+                found = self._greet_one(address)
             except HubUnavailable as exc:
                 refusals.append(exc)
                 continue
-            self.address = hub.address
+            self.address = address
             return found
         waits = [e.retry_after_s for e in refusals if e.retry_after_s > 0]
-        silent = len(self.pool) - len(offers)
+        silent = len(self.pool) - len(order)
         raise HubUnavailable(
             "; ".join(map(str, refusals)) + (f"; {silent} more did not answer" if silent else ""),
             retry_after_s=min(waits, default=0.0),
             rejected=not silent and all(e.rejected for e in refusals))
 
-    def _greet_one(self, address: str) -> tuple[HubClient, DrafterCard]:
-        client = HubClient(address, timeout_s=max(self.floor_s, 5.0), **self.client_options)
+    def _greet_one(self, address: str,
+                   timeout_s: float | None = None) -> tuple[HubClient, DrafterCard]:
+        client = HubClient(address, timeout_s=timeout_s or max(self.floor_s, 5.0),
+                           **self.client_options)
         try:
             return client, client.greet(self.target_card())
         except HubUnavailable:
@@ -104,8 +111,9 @@ class HubLink(Link):
         """``Link.connect``, saying once why there is no hub where there is none."""
         if super().connect():
             return True
-        log.warning("%s: no hub to draft with yet (%s); decoding alone, and asking again in "
-                    "the background", self.name, self.note)
+        retrying = self._thread is not None and self._thread.is_alive()
+        log.warning("%s: no hub to draft with (%s); decoding alone%s", self.name, self.note,
+                    ", and asking again in the background" if retrying else "")
         return False
 
     def open(self) -> DrafterCard:
@@ -129,35 +137,48 @@ class HubLink(Link):
         wait = self.rng.uniform(1.0, 3.0)
         while not self._closed.wait(wait):
             wait = REBALANCE_S
-            here = self.address
-            settled = time.monotonic() - self._moved_at > SETTLE_S * REBALANCE_S
-            if self.client is None or self._move is not None or not settled:
-                continue  # reconnecting, a move waits for the core, or it just moved
-            reports = survey(self.pool, client_options=self.client_options)
-            if here not in reports:
-                continue
-            offers = [offer(a, r) for a, r in reports.items() if a != here]
-            better = [o for o in rank(offers, self.rng)
-                      if self.rng.random() < move_chance(reports[here], o)]
-            if better:
-                self._move = better[0].address
-                log.info("%s: hub %s has %d targets, %s %d with this one; moving there "
-                         "between requests", self.name, better[0].address,
-                         better[0].admitted, here, reports[here].control.admitted)
+            try:
+                self._look()
+            except Exception as exc:  # a look that fails must not end rebalancing
+                log.debug("%s: could not survey the pool: %s", self.name, exc)
+
+    def _look(self) -> None:
+        """One look at the pool: choose a move where ``move_chance`` says so."""
+        here = self.address
+        settled = time.monotonic() - self._moved_at > SETTLE_S
+        if self.client is None or self._move is not None or not settled:
+            return  # reconnecting, a move waits for the core, or it just moved
+        reports = survey(self.pool, client_options=self.client_options)
+        if here not in reports:
+            return
+        offers = [offer(a, r) for a, r in reports.items() if a != here]
+        better = [o for o in rank(offers, self.rng)
+                  if self.rng.random() < move_chance(reports[here], o)]
+        with self._lock:
+            if not better or self.address != here or self.client is None:
+                return  # it moved or was lost while the survey ran
+            self._move = better[0].address, time.monotonic()
+        log.info("%s: hub %s has %d targets, %s %d with this one; moving there between "
+                 "requests", self.name, better[0].address, better[0].admitted, here,
+                 reports[here].control.admitted)
 
     def _adopt_move(self) -> None:
         """Greet the hub the watcher chose and switch to it (on the core's thread, between
-        requests); where it turns us away, stay."""
-        move, self._move = self._move, None
+        requests, waiting at most ``MOVE_GREET_S``); where it turns us away, stay."""
+        with self._lock:
+            move, self._move = self._move, None
         if move is None or self.client is None:  # lost meanwhile: the reconnection decides
             return
+        address, chosen = move
+        if address == self.address or time.monotonic() - chosen > REBALANCE_S:
+            return  # already there (a reconnection went there), or chosen too long ago
         try:
-            client, card = self._greet_one(move)
+            client, card = self._greet_one(address, MOVE_GREET_S)
         except HubUnavailable as exc:
             log.info("%s: staying with %s: %s", self.name, self.address, exc)
             return
         self.close_client()
-        self.client, self.card, self.address = client, card, move
+        self.client, self.card, self.address = client, card, address
         self._moved_at = time.monotonic()
         self.moves += 1
 

@@ -10,15 +10,18 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
+from threadpoolctl import ThreadpoolController
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
 from starhub.models.fused import fuse_projections
 from starhub.models.loading import (
     BLAS_ROW,
     TORCH_ROW,
+    blas_alone,
     load_model,
     onednn_linears,
     prepack_linears,
+    set_threads,
 )
 from starhub.wire.tree import DraftTree, ancestor_mask, depths
 from targets.forward import ALL, LAST, NONE, DecoderPass, Row, run_through
@@ -162,10 +165,6 @@ def test_a_model_the_numpy_pass_cannot_run_keeps_the_layered_pass(tiny_dir):
 def test_a_blas_product_inside_a_pytorch_pass_runs_on_one_blas_thread_and_gives_it_back():
     """Torch's threads spin between ops; a BLAS pool as large fought them for the cores
     (generate() at 2 threads ran 3.7 tokens/s against 22 at one)."""
-    from threadpoolctl import ThreadpoolController
-
-    from starhub.models.loading import blas_alone, set_threads
-
     def blas_threads() -> list[int]:
         return [lib.num_threads for lib in
                 ThreadpoolController().select(user_api="blas").lib_controllers]

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -244,8 +245,6 @@ def test_target_processes_carry_on_at_the_other_hub_when_theirs_is_killed_or_dra
 
 
 def test_move_chance_evens_out_a_crowd_but_never_follows_an_offer_alone(tiny_model):
-    import msgspec
-
     hub = HubThread(NgramDrafter())
     try:
         report = survey([hub.address])[hub.address]

@@ -157,8 +157,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     elif len(found) > 1:
         print(pool_report(found))
     else:
-        print(report(args.address, found[args.address]))
-    return 0
+        print(report(addresses[0], found[addresses[0]]))
+    return 0 if any(not isinstance(b, str) for b in found.values()) else 1
 
 
 COMMANDS = {"launch": cmd_launch, "status": cmd_status}

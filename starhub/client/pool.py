@@ -120,10 +120,12 @@ def rank(offers: Sequence[Offer], rng: random.Random | None = None) -> list[Offe
     return sorted(shuffled, key=level)  # stable: equal keys keep the shuffled order
 
 
-def survey(addresses: Sequence[str], timeout_s: float = SURVEY_S,
+def survey(addresses: Sequence[str], timeout_s: float = SURVEY_S, patience_s: float = 0.0,
            client_options: dict | None = None) -> dict[str, HubReport]:
-    """Every hub's STATS that came within ``timeout_s``, asked of all at once; a hub that
-    refused us, said something else or stayed silent is left out."""
+    """Every hub's STATS, asked of all at once, that came within ``timeout_s`` of the first
+    answer (a busy host answers late, but all its hubs alike); a hub that refused us, said
+    something else or stayed silent is left out. The first answer is waited for up to
+    ``timeout_s``, or ``patience_s`` where that is longer."""
     # deferred: the connection's codec loads torch; ranking offers needs none
     from starhub.client.connection import HubClient, HubUnavailable
 
@@ -139,9 +141,14 @@ def survey(addresses: Sequence[str], timeout_s: float = SURVEY_S,
                 continue
             poller.register(client.sock, zmq.POLLIN)
         found: dict[str, HubReport] = {}
-        deadline = time.monotonic() + timeout_s
-        while poller.sockets and (left := deadline - time.monotonic()) > 0:
-            for sock, _ in poller.poll(int(1000 * left) + 1):
+        start = first = time.monotonic()
+
+        def left() -> float:
+            return (first + timeout_s if found else start + max(timeout_s, patience_s)) \
+                - time.monotonic()
+
+        while poller.sockets and left() > 0:
+            for sock, _ in poller.poll(int(1000 * left()) + 1):
                 address, client = clients[sock]
                 poller.unregister(sock)
                 try:
@@ -149,6 +156,8 @@ def survey(addresses: Sequence[str], timeout_s: float = SURVEY_S,
                 except HubUnavailable:
                     continue
                 if isinstance(reply, StatsReport) and isinstance(reply.body, HubReport):
+                    if not found:
+                        first = time.monotonic()
                     found[address] = reply.body
         return found
     finally:

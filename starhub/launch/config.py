@@ -275,7 +275,8 @@ def _check_placement(dep: Deployment, source: str) -> None:
     name = "hub" if dep.topology == "star" else "verifier"
     group = "targets" if dep.topology == "star" else "drafters"
     if dep.backend == "ray":
-        pins = [(f"{name}.gpu", s.gpu) for s in dep.servers]
+        pins = [(f"{name}.gpu" if len(dep.servers) == 1 else f"hubs[{i}].gpu", s.gpu)
+                for i, s in enumerate(dep.servers)]
         for key, table in (*pins, (f"{group}.gpus", workers.gpus)):
             if table not in (None, []):
                 raise ConfigError(f"{source}: {key}: GPU pins are for the local backend; on "

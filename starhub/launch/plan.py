@@ -129,9 +129,10 @@ def _check_security(dep: Deployment) -> None:
                               f"set {name}.curve_secret and {name}.curve_allow (keys from "
                               f"`starhub keys generate`), or {name}.insecure = true on a "
                               f"network you trust")
-    if len({bool(s.curve_secret) for s in dep.servers}) > 1:
-        raise ConfigError(f"{src}: hubs: some hubs of the pool use CURVE and some do not; "
-                          f"its targets connect to all of them the same way")
+    if len({(s.curve_secret, s.insecure) for s in dep.servers}) > 1:
+        raise ConfigError(f"{src}: hubs: the hubs of a pool differ in curve_secret or "
+                          f"insecure; its targets connect to all of them the same way, with "
+                          f"one curve_server, so every hub needs the same keys (or none)")
     curve, name = bool(dep.server.curve_secret), _named_servers(dep)[0][0]
     if curve != bool(workers.curve_secret) and workers.count:
         raise ConfigError(f"{src}: {group}.curve_secret: the {name} "

@@ -77,7 +77,10 @@ class StatusPoller:
         self.expected, self.edge = expected, edge
         self.line: str | None = None
         self._stop = threading.Event()
-        self._last: tuple[float, float, float] | None = None
+        self._last: dict[str, tuple[float, float, float]] = {}
+        """Each server's time, rounds and tokens at its last answer: rates are the sums of
+        each one's own differences, so a hub that stops answering never makes them
+        negative."""
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> StatusPoller:
@@ -90,20 +93,32 @@ class StatusPoller:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            bodies, failed = [], ""
+            bodies, failed = {}, ""
             for address in self.addresses:
                 try:
-                    bodies.append(query_stats(address, timeout_s=max(self.interval_s, 2.0),
-                                              security=self.security, observe=False))
+                    bodies[address] = query_stats(address, timeout_s=max(self.interval_s, 2.0),
+                                                  security=self.security, observe=False)
                 except Exception as exc:  # a status line must never stop the deployment
                     failed = f"no STATS from {address}: {exc}"
             self.line = self.summarize(bodies, time.monotonic()) if bodies else failed
             self._stop.wait(self.interval_s)
 
-    def summarize(self, bodies: list[HubReport | VerifierReport] | HubReport | VerifierReport,
-                  now: float) -> str:
-        """One line over ``bodies`` (one server's report, or every hub's of a pool)."""
-        bodies = bodies if isinstance(bodies, list) else [bodies]
+    def summarize(self, bodies: dict[str, HubReport | VerifierReport] | HubReport
+                  | VerifierReport, now: float) -> str:
+        """One line over ``bodies`` (one server's report, or each answering hub's of a
+        pool, by address)."""
+        if not isinstance(bodies, dict):
+            bodies = {self.addresses[0]: bodies}
+        rate = tok = 0.0
+        for address, b in bodies.items():
+            rounds, tokens = (b.rounds, b.committed) if isinstance(b, VerifierReport) \
+                else (b.rounds, b.tokens)
+            last = self._last.get(address)
+            if last is not None and now > last[0]:
+                rate += (rounds - last[1]) / (now - last[0])
+                tok += (tokens - last[2]) / (now - last[0])
+            self._last[address] = (now, rounds, tokens)
+        bodies = list(bodies.values())
         body = bodies[0]
         if isinstance(body, VerifierReport):
             up, rounds, tokens = body.drafters, body.rounds, body.committed
@@ -115,11 +130,6 @@ class StatusPoller:
             tau = sum(b.mean_accept_len * b.rounds for b in bodies) / rounds if rounds \
                 else body.mean_accept_len
             who = "targets"
-        rate = tok = 0.0
-        if self._last is not None and now > self._last[0]:
-            dt = now - self._last[0]
-            rate, tok = (rounds - self._last[1]) / dt, (tokens - self._last[2]) / dt
-        self._last = (now, rounds, tokens)
         line = (f"{who} up {up}/{self.expected} | {rate:.1f} rounds/s | tau {tau:.2f} | "
                 f"{tok:.1f} tok/s")
         if len(self.addresses) > 1:

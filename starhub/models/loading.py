@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 import time
 import warnings
 import weakref
@@ -415,15 +416,32 @@ def blas_alone():
     if torch.get_num_threads() == 1:
         yield
         return
-    libs = _blas_pools()
-    before = [lib.num_threads for lib in libs]
-    for lib in libs:
-        lib.set_num_threads(1)
+    with _ALONE.lock:
+        if not _ALONE.depth:
+            _ALONE.before = [lib.num_threads for lib in _blas_pools()]
+            for lib in _blas_pools():
+                lib.set_num_threads(1)
+        _ALONE.depth += 1
     try:
         yield
     finally:
-        for lib, threads in zip(libs, before, strict=True):
-            lib.set_num_threads(threads)
+        with _ALONE.lock:
+            _ALONE.depth -= 1
+            if not _ALONE.depth:  # the last one out (several engine threads may be in)
+                for lib, threads in zip(_blas_pools(), _ALONE.before, strict=True):
+                    lib.set_num_threads(threads)
+
+
+class _Alone:
+    """``blas_alone``'s shared state: the pool sizes to give back, and how many are in."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.before: list[int] = []
+
+
+_ALONE = _Alone()
 
 
 @functools.cache
