@@ -103,10 +103,12 @@ insecure = true           # binds every interface of the node
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hubs", [1, 2], ids=["hub", "pool"])
+@pytest.mark.parametrize("hubs", [2], ids=["pool"])
 def test_ray_launch_is_lossless_and_leaves_no_actor_behind(ray_head, tmp_path, hubs):
-    """One hub, or a pool of two ([[hubs]]), each an actor of its own; with a pool, every
-    hub binds every interface of its node and the targets get both nodes' addresses."""
+    """A pool of two hubs ([[hubs]]), each an actor of its own that binds every interface
+    of its node; the targets get both nodes' addresses. (One [hub] runs the same plan and
+    runner code; the parameter keeps that case a one-word change. Each case costs about a
+    minute of the suite.)"""
     from tests.test_e2e_default_model import assert_identical_to_generate
 
     address, env = ray_head
