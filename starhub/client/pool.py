@@ -103,21 +103,22 @@ def move_chance(here: HubReport, there: Offer) -> float:
 
 
 def rank(offers: Sequence[Offer], rng: random.Random | None = None) -> list[Offer]:
-    """The order to greet: the best offer first; among offers within ``TIE`` of each other
-    (below saturation every hub promises the same), the hub with the fewest targets, then
-    a random one; full hubs last (their admission may still say yes)."""
+    """The order to greet: the offers within ``TIE`` of the best (below saturation every
+    hub promises the same) by fewest targets, equal ones in a random order; then the rest,
+    best first; full hubs last (their admission may still say yes)."""
     rng = rng or random.Random()
     shuffled = list(offers)
     rng.shuffle(shuffled)
+    best = max((o.tok_s for o in shuffled), default=0.0)
 
-    def level(o: Offer) -> tuple[float, int]:
+    def key(o: Offer) -> tuple[int, float]:
         if o.tok_s <= 0:
-            return math.inf, o.admitted
-        if math.isinf(o.tok_s):
-            return -math.inf, o.admitted
-        return -round(math.log(o.tok_s) / math.log1p(TIE)), o.admitted
+            return 2, 0.0
+        if o.tok_s * (1 + TIE) >= best:
+            return 0, o.admitted
+        return 1, -o.tok_s
 
-    return sorted(shuffled, key=level)  # stable: equal keys keep the shuffled order
+    return sorted(shuffled, key=key)  # stable: equal keys keep the shuffled order
 
 
 def survey(addresses: Sequence[str], timeout_s: float = SURVEY_S, patience_s: float = 0.0,
