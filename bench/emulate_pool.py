@@ -13,7 +13,7 @@ import os
 import sys
 import tempfile
 
-from bench.emulate import EmulateOptions, measure_point
+from bench.emulate import EmulateOptions, measure_point, per_target
 from bench.emulate_spec import EmulateSpec
 from bench.emulate_targets import PLACEMENTS
 from starhub.hub.metrics import derive
@@ -45,12 +45,9 @@ def pool_row(spec: EmulateSpec, n: int, hubs: int, placement: str,
                         "sched_ms_per_round": 1e3 * metrics["hub_split"]["sched"]
                         * metrics["wall_s"] / rounds,
                         "overhead_ms": 1e3 * busy_s / rounds - 1e3 * spec.model().S})
-    tokens = 0.0
-    alone = 0
-    for t in totals:
-        (t0, before), (t1, after) = t["marks"][0], t["marks"][-1]
-        tokens += sum(a - b for a, b in zip(after, before, strict=True)) / max(t1 - t0, 1e-9)
-        alone += sum(not admitted for admitted in t["admitted"])
+    targets = per_target(spec, totals)
+    tokens = sum(t["tok_s"] for t in targets)
+    alone = sum(not t["admitted"] for t in targets)
     loads = [h["load"] for h in per_hub]
     return {
         "mode": "pool", "emulated": True, "hubs": hubs, "placement": placement,
