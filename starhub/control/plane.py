@@ -183,6 +183,8 @@ class Controller:
         self.hello_step = Ema()
         """Step times of every target that asked, admitted or not: N_max needs one even
         when nobody was admitted."""
+        self.unwanted: frozenset[bytes] = frozenset()
+        """The targets asked to move to another hub of their pool (``review``)."""
 
     # --- the load model -------------------------------------------------------------
 
@@ -260,6 +262,36 @@ class Controller:
         if target is not None:
             for tag in list(target.sessions):
                 self.close(tag)
+
+    def review(self) -> frozenset[bytes]:
+        """Which admitted targets the hub would rather lose (each of their PROPOSEs says
+        ``leave``): past its limit (N_max under ``--max-targets auto``, else the number
+        given) as many as it is over. Those asked already come first while they are
+        admitted (one that left is counted until its peer grace ends, and a newly chosen
+        one would move too); then, and among those, the ones the hub serves least well (the lowest
+        predicted tokens/s against their standalone speed: a target with no speculating
+        session gains nothing here now), the latest admitted among equals. Admission
+        never drops anyone; a target asked to leave moves only to a hub of its pool with
+        room, and stays where there is none. Kept in ``unwanted``."""
+        limit = self.config.max_targets
+        cap = self.n_max() if limit == AUTO else int(limit) if limit else None
+        over = len(self.targets) - cap if cap is not None else 0
+        if over <= 0:
+            self.unwanted = frozenset()
+            return self.unwanted
+        load = self._load()
+        slowest = max((sm.s + sm.z for sm in self.sessions.values() if sm.s), default=0.0)
+
+        def gain(target: TargetProfile) -> float:
+            step = target.step_s()
+            rates = [self.predicted_tok_s(self.sessions[t], slowest, load)
+                     for t in target.sessions]
+            return sum(rates) * step if rates and step > 0 else 1.0
+
+        order = sorted((identity not in self.unwanted, gain(t), -n, identity)
+                       for n, (identity, t) in enumerate(self.targets.items()))
+        self.unwanted = frozenset(identity for *_, identity in order[:over])
+        return self.unwanted
 
     def _fits(self, new: TargetProfile) -> bool:
         """Whether, with ``new`` speculating at some shape, every speculating session (and
@@ -531,7 +563,7 @@ class Controller:
             overhead_ms=1e3 * self.overhead.get(0.0),
             hub_load_ms=1e3 * load,
             acceptance_by_depth=self.hub_acceptance.by_depth(),
-            targets=per_target)
+            unwanted=len(self.unwanted), targets=per_target)
 
 
 def session_rate(e: float, cycle: float, slowest: float, load: float) -> float:

@@ -303,6 +303,7 @@ class Hub(Server):
             session.proposed_at = now
             session.out_tree = None
             self.reply(identity, Propose(tag=session.tag, seq=session.seq, ref=ref,
+                                         leave=identity in self.control.unwanted,
                                          plain=choice.plain))
             return
         session.busy = True
@@ -314,6 +315,7 @@ class Hub(Server):
         something has changed since the last."""
         self.metrics.sessions_expired += self.expire()
         self.drop_idle_peers(self.config.peer_grace_s)
+        self.review_targets()
         now = time.monotonic()
         if self.config.log_every_s and now - self._last_log >= self.config.log_every_s:
             self._last_log = now
@@ -324,6 +326,20 @@ class Hub(Server):
                 log.info("%s admitted=%d n_max=%s rejections=%d",
                          self.metrics.summary_line(len(self.table), len(self.table.peers)),
                          len(self.table.peers), self.control.n_max(), self.control.rejections)
+
+    def review_targets(self) -> None:
+        """Ask the control plane which targets it would rather lose; log when that changes."""
+        before = len(self.control.unwanted)
+        after = len(self.control.review())
+        if after == before:
+            return
+        if not after:
+            log.info("within the admission limit again: no target is asked to move")
+            return
+        limit = self.control.config.max_targets
+        log.info("%d targets admitted, over the limit of %s: asking %d to move to another "
+                 "hub of their pool", len(self.control.targets),
+                 f"N_max={self.control.n_max()}" if limit == AUTO else limit, after)
 
     def stats(self, detail: bool = True) -> HubReport:
         """The report; without ``detail``, no per-target entries are even made (a hub with

@@ -339,7 +339,8 @@ class DraftWorker:
         session.proposed_at = now
         session.out_tree = tree
         self.reply(req.identity, Propose(
-            tag=session.tag, seq=session.seq, ref=req.ref, tokens=tree.tokens,
+            tag=session.tag, seq=session.seq, ref=req.ref,
+            leave=req.identity in self.control.unwanted, tokens=tree.tokens,
             parents=tree.parents, dist_ids=tree.dist_ids, dist_probs=tree.dist_probs))
 
     async def predraft(self) -> bool:

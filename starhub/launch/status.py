@@ -259,7 +259,9 @@ def pool_report(found: dict[str, HubReport | VerifierReport | str]) -> str:
             continue
         names = sorted(printable(p[0]) for p in (body.counters.peers or [])) \
             if body.counters else []
-        rows.append([address, "up", _fmt(body.load, ".2f"), str(body.admitted),
+        asked = body.control.unwanted
+        rows.append([address, f"up, asks {asked} to move" if asked else "up",
+                     _fmt(body.load, ".2f"), str(body.admitted),
                      _fmt(body.n_max, "d"), _fmt(body.r_q), _fmt(body.system_tok_s),
                      ", ".join(names) or "-"])
     up = sum(isinstance(b, HubReport) for b in found.values())

@@ -1,4 +1,4 @@
-"""Protocol v6 messages: msgspec Structs, one tagged union keyed on ``type``.
+"""Protocol v9 messages: msgspec Structs, one tagged union keyed on ``type``.
 
 Every message travels as one multipart ZeroMQ message (see ``codec``): a msgpack header
 holding the Struct's fields, then one raw frame per array. The types and constraints
@@ -28,7 +28,7 @@ from msgspec import Meta
 from starhub.wire.reports import StatsBody
 from starhub.wire.text import printable
 
-VERSION = 8
+VERSION = 9
 MAX_TREE_NODES = 1024
 MAX_TOKENS = 1 << 20
 MAX_TEXT = 4096
@@ -272,10 +272,13 @@ class Propose(Message, tag="PROPOSE"):
 
     Siblings appear in the order they were drawn; for sampling, row 0 of ``dist_*`` is the
     draft distribution at the root and row i+1 the one at node i. ``plain`` > 0 carries no
-    tree: the target decodes that many tokens on its own, then commits them.
+    tree: the target decodes that many tokens on its own, then commits them. ``leave``:
+    the hub is over its admission limit and would rather lose this target; a target of a
+    pool moves to a hub with room when its sessions here end (alone, it stays).
     """
 
     ref: int = 0
+    leave: bool = False
     plain: Annotated[int, Meta(ge=0, le=MAX_TREE_NODES + 1)] = 0
     tokens: Tokens = msgspec.field(default_factory=_no_tokens)
     parents: Tokens = msgspec.field(default_factory=_no_tokens)

@@ -157,6 +157,8 @@ class ControlReport(Entry):
     overhead_ms: float
     hub_load_ms: float
     acceptance_by_depth: Floats
+    unwanted: int = 0
+    """Targets asked to move to another hub of their pool (``Controller.review``)."""
     targets: Annotated[list[TargetEntry], Meta(max_length=MAX_ENTRIES)] | None = None
 
 
