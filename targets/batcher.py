@@ -274,6 +274,8 @@ class Batcher:
         self._questions: queue.SimpleQueue[Future] = queue.SimpleQueue()
         self._asked: list[Future] = []
         """Callers of ``hub_totals`` whose STATS_QUERY the hub has yet to answer."""
+        self._asked_on: HubClient | None = None
+        """The connection that STATS_QUERY went on."""
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._slots: dict[int, Slot] = {}
@@ -369,15 +371,21 @@ class Batcher:
 
     # -- the hub connection -----------------------------------------------------------
     def _client(self) -> HubClient | None:
-        """The connection new sessions open on; sessions of any other go on alone. A move
-        to a better hub of the pool waits until no session is open."""
+        """The connection new sessions open on. Sessions on a hub the link moved away from
+        finish there (``HubLink.retiring``), and that connection closes when the last one
+        ends; sessions on a connection the link dropped go on alone."""
         if self.link is None:
             return None
-        idle = not self._asked and all(s.client is None for s in self._slots.values())
-        client = self.link.current(idle=idle)
+        client = self.link.current()
+        kept = {client, *self.link.retiring}
         for slot in self._slots.values():
-            if slot.client is not None and slot.client is not client:
+            if slot.client is not None and slot.client not in kept:
                 self._alone(slot, "the hub connection was replaced")
+        self.link.retire({s.client for s in self._slots.values()})
+        if self._asked and self._asked_on is not client:  # asked a hub we no longer use
+            for answer in self._asked:
+                _answer(answer, None)
+            self._asked = []
         return client
 
     def _send(self, slot: Slot, msg: Message) -> bool:
@@ -385,16 +393,29 @@ class Batcher:
             slot.client.send(msg)
             return True
         except HubUnavailable as exc:
-            self._lost(str(exc))
+            self._lost(str(exc), slot.client)
             return False
 
-    def _lost(self, reason: str) -> None:
-        """The hub missed a deadline or broke the protocol: every request goes on alone
-        and the link reconnects in the background, for the requests that come next."""
-        if self.link is not None and self.link.client is not None:
-            self.link.failed(reason)
+    def _lost(self, reason: str, client: HubClient | None = None) -> None:
+        """A hub missed a deadline or broke the protocol on ``client`` (None: the link's
+        connection): the requests whose sessions it holds go on alone. Where it is the
+        link's, the requests keeping features for a later session stop, and the link
+        reconnects in the background for the requests that come next; where it is a hub
+        moved away from (``HubLink.retiring``), that connection is closed."""
+        link = self.link
+        if link is None:
+            return
+        if client is not None and client is not link.client:  # moved away from, or dropped
+            for slot in self._slots.values():
+                if slot.client is client:
+                    self._alone(slot, reason, close=False)
+            link.retire({s.client for s in self._slots.values()})
+            return
+        if link.client is not None:
+            link.failed(reason)
         for slot in self._slots.values():
-            if slot.client is not None or slot.history is not None:
+            if (slot.client is not None and slot.client not in link.retiring) or (
+                    slot.client is None and slot.history is not None):
                 self._alone(slot, reason, close=False)
 
     def _alone(self, slot: Slot, reason: str, close: bool = True, keep: bool = False) -> None:
@@ -424,7 +445,13 @@ class Batcher:
             target.feature_layers = []
 
     def _read_hub(self, client: HubClient | None, wait_s: float) -> None:
-        """Take every reply that has come (waiting up to ``wait_s`` for the first)."""
+        """Take every reply that has come (waiting up to ``wait_s`` for the first on
+        ``client``), on the hubs moved away from too."""
+        for old in list(self.link.retiring) if self.link is not None else []:
+            self._read_from(old, 0)
+        self._read_from(client, wait_s)
+
+    def _read_from(self, client: HubClient | None, wait_s: float) -> None:
         if client is None:
             if wait_s > 0:
                 self._wake.wait(wait_s)
@@ -436,9 +463,9 @@ class Batcher:
                     return
                 msg = client.recv(0)
             except HubUnavailable as exc:
-                self._lost(str(exc))
+                self._lost(str(exc), client)
                 return
-            self._on_reply(msg)
+            self._on_reply(msg, client)
             timeout = 0
 
     def _ask_totals(self, client: HubClient | None) -> None:
@@ -458,6 +485,7 @@ class Batcher:
         if not self._asked:
             with contextlib.suppress(HubUnavailable):
                 client.send(StatsQuery(peer=True))
+            self._asked_on = client
         self._asked += new
 
     def _on_totals(self, msg: StatsReport) -> None:
@@ -466,38 +494,42 @@ class Batcher:
         for answer in asked:
             _answer(answer, totals)
 
-    def _on_reply(self, msg: Message) -> None:
+    def _on_reply(self, msg: Message, client: HubClient) -> None:
         if isinstance(msg, StatsReport):
             self._on_totals(msg)
             return
-        slot = self._slot_for(msg)
+        slot = self._slot_for(msg, client)
         if slot is None:  # its request ended, or went on alone, while the hub drafted
             # an answer to an OPEN brings a session we never knew the tag of: end it too;
             # one to a COMMIT (ref 0) finds its session already CLOSEd by ``_release`` or
             # ``_alone``, and a second CLOSE would only earn an ERROR
-            if isinstance(msg, Propose) and msg.ref and self.link is not None \
-                    and self.link.client:
+            if isinstance(msg, Propose) and msg.ref and not client.sock.closed:
                 with contextlib.suppress(HubUnavailable):
-                    self.link.client.send(Close(tag=msg.tag))
+                    client.send(Close(tag=msg.tag))
             return
         if isinstance(msg, Error):
-            if msg.code == ErrorCode.NO_CARD:
+            if msg.code == ErrorCode.NO_CARD and client is self.link.client:
                 self._rejoin()
-            elif msg.code == ErrorCode.DRAINING:  # its next sessions go to another hub
-                self._lost(f"the hub {slot.client.address} is shutting down")
+            elif msg.code in (ErrorCode.NO_CARD, ErrorCode.DRAINING):  # its next sessions
+                # go to another hub (a hub moved away from: its sessions there go alone)
+                self._lost(f"the hub {client.address} is shutting down"
+                           if msg.code == ErrorCode.DRAINING else
+                           f"the hub {client.address} no longer knows this target", client)
             else:
                 self._alone(slot, f"hub error {msg.code}: {msg.message}")
             return
         if not isinstance(msg, Propose):
-            self._lost(f"expected PROPOSE, got {msg.TYPE}")
+            self._lost(f"expected PROPOSE, got {msg.TYPE}", client)
             return
         if msg.seq <= slot.seq:
             return  # a replay of an earlier round: never applied twice
         try:
             check_propose(msg, self.vocab_size)
         except HubUnavailable as exc:
-            self._lost(str(exc))
+            self._lost(str(exc), client)
             return
+        if msg.leave and client is self.link.client:
+            self.link.told()
         if slot.waiting_since is not None and self.link is not None:
             took = time.perf_counter() - slot.waiting_since
             slot.stats.hub_wait_s += took
@@ -521,10 +553,11 @@ class Batcher:
         """The hub no longer knows us (it frees the slot of a target that held no session
         for a while, or it restarted): our card again, on a new connection, then every
         OPEN it refused once more. Sessions it had are gone: their requests go on alone."""
+        forgot = self.link.client
         reopen = [s for s in self._slots.values()
-                  if s.client is not None and s.opening is not None]
+                  if s.client is forgot and s.opening is not None]
         for slot in self._slots.values():
-            if slot.client is not None and slot.opening is None:
+            if slot.client is forgot and slot.opening is None:
                 self._alone(slot, "the hub no longer knows this target", close=False)
         if not self.link.rejoin():  # on failure it retries in the background
             for slot in reopen:
@@ -538,9 +571,11 @@ class Batcher:
             slot.opening.ref, slot.waiting_since = slot.ref, time.perf_counter()
             self._send(slot, slot.opening)
 
-    def _slot_for(self, msg: Message) -> Slot | None:
+    def _slot_for(self, msg: Message, client: HubClient) -> Slot | None:
+        """The request ``msg`` answers; tags are each hub's own, so among the sessions on
+        ``client`` only."""
         for slot in self._slots.values():
-            if slot.client is None:
+            if slot.client is not client:
                 continue
             if (msg.tag and msg.tag == slot.tag) or (
                     getattr(msg, "ref", 0) and msg.ref == slot.ref and not slot.tag):
@@ -553,8 +588,9 @@ class Batcher:
         now, deadline = time.perf_counter(), self.link.deadline_s
         late = [s for s in self._slots.values()
                 if s.waiting_since is not None and now - s.waiting_since > deadline]
-        if late:
-            self._lost(f"no reply from the hub within {deadline:.3g}s")
+        for client in {s.client for s in late}:
+            self._lost(f"no reply from the hub {client.address} within {deadline:.3g}s",
+                       client)
         return bool(late)
 
     # -- the engine thread ------------------------------------------------------------

@@ -5,13 +5,21 @@ passes before it is verified.
 
 Given a pool of hubs (``--hub A,B,C``), each greeting goes to the hub whose own figures
 promise this target the most tokens per second (``starhub.client.pool``): at start, and
-whenever the link reconnects, after its hub died, hung or began to drain. Targets that
-start together see the same offers and may crowd one hub; so every ``REBALANCE_S`` a
-watcher thread asks the pool again, and where another hub has clearly fewer targets
-(``starhub.client.pool.move_chance``) the core moves there between two requests, never
-while a session is open, and stays at least ``SETTLE_S``: the hubs' counts of their
-targets lag a move by their peer grace, and a target that moved on every glance at them
-would swing back and forth.
+whenever the link reconnects, after its hub died, hung or began to drain. A watcher thread
+asks the pool again in two cases, and chooses a hub to move to:
+
+- its hub says it would rather lose this target (``Propose.leave``: the hub is over its
+  admission limit, and this target gains least there): it moves to the best hub with room,
+  and stays where none has room;
+- every ``REBALANCE_S``, where another hub has clearly fewer targets
+  (``starhub.client.pool.move_chance``): targets that start together see the same offers
+  and may crowd one hub. After such a move it stays at least ``SETTLE_S``: the hubs'
+  counts of their targets lag a move by their peer grace, and a target that moved on every
+  glance at them would swing back and forth.
+
+A move is never made mid-round: the core's next call to ``current`` takes the new
+connection for the sessions it opens from then on, and the old one is kept in ``retiring``
+until the sessions open on it end (between two requests of a star target, none are).
 """
 
 from __future__ import annotations
@@ -38,6 +46,9 @@ REBALANCE_S = 10.0
 """How often a target of a pool asks whether another hub has clearly fewer targets."""
 SETTLE_S = 30.0
 """How long a target stays at a hub it moved to before it may move again."""
+LOOK_GAP_S = 1.0
+"""The least time between two looks at the pool: a hub that wants to lose this target says
+so in every PROPOSE."""
 MOVE_GREET_S = 1.0
 """How long a move's greeting may hold the core up (between two requests): a hub that
 answered the survey a moment ago and cannot answer a card within this is not one to move
@@ -67,6 +78,15 @@ class HubLink(Link):
         between requests (a choice older than ``REBALANCE_S`` is dropped)."""
         self._moved_at = -math.inf
         self.moves = 0
+        self.retiring: list[HubClient] = []
+        """Connections to hubs moved away from, kept until their sessions end (the core
+        closes them with ``retire``)."""
+        self._told = threading.Event()
+        """The hub would rather lose this target (``told``): look at the pool now."""
+        self._deaf_until = -math.inf
+        """A look found no hub with room: until then, ``told`` waits for the next regular
+        look."""
+        self._stay_said = False
         if len(self.pool) > 1:
             threading.Thread(target=self._watch, name=f"{name}-pool", daemon=True).start()
 
@@ -121,50 +141,92 @@ class HubLink(Link):
         self.follow()
         return card
 
-    def current(self, idle: bool = True) -> HubClient | None:
-        """``Link.current``; ``idle`` (no session open on the connection now): adopt the
-        better hub the watcher greeted, if any."""
-        if idle:
-            self._adopt_move()
+    def current(self) -> HubClient | None:
+        """``Link.current``, adopting the hub the watcher chose to move to, if any (the
+        connection left keeps serving its sessions: ``retiring``)."""
+        self._adopt_move()
         client = super().current()
         self.follow()
         return client
 
+    def retire(self, in_use: set[HubClient]) -> None:
+        """Close the connections moved away from that no session in ``in_use`` holds."""
+        for old in [c for c in self.retiring if c not in in_use]:
+            self.retiring.remove(old)
+            old.close()
+
+    def told(self) -> None:
+        """The hub (in a PROPOSE) would rather lose this target: look for a hub with room.
+        Called for every such PROPOSE; looks at most every ``LOOK_GAP_S``, and after a
+        look that found no room, only at the next regular one."""
+        if time.monotonic() < self._deaf_until:
+            return
+        if len(self.pool) == 1:
+            self._deaf_until = math.inf
+            log.info("%s: the hub %s is over its admission limit and would rather lose this "
+                     "target; it has no other hub (--hub A,B,... gives a pool), so it stays",
+                     self.name, self.address)
+            return
+        self._told.set()
+
+    def close(self) -> None:
+        super().close()
+        self._told.set()  # ends the watcher's wait
+        self.retire(set())
+
     def _watch(self) -> None:
-        """Every ``REBALANCE_S`` (the first time sooner, at a random moment, so that
-        targets that started together ask apart): where another hub has clearly fewer
-        targets, choose it and leave the move to ``current``."""
+        """Look at the pool when the hub says it would rather lose this target, and every
+        ``REBALANCE_S`` (the first time sooner, at a random moment, so that targets that
+        started together ask apart); at most every ``LOOK_GAP_S``."""
         wait = self.rng.uniform(1.0, 3.0)
-        while not self._closed.wait(wait):
+        while not self._closed.wait(LOOK_GAP_S):
+            told = self._told.wait(max(wait - LOOK_GAP_S, 0.0))
+            if self._closed.is_set():
+                return
+            self._told.clear()
             wait = REBALANCE_S
             try:
-                self._look()
+                self._look(told)
             except Exception as exc:  # a look that fails must not end rebalancing
                 log.debug("%s: could not survey the pool: %s", self.name, exc)
 
-    def _look(self) -> None:
-        """One look at the pool: choose a move where ``move_chance`` says so."""
+    def _look(self, told: bool = False) -> None:
+        """One look at the pool: choose a move to the best hub with room where this hub
+        would rather lose us (``told``), else where ``move_chance`` says so."""
         here = self.address
         settled = time.monotonic() - self._moved_at > SETTLE_S
-        if self.client is None or self._move is not None or not settled:
+        if self.client is None or self._move is not None or not (settled or told):
             return  # reconnecting, a move waits for the core, or it just moved
         reports = survey(self.pool, client_options=self.client_options)
         if here not in reports:
             return
-        offers = [offer(a, r) for a, r in reports.items() if a != here]
-        better = [o for o in rank(offers, self.rng)
-                  if self.rng.random() < move_chance(reports[here], o)]
+        offers = rank([offer(a, r) for a, r in reports.items() if a != here], self.rng)
+        if told:
+            better = [o for o in offers if o.tok_s > 0]
+            if not better:
+                self._deaf_until = time.monotonic() + REBALANCE_S
+                log.log(logging.DEBUG if self._stay_said else logging.INFO,
+                        "%s: the hub %s would rather lose this target, but no other hub of "
+                        "the pool has room; staying", self.name, here)
+                self._stay_said = True
+                return
+            why = f"hub {here} would rather lose this target (it is over its admission limit)"
+        else:
+            better = [o for o in offers if self.rng.random() < move_chance(reports[here], o)]
+            why = (f"hub {better[0].address} has {better[0].admitted} targets, {here} "
+                   f"{reports[here].control.admitted} with this one" if better else "")
         with self._lock:
             if not better or self.address != here or self.client is None:
                 return  # it moved or was lost while the survey ran
             self._move = better[0].address, time.monotonic()
-        log.info("%s: hub %s has %d targets, %s %d with this one; moving there between "
-                 "requests", self.name, better[0].address, better[0].admitted, here,
-                 reports[here].control.admitted)
+        self._stay_said = False
+        log.info("%s: %s; moving to %s for the sessions that open next", self.name, why,
+                 better[0].address)
 
     def _adopt_move(self) -> None:
-        """Greet the hub the watcher chose and switch to it (on the core's thread, between
-        requests, waiting at most ``MOVE_GREET_S``); where it turns us away, stay."""
+        """Greet the hub the watcher chose and switch to it (on the core's thread, waiting
+        at most ``MOVE_GREET_S``), keeping the old connection for its sessions; where the
+        new hub turns us away, stay."""
         with self._lock:
             move, self._move = self._move, None
         if move is None or self.client is None:  # lost meanwhile: the reconnection decides
@@ -177,7 +239,7 @@ class HubLink(Link):
         except HubUnavailable as exc:
             log.info("%s: staying with %s: %s", self.name, self.address, exc)
             return
-        self.close_client()
+        self.retiring.append(self.client)
         self.client, self.card, self.address = client, card, address
         self._moved_at = time.monotonic()
         self.moves += 1

@@ -19,9 +19,11 @@ import torch
 
 from starhub.client.connection import HubClient
 from starhub.client.pool import Offer, move_chance, offer, pool_addresses, rank, survey
+from starhub.control.plane import ControlConfig, Controller
 from starhub.drafters.ngram import NgramDrafter
 from starhub.hub.shutdown import drain
 from starhub.launch import child_env, spawn_hub, target_command
+from starhub.options import AUTO
 from starhub.wire.messages import DrafterCard, TargetCard
 from targets import attach, hub_link
 from tests.conftest import HubThread
@@ -297,3 +299,116 @@ def test_a_target_moves_between_requests_to_a_hub_that_serves_it_better(tiny_mod
         crowded.stop()
         if empty is not None:
             empty.stop()
+
+
+def test_a_hub_over_its_limit_asks_those_it_serves_least_well_to_leave_and_keeps_asking_them():
+    """Past its limit the control plane names as many targets as it is over: those whose
+    predicted speed here beats their standalone speed least (a target with no session gains
+    nothing now); those it asked stay asked while admitted; within the limit, nobody."""
+    control = Controller(ControlConfig(max_targets=3))
+    for name in (b"a", b"b", b"c"):
+        assert control.join(name, name.decode(), 0.05, 0.0) is None
+    for tag, who, tokens in ((1, b"a", 0.8), (3, b"c", 3.0)):  # 0.8x and 3x standalone
+        control.open(tag, who, 0.05)
+        sm = control.sessions[tag]
+        sm.s, sm.z, sm.e = 0.001, 0.049, tokens
+    assert control.review() == frozenset()
+    control.config.max_targets = 1  # the limit falls below the count (as N_max does)
+    assert control.review() == {b"a", b"b"}
+    assert control.snapshot(0.0).unwanted == 2
+    control.config.max_targets = 2
+    control.sessions[1].e = 10.0  # a gains most now, but b and a were asked: b stays asked
+    assert control.review() == {b"b"}
+    control.leave(b"b")  # its peer grace ended
+    assert control.review() == frozenset()
+
+
+def test_a_target_its_hub_would_rather_lose_moves_to_a_hub_with_room_and_no_other_does(
+        tiny_model, monkeypatch):
+    """Two targets on a hub whose limit falls to one: the hub asks one of them to leave (in
+    its PROPOSEs), and that one opens its next sessions on the other hub once it is up; the
+    other stays. Outputs are generate()'s throughout."""
+    monkeypatch.setattr(hub_link, "move_chance", lambda here, there: 0.0)  # the hub's word
+    model, tok = tiny_model                                               # alone moves them
+    want = _reference(model)
+    a, later = HubThread(NgramDrafter(), peer_grace_s=1.0), _free_address()
+    b = None
+    try:
+        with attach(model, tok, [a.address, later], name="one", timeout_s=1.0) as one, \
+                attach(model, tok, [a.address, later], name="two", timeout_s=1.0) as two:
+            for t in (one, two):
+                assert t.generate(PROMPT, max_new_tokens=NEW).stats.hub == a.address
+            b = HubThread(NgramDrafter(), bind=later)
+            a.hub.control.config.max_targets = 1
+            hubs: dict[str, list[str]] = {"one": [], "two": []}
+            deadline = time.monotonic() + 60
+            while later not in hubs["one"] + hubs["two"]:
+                assert time.monotonic() < deadline, hubs
+                for name, t in (("one", one), ("two", two)):
+                    result = t.generate(PROMPT, max_new_tokens=NEW)
+                    assert result.output_ids == want and not result.stats.note, result.stats
+                    hubs[name].append(result.stats.hub)
+            moved = "one" if later in hubs["one"] else "two"
+            for _ in range(8):  # past the moved one's peer grace at the first hub
+                for name, t in (("one", one), ("two", two)):
+                    result = t.generate(PROMPT, max_new_tokens=NEW)
+                    assert result.output_ids == want, result.stats
+                    assert result.stats.hub == (later if name == moved else a.address)
+                time.sleep(0.2)
+            assert a.hub.control.unwanted == frozenset()  # within its limit again
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
+def test_a_serving_target_moves_at_a_session_boundary_while_its_open_request_finishes(
+        tiny_model, monkeypatch):
+    """A server asked to leave while a request decodes with its hub: that request finishes
+    its rounds at the old hub, and the request after it opens at the new one. Both outputs
+    are generate()'s."""
+    import queue
+
+    from targets.batcher import Batcher, Request
+    from tests.test_serve_gate import stats_of
+
+    monkeypatch.setattr(hub_link, "move_chance", lambda here, there: 0.0)
+    model, tok = tiny_model
+    a, later = HubThread(NgramDrafter()), _free_address()
+    b = None
+    batcher = Batcher(model, tok, [a.address, later], timeout_s=1.0)
+    batcher.start()
+    try:
+        long, short = queue.SimpleQueue(), queue.SimpleQueue()
+        batcher.submit(Request(prompt=PROMPT, max_tokens=1500, sink=long.put))
+        assert _wait(lambda: a.hub.metrics.sessions_opened >= 1)
+        b = HubThread(NgramDrafter(), bind=later)
+        a.hub.control.config.max_targets = AUTO  # N_max falls to nothing: every target
+        a.hub.control.n_max = lambda: 0          # here would be better off elsewhere
+        assert _wait(lambda: batcher.link.moves == 1)
+        batcher.submit(Request(prompt=PROMPT, max_tokens=NEW, sink=short.put))
+        got_short, short_stats = stats_of(short)
+        got_long, long_stats = stats_of(long)
+        assert short_stats.hub == later and short_stats.rounds > 0, short_stats
+        assert long_stats.hub == a.address and long_stats.rounds > 0, long_stats
+        assert not long_stats.note, "the open request finished with its hub, not alone"
+        assert long_stats.wall_s > short_stats.wall_s, "it was still open when the other came"
+        assert _wait(lambda: not batcher.link.retiring), "the old connection closes"
+    finally:
+        batcher.stop()
+        a.stop()
+        if b is not None:
+            b.stop()
+    for ids, got, new in ((PROMPT, got_short, NEW), (PROMPT, got_long, 1500)):
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False,
+                             eos_token_id=None)
+        assert got == ref[0, len(ids):].tolist()
+
+
+def _wait(check, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
