@@ -22,6 +22,7 @@ import zmq
 from msgspec import to_builtins
 
 from starhub.client.connection import HubClient, HubUnavailable
+from starhub.client.pool import survey
 from starhub.drafters.base import TreeShape
 from starhub.drafters.model import ModelDrafter
 from starhub.drafters.ngram import NgramDrafter
@@ -264,6 +265,181 @@ def test_curve_verifier_serves_allowed_drafters_and_refuses_others(tiny_model, k
         assert verifier.verifier.stats.opened == 1
     finally:
         verifier.stop()
+
+
+# -- a pool whose hubs each keep their own key pair -------------------------------------------
+
+@dataclass
+class PoolKeys:
+    hubs: list[ServerSecurity]
+    publics: list[Path]
+    """Each hub's public certificate, in the hubs' order."""
+    secrets: list[Path]
+    allow: Path
+    client_secret: Path
+
+
+@pytest.fixture
+def pool_keys(tmp_path) -> PoolKeys:
+    """Two hubs with key pairs of their own, both admitting one client."""
+    allow = tmp_path / "allow"
+    allow.mkdir()
+    client_public, client_secret = generate_keys(tmp_path, "client")
+    shutil.copy(client_public, allow)
+    pairs = [generate_keys(tmp_path, name) for name in ("hub0", "hub1")]
+    return PoolKeys([ServerSecurity(ServerCurve.load(secret, allow)) for _, secret in pairs],
+                    [public for public, _ in pairs], [secret for _, secret in pairs], allow,
+                    client_secret)
+
+
+def _listed(*files: Path) -> str:
+    return ",".join(str(f) for f in files)
+
+
+def test_a_target_given_each_hubs_own_key_reaches_every_hub_of_the_pool(tiny_model,
+                                                                         pool_keys):
+    model, tokenizer = tiny_model
+    hubs = [HubThread(NgramDrafter(), security=s) for s in pool_keys.hubs]
+    addresses = [h.address for h in hubs]
+    secure = ClientSecurity(client_curve(str(pool_keys.client_secret),
+                                         _listed(*pool_keys.publics), addresses))
+    try:
+        found = survey(addresses, timeout_s=30, client_options={"security": secure})
+        assert sorted(found) == sorted(addresses)
+        for address in addresses:
+            client = HubClient(address, timeout_s=30, security=secure)
+            try:
+                assert client.greet(TargetCard(name="pooled", vocab_size=1000)).drafter \
+                    == "ngram"
+            finally:
+                client.close()
+        use_client_security(secure)
+        with attach(model, tokenizer, addresses, name="pooled", timeout_s=30) as session:
+            result = session.generate(PROMPT, max_new_tokens=12)
+        assert result.output_ids == _reference(model, PROMPT, 12)
+        assert result.stats.hub in addresses and result.stats.rounds > 0, result.stats
+    finally:
+        use_client_security(None)
+        for hub in hubs:
+            hub.stop()
+
+
+def test_hub_keys_listed_in_the_wrong_order_fail_with_the_handshake_cause(pool_keys):
+    hubs = [HubThread(NgramDrafter(), security=s) for s in pool_keys.hubs]
+    addresses = [h.address for h in hubs]
+    swapped = ClientSecurity(client_curve(str(pool_keys.client_secret),
+                                          _listed(*reversed(pool_keys.publics)), addresses))
+    try:
+        for address in addresses:
+            client = HubClient(address, timeout_s=60, security=swapped)
+            start = time.monotonic()
+            try:  # the refusal comes as the handshake fails, not at the 60 s timeout
+                with pytest.raises(HubUnavailable, match=re.escape(
+                        f"refused this target: the CURVE handshake failed and this client "
+                        f"connects with the keys given (--curve-secret, --curve-server): the "
+                        f"server runs without CURVE (--insecure), or the certificate "
+                        f"--curve-server lists for {address} (one per server, in the order "
+                        f"of the addresses: is that order the same?) is not its public key")):
+                    client.greet(TargetCard(name="swapped", vocab_size=1000))
+            finally:
+                client.close()
+            assert time.monotonic() - start < 30
+        assert survey(addresses, timeout_s=0.5, client_options={"security": swapped}) == {}
+        assert not any(h.hub.table.peers for h in hubs)
+    finally:
+        for hub in hubs:
+            hub.stop()
+
+
+def test_a_count_of_server_keys_that_fits_neither_one_nor_each_hub_is_a_clear_error(
+        pool_keys):
+    secret, (a, b) = str(pool_keys.client_secret), pool_keys.publics
+    addresses = ["tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556"]
+    with pytest.raises(SecurityError, match=re.escape(
+            "--curve-server lists 3 public certificates for 2 server addresses "
+            "(tcp://127.0.0.1:5555, tcp://127.0.0.1:5556): give one certificate that every "
+            "server holds, or one per address, in the same order as the addresses")):
+        client_curve(secret, _listed(a, b, a), addresses)
+    with pytest.raises(SecurityError, match="2 public certificates for 1 server address"):
+        client_curve(secret, _listed(a, b), addresses[:1])
+    shared = client_curve(secret, str(a), addresses)  # one key that every hub holds
+    assert [shared.server_key(x) for x in addresses] == [load_certificate(
+        a, "", secret=False)[0]] * 2
+    each = client_curve(secret, _listed(a, b), addresses)
+    assert [each.server_key(x) for x in addresses] == [
+        load_certificate(f, "", secret=False)[0] for f in (a, b)]
+    with pytest.raises(SecurityError, match="not for tcp://127.0.0.1:5557"):
+        each.server_key("tcp://127.0.0.1:5557")
+
+
+def test_launch_takes_a_key_pair_per_hub_and_checks_each_listed_key_against_its_hub(
+        pool_keys):
+    def pool(curve_server: str, secrets: list[Path] = pool_keys.secrets, **targets) -> dict:
+        return {"hubs": [{"curve_secret": str(s), "curve_allow": str(pool_keys.allow)}
+                         for s in secrets],
+                "targets": {"model": "default", "count": 1, "curve_server": curve_server,
+                            "curve_secret": str(pool_keys.client_secret), **targets}}
+
+    a, b = (str(p) for p in pool_keys.publics)
+    plan = build_plan(parse_config(pool(f"{a},{b}")), "p.jsonl")
+    assert [s.config["curve_secret"] for s in plan.servers] == [str(s) for s in
+                                                                pool_keys.secrets]
+    assert plan.workers[0].config["curve_server"] == f"{a},{b}"
+    dep = plan.deployment
+    security = status_security(dep.server, dep.workers, "tcp://127.0.0.1:1,tcp://127.0.0.1:2")
+    assert [security.keys().server_key(f"tcp://127.0.0.1:{port}") for port in (1, 2)] == [
+        load_certificate(f, "", secret=False)[0] for f in (a, b)]
+    # hubs that share a key pair still take one curve_server
+    build_plan(parse_config(pool(a, [pool_keys.secrets[0]] * 2)), "p.jsonl")
+
+    with pytest.raises(ConfigError, match=re.escape(
+            f"targets.curve_server: entry 1 of 2, {b} is not the public key of "
+            f"hubs[0].curve_secret ({pool_keys.secrets[0]}): list each hub's public "
+            f"certificate (NAME.key), comma-separated, in [[hubs]] order")):
+        build_plan(parse_config(pool(f"{b},{a}")), "p.jsonl")
+    with pytest.raises(ConfigError, match=re.escape(
+            f"targets.curve_server: {a} is not the public key of hubs[1].curve_secret")):
+        build_plan(parse_config(pool(a)), "p.jsonl")  # one key, but the hubs' differ
+    with pytest.raises(ConfigError, match=re.escape(
+            "targets.curve_server lists 3 public certificates for 2 hubs: give one "
+            "certificate that every hub holds, or one per hub, comma-separated, in [[hubs]] "
+            "order")):
+        build_plan(parse_config(pool(f"{a},{b},{a}")), "p.jsonl")
+    with pytest.raises(ConfigError, match="lists 2 public certificates for one hub"):
+        build_plan(parse_config(pool(f"{a},{b}", pool_keys.secrets[:1])), "p.jsonl")
+    # on Ray the files live on the nodes: only the count is checked here
+    ray = pool(f"{b},{a}")
+    build_plan(parse_config({**ray, "backend": "ray"}), "p.jsonl")
+
+
+def test_launch_still_refuses_a_pool_mixing_curve_and_other_hubs(pool_keys):
+    keyed = {"curve_secret": str(pool_keys.secrets[0]), "curve_allow": str(pool_keys.allow)}
+    for other in ({}, {"insecure": True}):  # the local keys, or none
+        with pytest.raises(ConfigError, match="hubs: the hubs of a pool differ in how they "
+                                              "are reached"):
+            build_plan(parse_config({
+                "hubs": [keyed, other],
+                "targets": {"model": "default", "count": 1, "curve_server":
+                            str(pool_keys.publics[0]),
+                            "curve_secret": str(pool_keys.client_secret)}}), "p.jsonl")
+
+
+def test_status_asks_a_pool_whose_hubs_keep_their_own_keys(pool_keys):
+    hubs = [HubThread(NgramDrafter(), security=s) for s in pool_keys.hubs]
+    addresses = ",".join(h.address for h in hubs)
+    keys = ["--curve-secret", str(pool_keys.client_secret), "--curve-server"]
+    try:
+        status = _starhub("status", addresses, *keys, _listed(*pool_keys.publics),
+                          "--timeout", "30")
+        assert status.returncode == 0, status.stderr
+        assert "pool of 2 hubs, 2 answering" in status.stdout, status.stdout
+        wrong = _starhub("status", addresses, *keys, _listed(*pool_keys.publics * 2))
+        assert wrong.returncode == 2
+        assert "--curve-server lists 4 public certificates for 2 server addresses" \
+            in wrong.stderr, wrong.stderr
+    finally:
+        for hub in hubs:
+            hub.stop()
 
 
 def test_client_identities_are_random():

@@ -65,7 +65,7 @@ def cmd_drafter(args: argparse.Namespace) -> int:
     from starhub.edge.drafter import EdgeDrafter, VerifierUnavailable, result_json
     from starhub.models.loading import eos_ids, load_tokenizer, set_threads
 
-    secure = security.ClientSecurity.from_args(args)
+    secure = security.ClientSecurity.from_args(args, [args.verifier])
     secure.keys()  # a keystore that cannot be used fails here, before the drafter loads
     threads = set_threads(resolve_threads(args.threads))
     index, count = args.shard

@@ -139,8 +139,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(body, indent=1, sort_keys=True) if args.json
               else serve_report(args.address, body))
         return 0
-    secure = ClientSecurity.from_args(args)
     addresses = pool_addresses(args.address)
+    secure = ClientSecurity.from_args(args, addresses)
     found: dict = {}
     for address in addresses:
         try:

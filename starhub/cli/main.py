@@ -15,6 +15,7 @@ from starhub.cli import edge as edge_cli
 from starhub.cli import launch as launch_cli
 from starhub.cli import serve as serve_cli
 from starhub.cli.demo import run_demo
+from starhub.cli.serve import hub_addresses
 from starhub.hub.shutdown import drain
 from starhub.launch import READY, spawn_hub
 from starhub.options import AUTO, MAX_AUTO_DEPTH, LogLevel, draft_process_for, resolve_threads
@@ -163,7 +164,7 @@ def cmd_target(args: argparse.Namespace) -> int:
     # deferred: torch and transformers load only when this runs
     from targets.runner import run
 
-    secure = security.ClientSecurity.from_args(args)
+    secure = security.ClientSecurity.from_args(args, hub_addresses(args.hub))
     if args.hub:
         secure.keys()  # a keystore that cannot be used fails here, not while decoding
     security.use_client_security(secure)

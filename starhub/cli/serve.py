@@ -8,6 +8,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from starhub.client.pool import pool_addresses
 from starhub.launch import READY
 from starhub.settings.cli import add_settings
 from starhub.settings.processes import ServeSettings, weight_args
@@ -39,6 +40,12 @@ def allowed_hosts(host: str, given: str | None) -> list[str] | None:
     return sorted({"localhost", "127.0.0.1", "::1", host})
 
 
+def hub_addresses(hub: str | None) -> list[str]:
+    """The addresses of ``--hub`` (none, one, or a pool's), in its order: a ``--curve-server``
+    that lists a certificate per hub follows it."""
+    return pool_addresses(hub) if hub else []
+
+
 def served_name(spec: str) -> str:
     if spec == "default":
         from starhub.models.loading import DEFAULT_NAME  # deferred: loads torch
@@ -60,7 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from targets.serve.app import OpenAIServer
     from targets.serve.limits import GuardedH11, max_connections
 
-    secure = security.ClientSecurity.from_args(args)
+    secure = security.ClientSecurity.from_args(args, hub_addresses(args.hub))
     if args.hub:
         secure.keys()  # a keystore that cannot be used fails here, not while serving
     security.use_client_security(secure)

@@ -71,11 +71,12 @@ class Connection:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         configure_socket(self.sock, limits)
         try:
-            used = prepare_client(self.sock, prefix, security)  # random identity, CURVE keys
+            # a random identity, CURVE keys with this address's server key
+            used = prepare_client(self.sock, prefix, security, address)
         except Exception:
             self.sock.close(0)
             raise
-        self.handshakes = Handshakes(self.sock, used)
+        self.handshakes = Handshakes(self.sock, used, address)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.handshakes.monitor, zmq.POLLIN)

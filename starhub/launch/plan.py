@@ -12,13 +12,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import zmq.auth
 from pydantic import ValidationError
 
 from starhub.launch.config import LAUNCHER_CHOSEN, ConfigError, Deployment, Placement
 from starhub.options import AUTO, resolve_threads
 from starhub.settings.base import CONFIG_ENV, Settings, explain
 from starhub.settings.processes import PROCESSES
-from starhub.wire.security import is_loopback
+from starhub.wire.security import is_loopback, server_files
 
 HUB = "{hub}"
 PROMPTS = "{prompts}"
@@ -129,15 +130,52 @@ def _check_security(dep: Deployment) -> None:
                               f"set {name}.curve_secret and {name}.curve_allow (keys from "
                               f"`starhub keys generate`), or {name}.insecure = true on a "
                               f"network you trust")
-    if len({(s.curve_secret, s.insecure) for s in dep.servers}) > 1:
-        raise ConfigError(f"{src}: hubs: the hubs of a pool differ in curve_secret or "
-                          f"insecure; its targets connect to all of them the same way, with "
-                          f"one curve_server, so every hub needs the same keys (or none)")
+    if len({(bool(s.curve_secret), s.insecure) for s in dep.servers}) > 1:
+        raise ConfigError(f"{src}: hubs: the hubs of a pool differ in how they are reached: "
+                          f"some with keys of their own (curve_secret), some with the local "
+                          f"keys or insecure; its targets connect to all of them the same "
+                          f"way, so every hub needs keys of its own, or none does")
     curve, name = bool(dep.server.curve_secret), _named_servers(dep)[0][0]
     if curve != bool(workers.curve_secret) and workers.count:
         raise ConfigError(f"{src}: {group}.curve_secret: the {name} "
                           f"{'uses' if curve else 'does not use'} CURVE, so its {group} "
                           f"{'need' if curve else 'take no'} curve_secret and curve_server")
+    if curve and workers.curve_server:
+        _check_server_keys(dep, group)
+
+
+def _check_server_keys(dep: Deployment, group: str) -> None:
+    """``curve_server`` lists one public certificate every server holds, or one per hub in
+    ``[[hubs]]`` order; where this machine can read both files (the local backend: the
+    processes run here), each listed key must be its hub's own."""
+    src, servers = dep.source, _named_servers(dep)
+    files = server_files(dep.workers.curve_server)
+    if len(files) not in (1, len(servers)):
+        how = (f"{len(servers)} hubs: give one certificate that every hub holds, or one per "
+               f"hub, comma-separated, in [[hubs]] order" if len(servers) > 1 else
+               f"one {servers[0][0]}: give its public certificate (NAME.key) alone")
+        raise ConfigError(f"{src}: {group}.curve_server lists {len(files)} public "
+                          f"certificates for {how}")
+    if dep.backend != "local":
+        return  # the files live on the nodes, at the same paths: the processes check them
+    for i, (name, server) in enumerate(servers):
+        listed = files[i] if len(files) > 1 else files[0]
+        want, got = _public_key(server.curve_secret), _public_key(listed)
+        if want is None or got is None or want == got:
+            continue  # a file this machine cannot read: the process says so itself
+        entry = f"entry {i + 1} of {len(files)}, {listed}" if len(files) > 1 else listed
+        hint = ("list each hub's public certificate (NAME.key), comma-separated, in [[hubs]] "
+                "order" if len(servers) > 1 else "give the hub's public certificate, NAME.key")
+        raise ConfigError(f"{src}: {group}.curve_server: {entry} is not the public key of "
+                          f"{name}.curve_secret ({server.curve_secret}): {hint}")
+
+
+def _public_key(path: str) -> bytes | None:
+    """The public key in a certificate file, or None where this machine cannot read it."""
+    try:
+        return zmq.auth.load_certificate(path)[0]
+    except (OSError, ValueError):
+        return None
 
 
 def _named_servers(dep: Deployment) -> list[tuple[str, object]]:

@@ -251,8 +251,8 @@ class Launcher:
             if self.dep.status_interval_s:
                 poller = StatusPoller(address, self.dep.status_interval_s,
                                       len(self.plan.workers), self.kind == "verifier",
-                                      status_security(self.dep.server,
-                                                      self.dep.workers)).start()
+                                      status_security(self.dep.server, self.dep.workers,
+                                                      address)).start()
             if not self.plan.workers or self.serving:
                 self.say(f"serving at {address} until Ctrl-C")
             self._supervise(poller)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -38,12 +39,16 @@ def observer_client(address: str, timeout_s: float = 5.0,
     return client
 
 
-def status_security(server: ServerSection, workers: WorkerSection) -> ClientSecurity | None:
-    """The launcher asks for STATS as its workers connect: with their keys, without CURVE
-    where the server runs insecure, else with the local keys; None where this machine cannot
-    read their keys (the status line then says why it has no numbers)."""
+def status_security(server: ServerSection, workers: WorkerSection,
+                    addresses: str | Sequence[str] = ()) -> ClientSecurity | None:
+    """The launcher asks for STATS as its workers connect: with their keys (a key per hub
+    where ``curve_server`` lists one per hub of ``addresses``, the servers' addresses in
+    the deployment's order), without CURVE where the server runs insecure, else with the
+    local keys; None where this machine cannot read their keys (the status line then says
+    why it has no numbers)."""
     try:
-        curve = client_curve(workers.curve_secret, workers.curve_server)
+        curve = client_curve(workers.curve_secret, workers.curve_server,
+                             pool_addresses(addresses) if addresses else ())
     except SecurityError:
         return None
     return ClientSecurity(curve, insecure=curve is None and server.insecure)

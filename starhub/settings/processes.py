@@ -85,8 +85,12 @@ class ClientKeys(Settings):
     curve_secret: A[str | None, Flag(metavar="FILE")] = Field(
         None, description="this client's secret certificate (NAME.key_secret); its NAME.key "
                           "must be in the server's --curve-allow folder")
-    curve_server: A[str | None, Flag(metavar="FILE")] = Field(
-        None, description="the server's public certificate (its NAME.key)")
+    curve_server: A[str | None, Flag(metavar="FILE[,FILE...]")] = Field(
+        None, description="the server's public certificate (its NAME.key). For a pool of "
+                          "hubs: one certificate that every hub holds, or one per hub, "
+                          "comma-separated, in the order of the hubs' addresses (--hub A,B; "
+                          "in a launch file, [[hubs]] order), so that each hub keeps its own "
+                          "key pair")
     insecure: A[bool, Flag(switch=True)] = Field(
         False, description="the server runs --insecure: connect without CURVE")
     SECTION: ClassVar = CLIENT_SECURITY

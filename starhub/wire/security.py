@@ -27,8 +27,8 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
@@ -130,20 +130,44 @@ class ServerCurve:
 
 @dataclass(frozen=True)
 class ClientCurve:
-    """A client's own key pair and the public key of the one server it trusts."""
+    """A client's own key pair and the public key of each server it trusts: ``server``, the
+    key every server holds (one hub, or a pool whose hubs share a key pair), or ``servers``,
+    a key per server address (a pool whose hubs each keep their own key pair)."""
 
     public: bytes
     secret: bytes
-    server: bytes
+    server: bytes | None = None
+    servers: dict[str, bytes] = field(default_factory=dict, hash=False)
 
     @classmethod
     def load(cls, secret_file: str | Path, server_file: str | Path) -> ClientCurve:
         public, secret = load_certificate(secret_file, "--curve-secret", secret=True)
-        server, server_secret = load_certificate(server_file, "--curve-server", secret=False)
-        if server_secret is not None:
-            log.warning("--curve-server %s holds the server's secret key; a client needs "
-                        "only its public certificate, NAME.key", server_file)
-        return cls(public, secret, server)
+        return cls(public, secret, _server_key(server_file))
+
+    def server_key(self, address: str | None) -> bytes:
+        """The public key the server at ``address`` must hold."""
+        if address is not None and address in self.servers:
+            return self.servers[address]
+        if self.server is not None:
+            return self.server
+        listed = ", ".join(self.servers)
+        raise SecurityError(f"--curve-server lists a public certificate for each of {listed}, "
+                            f"not for {address or 'an unnamed address'}: connect to one of "
+                            f"those, or list a certificate for it in the same order as the "
+                            f"addresses")
+
+
+def _server_key(server_file: str | Path) -> bytes:
+    server, server_secret = load_certificate(server_file, "--curve-server", secret=False)
+    if server_secret is not None:
+        log.warning("--curve-server %s holds the server's secret key; a client needs "
+                    "only its public certificate, NAME.key", server_file)
+    return server
+
+
+def server_files(server_file: str) -> list[str]:
+    """The certificates a ``--curve-server`` value lists: one, or several comma-separated."""
+    return [f.strip() for f in server_file.split(",") if f.strip()]
 
 
 @dataclass(frozen=True)
@@ -182,8 +206,12 @@ class ClientSecurity:
                                 "--curve-secret and --curve-server, not both")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ClientSecurity:
-        return cls(client_curve(args.curve_secret, args.curve_server), args.insecure)
+    def from_args(cls, args: argparse.Namespace,
+                  addresses: Sequence[str] = ()) -> ClientSecurity:
+        """``addresses``: the servers this client connects to, in the order of the command
+        line (a pool's hubs), which a ``--curve-server`` listing one key per server follows."""
+        return cls(client_curve(args.curve_secret, args.curve_server, addresses),
+                   args.insecure)
 
     @property
     def local(self) -> bool:
@@ -212,13 +240,28 @@ def server_curve(secret_file: str | None, allow_dir: str | None) -> ServerCurve 
     return ServerCurve.load(secret_file, allow_dir)
 
 
-def client_curve(secret_file: str | None, server_file: str | None) -> ClientCurve | None:
+def client_curve(secret_file: str | None, server_file: str | None,
+                 addresses: Sequence[str] = ()) -> ClientCurve | None:
+    """This client's keys: ``server_file`` names one public certificate that every server
+    holds, or one per address of ``addresses``, comma-separated, in the same order."""
     if not secret_file and not server_file:
         return None
     if not (secret_file and server_file):
         raise SecurityError("--curve-secret and --curve-server go together: this client's "
                             "secret certificate and the server's public certificate")
-    return ClientCurve.load(secret_file, server_file)
+    files = server_files(server_file)
+    if len(files) == 1:
+        return ClientCurve.load(secret_file, files[0])
+    addresses = list(addresses)
+    if len(files) != len(addresses):
+        where = f"{len(addresses)} server addresses ({', '.join(addresses)})" if addresses \
+            else "no server address"
+        raise SecurityError(f"--curve-server lists {len(files)} public certificates for "
+                            f"{where}: give one certificate that every server holds, or one "
+                            f"per address, in the same order as the addresses")
+    public, secret = load_certificate(secret_file, "--curve-secret", secret=True)
+    return ClientCurve(public, secret,
+                       servers={a: _server_key(f) for a, f in zip(addresses, files, strict=True)})
 
 
 # -- the local keystore ---------------------------------------------------------------------
@@ -492,18 +535,19 @@ def use_client_security(security: ClientSecurity | None) -> None:
     _default_client = security or ClientSecurity()
 
 
-def prepare_client(sock: zmq.Socket, prefix: str,
-                   security: ClientSecurity | None = None) -> ClientSecurity:
+def prepare_client(sock: zmq.Socket, prefix: str, security: ClientSecurity | None = None,
+                   address: str | None = None) -> ClientSecurity:
     """Before ``connect``: an unguessable identity (no pid or address that could repeat
-    across machines or containers) and CURVE keys, unless insecure. ``security``: None for
-    this process's default (``use_client_security``). Returns the security it applied."""
+    across machines or containers) and CURVE keys, unless insecure, with the public key of
+    the server at ``address`` (``ClientCurve.server_key``). ``security``: None for this
+    process's default (``use_client_security``). Returns the security it applied."""
     sock.setsockopt(zmq.IDENTITY, f"{prefix}-{secrets.token_hex(16)}".encode())
     security = _default_client if security is None else security
     curve = security.keys()
     if curve is not None:
         sock.curve_secretkey = curve.secret
         sock.curve_publickey = curve.public
-        sock.curve_serverkey = curve.server
+        sock.curve_serverkey = curve.server_key(address)
     return security
 
 
@@ -518,8 +562,8 @@ class Handshakes:
     that refuses this client is reported with the likely cause rather than merely going
     quiet. Create it before ``connect``; ``failure()`` polls without blocking."""
 
-    def __init__(self, sock: zmq.Socket, security: ClientSecurity):
-        self.sock, self.security = sock, security
+    def __init__(self, sock: zmq.Socket, security: ClientSecurity, address: str | None = None):
+        self.sock, self.security, self.address = sock, security, address
         self.monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED
                                                | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.latest: str | None = None
@@ -553,8 +597,12 @@ class Handshakes:
                     f"(--insecure: pass it too) or holds other keys (another user's server, "
                     f"or one started with --curve-secret: give --curve-secret and "
                     f"--curve-server)")
+        curve = self.security.curve
+        which = "--curve-server is" if curve is None or not curve.servers else \
+            (f"the certificate --curve-server lists for {self.address} (one per server, in "
+             f"the order of the addresses: is that order the same?) is")
         return (f"the CURVE handshake failed and {how}: the server runs without CURVE "
-                f"(--insecure), or --curve-server is not its public key")
+                f"(--insecure), or {which} not its public key")
 
     def close(self) -> None:
         try:
