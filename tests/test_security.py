@@ -30,7 +30,7 @@ from starhub.edge.drafter import EdgeDrafter, VerifierUnavailable
 from starhub.launch import spawn_hub
 from starhub.launch.config import ConfigError, parse_config
 from starhub.launch.plan import build_plan
-from starhub.launch.status import query_stats, status_security
+from starhub.launch.status import ask_each, query_stats, status_security
 from starhub.server.isolation import AGGREGATES_ONLY
 from starhub.wire.messages import DrafterCard, Open, Opened, StatsQuery, TargetCard
 from starhub.wire.reports import HubReport, PeerReport, VerifierReport
@@ -440,6 +440,30 @@ def test_status_asks_a_pool_whose_hubs_keep_their_own_keys(pool_keys):
     finally:
         for hub in hubs:
             hub.stop()
+
+
+def test_a_pools_hubs_are_asked_for_stats_at_once_in_the_pools_order(ngram_hub):
+    """Two hubs that never answer cost one timeout, not two; each answer keeps its place."""
+    ctx = zmq.Context.instance()
+    silent = [ctx.socket(zmq.ROUTER) for _ in range(2)]
+    # they take the handshake (this user's local keys, as the hub) and never answer
+    releases = [bind_server(sock, "tcp://127.0.0.1:0", ServerSecurity()) for sock in silent]
+    try:
+        addresses = [silent[0].LAST_ENDPOINT.decode(), ngram_hub.address,
+                     silent[1].LAST_ENDPOINT.decode()]
+        start = time.monotonic()
+        answers = ask_each(addresses, lambda address: query_stats(
+            address, timeout_s=1.5, observe=False))
+        took = time.monotonic() - start
+        assert list(answers) == addresses
+        assert isinstance(answers[addresses[0]], HubUnavailable)
+        assert isinstance(answers[addresses[1]], HubReport)
+        assert isinstance(answers[addresses[2]], HubUnavailable)
+        assert took < 2.9, f"the hubs were asked one after another ({took:.1f}s)"
+    finally:
+        for sock, release in zip(silent, releases, strict=True):
+            sock.close(0)
+            release()
 
 
 def test_client_identities_are_random():

@@ -15,6 +15,7 @@ from starhub.launch.plan import build_plan, check_commands, describe
 from starhub.launch.ray_backend import RayBackend, ray_address
 from starhub.launch.runner import Launcher, LocalBackend
 from starhub.launch.status import (
+    ask_each,
     pool_report,
     query_stats,
     report,
@@ -141,15 +142,18 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     addresses = pool_addresses(args.address)
     secure = ClientSecurity.from_args(args, addresses)
+    answers = ask_each(addresses, lambda address: query_stats(
+        address, args.timeout, peers=True, security=secure))
     found: dict = {}
-    for address in addresses:
-        try:
-            found[address] = query_stats(address, args.timeout, peers=True, security=secure)
-        except HubUnavailable as exc:
+    for address, answer in answers.items():
+        if isinstance(answer, HubUnavailable):
             if len(addresses) == 1:
-                print(f"starhub status: {exc}", file=sys.stderr)
+                print(f"starhub status: {answer}", file=sys.stderr)
                 return 1
-            found[address] = f"no answer: {exc}"
+            answer = f"no answer: {answer}"
+        elif isinstance(answer, BaseException):
+            raise answer
+        found[address] = answer
     if args.json:
         body = {a: msgspec.to_builtins(b) for a, b in found.items()}
         print(json.dumps(body if len(found) > 1 else body[addresses[0]], indent=1,

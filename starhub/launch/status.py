@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from starhub.client.connection import HubClient
     from starhub.launch.config import ServerSection, WorkerSection
 
+T = TypeVar("T")
 
 def observer_client(address: str, timeout_s: float = 5.0,
                     security: ClientSecurity | None = None, name: str = "status") -> HubClient:
@@ -70,6 +72,22 @@ def query_stats(address: str, timeout_s: float = 5.0, peers: bool = False,
         client.close()
 
 
+def ask_each(addresses: Sequence[str], ask: Callable[[str], T]) -> dict[str, T | Exception]:
+    """``ask(address)`` of every server at once, so that a hung one delays the answers by
+    its own timeout only, not by the sum of them all: each one's result, or the exception
+    it raised, in the order of ``addresses``."""
+    def one(address: str) -> T | Exception:
+        try:
+            return ask(address)
+        except Exception as exc:  # kept, in its place, for the caller to report
+            return exc
+
+    if len(addresses) == 1:
+        return {addresses[0]: one(addresses[0])}
+    with ThreadPoolExecutor(len(addresses), thread_name_prefix="stats") as pool:
+        return dict(zip(addresses, pool.map(one, addresses), strict=True))
+
+
 class StatusPoller:
     """Asks the server (every hub of a pool: ``address`` comma-separated) for ``STATS``
     every ``interval_s`` in a thread and keeps one line: peers up, rounds per second over
@@ -99,12 +117,14 @@ class StatusPoller:
     def _run(self) -> None:
         while not self._stop.is_set():
             bodies, failed = {}, ""
-            for address in self.addresses:
-                try:
-                    bodies[address] = query_stats(address, timeout_s=max(self.interval_s, 2.0),
-                                                  security=self.security, observe=False)
-                except Exception as exc:  # a status line must never stop the deployment
-                    failed = f"no STATS from {address}: {exc}"
+            answers = ask_each(self.addresses, lambda address: query_stats(
+                address, timeout_s=max(self.interval_s, 2.0), security=self.security,
+                observe=False))
+            for address, answer in answers.items():
+                if isinstance(answer, Exception):  # a status line must never stop the run
+                    failed = f"no STATS from {address}: {answer}"
+                else:
+                    bodies[address] = answer
             self.line = self.summarize(bodies, time.monotonic()) if bodies else failed
             self._stop.wait(self.interval_s)
 
