@@ -69,6 +69,7 @@ POOL_COLUMNS = [
     ("system_tok_s", "system_tok_s", "{:.1f}"),
     ("vs 1 hub", "vs_one_hub", "{:.2f}x"),
     ("model system_tok_s", ("model", "system_tok_s"), "{:.1f}"),
+    ("slowest target tok/s", "slowest_tok_s", "{:.1f}"),
     ("hub loads", "hub_loads", "{:.2f}"),
     ("load spread", "load_spread", "{:.1%}"),
     ("targets/hub", "targets_per_hub", "{}"),
