@@ -30,6 +30,7 @@ from starhub.edge.drafter import EdgeDrafter, VerifierUnavailable
 from starhub.launch import spawn_hub
 from starhub.launch.config import ConfigError, parse_config
 from starhub.launch.plan import build_plan
+from starhub.launch.runner import ADDRESS_FILE
 from starhub.launch.status import ask_each, query_stats, status_security
 from starhub.server.isolation import AGGREGATES_ONLY
 from starhub.wire.messages import DrafterCard, Open, Opened, StatsQuery, TargetCard
@@ -437,6 +438,34 @@ def test_status_asks_a_pool_whose_hubs_keep_their_own_keys(pool_keys):
         assert wrong.returncode == 2
         assert "--curve-server lists 4 public certificates for 2 server addresses" \
             in wrong.stderr, wrong.stderr
+    finally:
+        for hub in hubs:
+            hub.stop()
+
+
+def test_status_of_a_running_deployment_file_asks_its_hubs_with_its_targets_keys(
+        pool_keys, tmp_path):
+    """``starhub status FILE``: the addresses its launch wrote in its output folder, and the
+    keys its targets hold (one per hub); no launch running, a clear error."""
+    hubs = [HubThread(NgramDrafter(), security=s) for s in pool_keys.hubs]
+    out = tmp_path / "out"
+    out.mkdir()
+    config = tmp_path / "pool.toml"
+    config.write_text("\n".join([
+        f'out_dir = "{out}"',
+        *[f'[[hubs]]\ndrafter = "ngram"\ncurve_secret = "{secret}"\n'
+          f'curve_allow = "{pool_keys.allow}"' for secret in pool_keys.secrets],
+        "[targets]", "count = 1", 'model = "default"',
+        f'curve_secret = "{pool_keys.client_secret}"',
+        f'curve_server = "{_listed(*pool_keys.publics)}"']))
+    try:
+        (out / ADDRESS_FILE).write_text(",".join(h.address for h in hubs) + "\n")
+        status = _starhub("status", str(config), "--timeout", "30")
+        assert status.returncode == 0, status.stderr
+        assert "pool of 2 hubs, 2 answering" in status.stdout, status.stdout
+        (out / ADDRESS_FILE).unlink()
+        gone = _starhub("status", str(config))
+        assert gone.returncode != 0 and "no running launch found" in gone.stderr, gone.stderr
     finally:
         for hub in hubs:
             hub.stop()

@@ -10,10 +10,10 @@ from pathlib import Path
 import msgspec
 
 from starhub.client.pool import pool_addresses
-from starhub.launch.config import load_config, schema_text
+from starhub.launch.config import Deployment, load_config, schema_text
 from starhub.launch.plan import build_plan, check_commands, describe
 from starhub.launch.ray_backend import RayBackend, ray_address
-from starhub.launch.runner import Launcher, LocalBackend
+from starhub.launch.runner import ADDRESS_FILE, Launcher, LocalBackend
 from starhub.launch.status import (
     ask_each,
     pool_report,
@@ -21,6 +21,7 @@ from starhub.launch.status import (
     report,
     serve_report,
     server_health,
+    status_security,
 )
 from starhub.models.prompts import read_prompts
 from starhub.options import Seconds
@@ -87,7 +88,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                                    "address its 'STARHUB READY' line or `starhub launch` "
                                    "printed); a pool's hubs separated by commas show the "
                                    "pool: each hub's load, admitted targets, N_max and which "
-                                   "targets it serves")
+                                   "targets it serves; or a deployment file whose launch runs "
+                                   "(configs/pool-cpu.toml): its servers, with its targets' "
+                                   "keys")
     s.add_argument("--timeout", type=value_type(Seconds), default=5.0,
                    help="seconds to wait for a reply")
     s.add_argument("--json", action="store_true", help="print the raw STATS body as JSON")
@@ -127,6 +130,19 @@ def _check_prompts(path: str) -> None:
     read_prompts(path)
 
 
+def running_deployment(path: str) -> tuple[Deployment, str]:
+    """A deployment file and the addresses its running launch wrote (its output folder's
+    ``address``): ``starhub status FILE`` asks those servers, with its workers' keys."""
+    dep = load_config(path)
+    written = Path(dep.out_dir) / ADDRESS_FILE
+    try:
+        return dep, written.read_text().strip()
+    except OSError:
+        raise ValueError(f"{path}: no running launch found ({written} is written while its "
+                         f"servers run, and removed when the launch ends); start it with "
+                         f"`starhub launch {path}`, or give the addresses it printed") from None
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     # deferred: torch load only when this runs
     from starhub.client.connection import HubUnavailable
@@ -140,8 +156,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(body, indent=1, sort_keys=True) if args.json
               else serve_report(args.address, body))
         return 0
+    deployment = None
+    if args.address.endswith(".toml"):
+        deployment, args.address = running_deployment(args.address)
     addresses = pool_addresses(args.address)
     secure = ClientSecurity.from_args(args, addresses)
+    if deployment is not None and not (args.curve_secret or args.insecure):
+        secure = status_security(deployment.server, deployment.workers, addresses) or secure
     answers = ask_each(addresses, lambda address: query_stats(
         address, args.timeout, peers=True, security=secure))
     found: dict = {}

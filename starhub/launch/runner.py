@@ -29,6 +29,9 @@ from starhub.wire.security import KEYSTORE_ENV, keystore_dir
 
 log = logging.getLogger("starhub.launch")
 TAIL_LINES = 25
+ADDRESS_FILE = "address"
+"""Written in the output folder while the servers run: their addresses, comma-separated, as
+the workers were given them (``starhub status DEPLOYMENT.toml`` reads it)."""
 
 
 class Handle(Protocol):
@@ -244,6 +247,7 @@ class Launcher:
             for spec in self.plan.servers:
                 self._start(spec, None)
             address = self._wait_ready()
+            (self.out_dir / ADDRESS_FILE).write_text(address + "\n")
             self.say(f"{self.kind} ready at {address}" if len(self.server_names) == 1 else
                      f"pool of {len(self.server_names)} hubs ready at {address}")
             for spec in self.plan.workers:
@@ -269,6 +273,7 @@ class Launcher:
             if poller is not None:
                 poller.stop()
             self._stop_all()
+            (self.out_dir / ADDRESS_FILE).unlink(missing_ok=True)
 
     @property
     def serving(self) -> bool:
