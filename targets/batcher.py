@@ -371,12 +371,16 @@ class Batcher:
 
     # -- the hub connection -----------------------------------------------------------
     def _client(self) -> HubClient | None:
-        """The connection new sessions open on. Sessions on a hub the link moved away from
-        finish there (``HubLink.retiring``), and that connection closes when the last one
-        ends; sessions on a connection the link dropped go on alone."""
+        """The connection new sessions open on. A move to another hub of the pool is
+        taken up when no session is open or a new request is about to begin (a session
+        boundary); sessions on the hub moved away from finish there (``HubLink.retiring``),
+        and that connection closes when the last one ends. Sessions on a connection the
+        link dropped go on alone."""
         if self.link is None:
             return None
-        client = self.link.current()
+        move = all(s.client is None for s in self._slots.values()) or any(
+            s.prefill is None for s in self._new)  # idle, or a request about to begin
+        client = self.link.current(move)
         kept = {client, *self.link.retiring}
         for slot in self._slots.values():
             if slot.client is not None and slot.client not in kept:

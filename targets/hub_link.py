@@ -17,9 +17,10 @@ asks the pool again in two cases, and chooses a hub to move to:
   counts of their targets lag a move by their peer grace, and a target that moved on every
   glance at them would swing back and forth.
 
-A move is never made mid-round: the core's next call to ``current`` takes the new
-connection for the sessions it opens from then on, and the old one is kept in ``retiring``
-until the sessions open on it end (between two requests of a star target, none are).
+A move is never made mid-round: the core greets the new hub when it has no session open
+or a new one about to open (``current(move=True)``), opens its sessions there from then on,
+and keeps the old connection in ``retiring`` until the sessions open on it end (between two
+requests of a star target, none are).
 """
 
 from __future__ import annotations
@@ -141,10 +142,13 @@ class HubLink(Link):
         self.follow()
         return card
 
-    def current(self) -> HubClient | None:
-        """``Link.current``, adopting the hub the watcher chose to move to, if any (the
-        connection left keeps serving its sessions: ``retiring``)."""
-        self._adopt_move()
+    def current(self, move: bool = True) -> HubClient | None:
+        """``Link.current``; ``move`` (the core has no session open, or one about to open):
+        adopt the hub the watcher chose to move to, if any. The connection left keeps
+        serving the sessions open on it (``retiring``). A hub forgets a target that holds
+        no session for its peer grace, so a greeting waits for a session to open."""
+        if move:
+            self._adopt_move()
         client = super().current()
         self.follow()
         return client
@@ -195,6 +199,9 @@ class HubLink(Link):
         would rather lose us (``told``), else where ``move_chance`` says so."""
         here = self.address
         settled = time.monotonic() - self._moved_at > SETTLE_S
+        with self._lock:
+            if self._move is not None and time.monotonic() - self._move[1] > REBALANCE_S:
+                self._move = None  # the core opened no session meanwhile: choose afresh
         if self.client is None or self._move is not None or not (settled or told):
             return  # reconnecting, a move waits for the core, or it just moved
         reports = survey(self.pool, client_options=self.client_options)
