@@ -197,7 +197,8 @@ class EmulatedTargets:
             else:
                 answers = [await ask(sock, StatsQuery()) for sock in self.surveyors.values()]
                 order = [o.address for o in rank(
-                    [offer(hub, a.body) for hub, a in zip(self.surveyors, answers, strict=True)
+                    [offer(hub, a.body, step_s=self.spec.step)
+                     for hub, a in zip(self.surveyors, answers, strict=True)
                      if isinstance(a, StatsReport) and isinstance(a.body, HubReport)],
                     self.rng)]
             sock = reply = None

@@ -97,7 +97,8 @@ class HubLink(Link):
         if len(self.pool) == 1:
             return self._greet_one(self.pool[0])
         reports = survey(self.pool, patience_s=self.floor_s, client_options=self.client_options)
-        order = [o.address for o in rank([offer(address, report)
+        step_s = self.target_card().step_ms / 1e3
+        order = [o.address for o in rank([offer(address, report, step_s=step_s)
                                           for address, report in reports.items()], self.rng)]
         if not order:
             raise HubUnavailable(f"no hub of the pool {','.join(self.pool)} answered within "
@@ -207,7 +208,9 @@ class HubLink(Link):
         reports = survey(self.pool, client_options=self.client_options)
         if here not in reports:
             return
-        offers = rank([offer(a, r) for a, r in reports.items() if a != here], self.rng)
+        step_s = self.target_card().step_ms / 1e3
+        offers = rank([offer(a, r, step_s=step_s) for a, r in reports.items() if a != here],
+                      self.rng)
         if told:
             better = [o for o in offers if o.tok_s > 0]
             if not better:
@@ -219,7 +222,8 @@ class HubLink(Link):
                 return
             why = f"hub {here} would rather lose this target (it is over its admission limit)"
         else:
-            better = [o for o in offers if self.rng.random() < move_chance(reports[here], o)]
+            better = [o for o in offers
+                      if self.rng.random() < move_chance(reports[here], o, step_s)]
             why = (f"hub {better[0].address} has {better[0].admitted} targets, {here} "
                    f"{reports[here].control.admitted} with this one" if better else "")
         with self._lock:

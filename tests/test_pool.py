@@ -18,7 +18,15 @@ import pytest
 import torch
 
 from starhub.client.connection import HubClient
-from starhub.client.pool import Offer, move_chance, offer, pool_addresses, rank, survey
+from starhub.client.pool import (
+    TIE,
+    Offer,
+    move_chance,
+    offer,
+    pool_addresses,
+    rank,
+    survey,
+)
 from starhub.control.plane import ControlConfig, Controller
 from starhub.drafters.ngram import NgramDrafter
 from starhub.hub.shutdown import drain
@@ -30,6 +38,8 @@ from tests.conftest import HubThread
 
 PROMPT = [1, 5, 9, 14, 3, 5, 9, 14, 3]
 NEW = 12
+LONG = 2000
+"""A request that decodes for seconds on the tiny model (its context is 2,048 tokens)."""
 
 
 def _free_address() -> str:
@@ -270,6 +280,30 @@ def test_move_chance_evens_out_a_crowd_but_never_follows_an_offer_alone(tiny_mod
     assert move_chance(at(1), Offer("b", 0.0, 0, 0.0)) == 0  # full
 
 
+def test_idle_hubs_a_millisecond_apart_in_drafting_tie_for_a_newcomer_that_knows_its_step():
+    """Two hubs with no targets (so no step in their round trip) whose drafting was timed
+    8 and 9 ms: by their figures alone one offers 11% more and every newcomer would greet it;
+    with the newcomer's own 28 ms step in the round trip they tie, and newcomers spread."""
+    hub = HubThread(NgramDrafter())
+    try:
+        report = survey([hub.address])[hub.address]
+    finally:
+        hub.stop()
+
+    def idle(s_ms: float):
+        typical = msgspec.structs.replace(report.control.typical, S_ms=s_ms, Z_ms=1.0)
+        return msgspec.structs.replace(report, control=msgspec.structs.replace(
+            report.control, admitted=0, typical=typical))
+
+    fast, slow = idle(8.0), idle(9.0)
+    apart = [offer("fast", fast), offer("slow", slow)]
+    assert apart[0].tok_s > apart[1].tok_s * (1 + TIE)
+    with_step = [offer("fast", fast, step_s=0.028), offer("slow", slow, step_s=0.028)]
+    assert with_step[0].tok_s <= with_step[1].tok_s * (1 + TIE)
+    firsts = {rank(with_step, random.Random(seed))[0].address for seed in range(20)}
+    assert firsts == {"fast", "slow"}
+
+
 def test_a_target_moves_between_requests_to_a_hub_that_serves_it_better(tiny_model,
                                                                        monkeypatch):
     """A target that found only a crowded hub (three targets beside it) moves to an empty
@@ -328,7 +362,7 @@ def test_a_target_its_hub_would_rather_lose_moves_to_a_hub_with_room_and_no_othe
     """Two targets on a hub whose limit falls to one: the hub asks one of them to leave (in
     its PROPOSEs), and that one opens its next sessions on the other hub once it is up; the
     other stays. Outputs are generate()'s throughout."""
-    monkeypatch.setattr(hub_link, "move_chance", lambda here, there: 0.0)  # the hub's word
+    monkeypatch.setattr(hub_link, "move_chance", lambda *_: 0.0)  # the hub's word
     model, tok = tiny_model                                               # alone moves them
     want = _reference(model)
     a, later = HubThread(NgramDrafter(), peer_grace_s=1.0), _free_address()
@@ -372,7 +406,8 @@ def test_a_serving_target_moves_at_a_session_boundary_while_its_open_request_fin
     from targets.batcher import Batcher, Request
     from tests.test_serve_gate import stats_of
 
-    monkeypatch.setattr(hub_link, "move_chance", lambda here, there: 0.0)
+    monkeypatch.setattr(hub_link, "move_chance", lambda *_: 0.0)
+    monkeypatch.setattr(hub_link, "LOOK_GAP_S", 0.1)  # choose while the long one decodes
     model, tok = tiny_model
     want = _reference(model)
     a, later = HubThread(NgramDrafter()), _free_address()
@@ -381,7 +416,7 @@ def test_a_serving_target_moves_at_a_session_boundary_while_its_open_request_fin
     batcher.start()
     try:
         long, short = queue.SimpleQueue(), queue.SimpleQueue()
-        batcher.submit(Request(prompt=PROMPT, max_tokens=1500, sink=long.put))
+        batcher.submit(Request(prompt=PROMPT, max_tokens=LONG, sink=long.put))
         assert _wait(lambda: a.hub.metrics.sessions_opened >= 1)
         b = HubThread(NgramDrafter(), bind=later)
         a.hub.control.config.max_targets = AUTO  # N_max falls to nothing: every target
@@ -396,7 +431,6 @@ def test_a_serving_target_moves_at_a_session_boundary_while_its_open_request_fin
             if short_stats.hub == later:
                 break
             time.sleep(0.2)
-        assert short_stats.rounds > 0, short_stats
         assert batcher.active == 1, "the long request is still open"
         got_long, long_stats = stats_of(long)
         assert long_stats.hub == a.address and long_stats.rounds > 0, long_stats
@@ -407,7 +441,7 @@ def test_a_serving_target_moves_at_a_session_boundary_while_its_open_request_fin
         a.stop()
         if b is not None:
             b.stop()
-    ref = model.generate(torch.tensor([PROMPT]), max_new_tokens=1500, do_sample=False,
+    ref = model.generate(torch.tensor([PROMPT]), max_new_tokens=LONG, do_sample=False,
                          eos_token_id=None)
     assert got_long == ref[0, len(PROMPT):].tolist()
 

@@ -64,9 +64,14 @@ class Offer:
     load: float
 
 
-def offer(address: str, report: HubReport, joining: bool = True) -> Offer:
+def offer(address: str, report: HubReport, joining: bool = True, step_s: float = 0.0
+          ) -> Offer:
     """``report``'s promise to one more target (see the module's docstring), or with
-    ``joining`` false to one of the targets it admitted already (it has room for them)."""
+    ``joining`` false to one of the targets it admitted already (it has room for them).
+    ``step_s``: the target's own plain step, which its round trip ``Z`` cannot be shorter
+    than. A hub with no targets yet knows no step, and its ``Z`` is its link alone: judged by
+    that, hubs that differ by a millisecond in ``S`` (their drafting timed on a busy CPU)
+    differ by far more than ``TIE``, and a crowd of newcomers all greets the faster one."""
     control = report.control
     n = control.admitted
     after = n + 1 if joining else n
@@ -75,25 +80,25 @@ def offer(address: str, report: HubReport, joining: bool = True) -> Offer:
         (limit == "auto" and control.n_max is not None and after > control.n_max)
         or (isinstance(limit, int) and limit > 0 and after > limit))
     typical = control.typical
-    s, z = typical.S_ms / 1e3, typical.Z_ms / 1e3
+    s, z = typical.S_ms / 1e3, max(typical.Z_ms / 1e3, step_s)
     cycle = max(s + z, after * s)
     tok_s = 0.0 if full else typical.tau / cycle if cycle > 0 else math.inf
     return Offer(address, tok_s, n, report.load)
 
 
-def move_chance(here: HubReport, there: Offer) -> float:
+def move_chance(here: HubReport, there: Offer, step_s: float = 0.0) -> float:
     """How likely a target admitted by the hub that reported ``here`` should move to the hub
-    of ``there`` at one look: where the other hub has room, at least two targets fewer, and
-    an offer not worse by more than ``MOVE_MARGIN``, ``DAMPING`` times ``(n_here - n_there)
-    / n_here``, so that a crowd that arrived together sends about a quarter of the gap each
-    look instead of moving together (every target looks at counts that lag the moves others
-    just made); else 0.
+    of ``there`` at one look (``step_s``: as ``offer``'s): where the other hub has room,
+    at least two targets fewer, and an offer not worse by more than ``MOVE_MARGIN``,
+    ``DAMPING`` times ``(n_here - n_there) / n_here``, so that a crowd that arrived
+    together sends about a quarter of the gap each look instead of moving together (every
+    target looks at counts that lag the moves others just made); else 0.
 
     Only counts move a target, not a better offer alone: on a shared CPU two like hubs'
     estimates of their rounds (and so their offers) differed by more than 25% from one look
     to the next, and targets that followed them swung from hub to hub. A newcomer still
     goes to the best offer (``rank``)."""
-    stay = offer("", here, joining=False)
+    stay = offer("", here, joining=False, step_s=step_s)
     n = stay.admitted
     if there.tok_s <= 0 or n - there.admitted < 2:
         return 0.0
