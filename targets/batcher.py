@@ -500,7 +500,8 @@ class Batcher:
 
     def _on_reply(self, msg: Message, client: HubClient) -> None:
         if isinstance(msg, StatsReport):
-            self._on_totals(msg)
+            if client is self._asked_on:  # not an old hub's answer to an older question
+                self._on_totals(msg)
             return
         slot = self._slot_for(msg, client)
         if slot is None:  # its request ended, or went on alone, while the hub drafted
@@ -533,7 +534,7 @@ class Batcher:
             self._lost(str(exc), client)
             return
         if msg.leave and client is self.link.client:
-            self.link.told()
+            self.link.told(client.address)
         if slot.waiting_since is not None and self.link is not None:
             took = time.perf_counter() - slot.waiting_since
             slot.stats.hub_wait_s += took
@@ -715,6 +716,9 @@ class Batcher:
                       session.prompt_logprobs if session.echo else None) \
                 or opened_on is None:
             return  # no hub, or sent plain with the batch while it prefilled
+        if opened_on in self.link.retiring and self.link.client is not None \
+                and tuple(self.link.card.feature_layers) == tuple(session.feature_layers):
+            opened_on = self.link.client  # moved to another hub of the pool meanwhile
         if opened_on is not self.link.client or opened_on.sock.closed:
             self._features_off(slot)  # dropped or replaced while prefilling
             return

@@ -51,9 +51,11 @@ LOOK_GAP_S = 1.0
 """The least time between two looks at the pool: a hub that wants to lose this target says
 so in every PROPOSE."""
 MOVE_GREET_S = 1.0
-"""How long a move's greeting may hold the core up (between two requests): a hub that
-answered the survey a moment ago and cannot answer a card within this is not one to move
-to."""
+"""How long a move's greeting may hold the core up (at a session boundary, other sessions
+waiting): a hub that answered the survey a moment ago and cannot answer a card within this
+is not one to move to."""
+RETIRE_LINGER_MS = 200
+"""How long a connection moved away from may still deliver its last CLOSE once closed."""
 
 
 class HubLink(Link):
@@ -74,9 +76,11 @@ class HubLink(Link):
         self.rng = random.Random()
         """Breaks ties between hubs with equal offers (``starhub.client.pool.rank``)."""
         self._followed: object = None
-        self._move: tuple[str, float] | None = None
-        """A hub with clearly fewer targets and when it was chosen, until the core is
-        between requests (a choice older than ``REBALANCE_S`` is dropped)."""
+        self._move: tuple[str, float, str] | None = None
+        """The hub chosen to move to (one with room, where ours asked us to leave; one with
+        clearly fewer targets), when, and from which hub, until the core takes it up at a
+        session boundary (a choice older than ``REBALANCE_S``, or made from a hub we have
+        left meanwhile, is dropped)."""
         self._moved_at = -math.inf
         self.moves = 0
         self.retiring: list[HubClient] = []
@@ -84,9 +88,11 @@ class HubLink(Link):
         closes them with ``retire``)."""
         self._told = threading.Event()
         """The hub would rather lose this target (``told``): look at the pool now."""
+        self._told_by = ""
+        """The hub that said so (a PROPOSE from a hub moved away from says nothing now)."""
         self._deaf_until = -math.inf
-        """A look found no hub with room: until then, ``told`` waits for the next regular
-        look."""
+        """A look found no hub with room: until then (``REBALANCE_S`` later), ``told``
+        is not acted on."""
         self._stay_said = False
         if len(self.pool) > 1:
             threading.Thread(target=self._watch, name=f"{name}-pool", daemon=True).start()
@@ -144,10 +150,11 @@ class HubLink(Link):
         return card
 
     def current(self, move: bool = True) -> HubClient | None:
-        """``Link.current``; ``move`` (the core has no session open, or one about to open):
-        adopt the hub the watcher chose to move to, if any. The connection left keeps
-        serving the sessions open on it (``retiring``). A hub forgets a target that holds
-        no session for its peer grace, so a greeting waits for a session to open."""
+        """``Link.current``; ``move`` (a session boundary: the core has no session open, or
+        a new request about to begin): adopt the hub the watcher chose to move to, if any.
+        The connection left keeps serving the sessions open on it (``retiring``). A hub
+        forgets a target that holds no session for its peer grace, so the greeting waits
+        for such a boundary rather than being made while old sessions run on."""
         if move:
             self._adopt_move()
         client = super().current()
@@ -158,13 +165,13 @@ class HubLink(Link):
         """Close the connections moved away from that no session in ``in_use`` holds."""
         for old in [c for c in self.retiring if c not in in_use]:
             self.retiring.remove(old)
-            old.close()
+            old.close(RETIRE_LINGER_MS)  # its sessions' last CLOSE still leaves
 
-    def told(self) -> None:
-        """The hub (in a PROPOSE) would rather lose this target: look for a hub with room.
-        Called for every such PROPOSE; looks at most every ``LOOK_GAP_S``, and after a
-        look that found no room, only at the next regular one."""
-        if time.monotonic() < self._deaf_until:
+    def told(self, address: str) -> None:
+        """The hub at ``address`` (in a PROPOSE) would rather lose this target: look for a
+        hub with room. Called for every such PROPOSE; looks at most every ``LOOK_GAP_S``,
+        and after a look that found no room, not for ``REBALANCE_S``."""
+        if time.monotonic() < self._deaf_until or address != self.address:
             return
         if len(self.pool) == 1:
             self._deaf_until = math.inf
@@ -172,6 +179,7 @@ class HubLink(Link):
                      "target; it has no other hub (--hub A,B,... gives a pool), so it stays",
                      self.name, self.address)
             return
+        self._told_by = address
         self._told.set()
 
     def close(self) -> None:
@@ -200,14 +208,15 @@ class HubLink(Link):
         would rather lose us (``told``), else where ``move_chance`` says so."""
         here = self.address
         settled = time.monotonic() - self._moved_at > SETTLE_S
+        told = told and self._told_by == here  # not a hub moved away from since
         with self._lock:
             if self._move is not None and time.monotonic() - self._move[1] > REBALANCE_S:
                 self._move = None  # the core opened no session meanwhile: choose afresh
         if self.client is None or self._move is not None or not (settled or told):
             return  # reconnecting, a move waits for the core, or it just moved
         reports = survey(self.pool, client_options=self.client_options)
-        if here not in reports:
-            return
+        if here not in reports and not told:  # the counts need ours; a hub that asked us
+            return                            # to leave may be too busy to answer
         step_s = self.target_card().step_ms / 1e3
         offers = rank([offer(a, r, step_s=step_s) for a, r in reports.items() if a != here],
                       self.rng)
@@ -229,7 +238,7 @@ class HubLink(Link):
         with self._lock:
             if not better or self.address != here or self.client is None:
                 return  # it moved or was lost while the survey ran
-            self._move = better[0].address, time.monotonic()
+            self._move = better[0].address, time.monotonic(), here
         self._stay_said = False
         log.info("%s: %s; moving to %s for the sessions that open next", self.name, why,
                  better[0].address)
@@ -242,9 +251,10 @@ class HubLink(Link):
             move, self._move = self._move, None
         if move is None or self.client is None:  # lost meanwhile: the reconnection decides
             return
-        address, chosen = move
-        if address == self.address or time.monotonic() - chosen > REBALANCE_S:
-            return  # already there (a reconnection went there), or chosen too long ago
+        address, chosen, origin = move
+        if address == self.address or origin != self.address \
+                or time.monotonic() - chosen > REBALANCE_S:
+            return  # already there or elsewhere (a reconnection), or chosen too long ago
         try:
             client, card = self._greet_one(address, MOVE_GREET_S)
         except HubUnavailable as exc:
@@ -253,6 +263,7 @@ class HubLink(Link):
         self.retiring.append(self.client)
         self.client, self.card, self.address = client, card, address
         self._moved_at = time.monotonic()
+        self._told.clear()
         self.moves += 1
 
     def follow(self) -> None:

@@ -27,7 +27,8 @@ from starhub.client.pool import (
     rank,
     survey,
 )
-from starhub.control.plane import ControlConfig, Controller
+from starhub.control import plane
+from starhub.control.plane import OVER_S, ControlConfig, Controller
 from starhub.drafters.ngram import NgramDrafter
 from starhub.hub.shutdown import drain
 from starhub.launch import child_env, spawn_hub, target_command
@@ -275,8 +276,9 @@ def test_move_chance_evens_out_a_crowd_but_never_follows_an_offer_alone(tiny_mod
     assert move_chance(at(3), there(1)) == pytest.approx(1 / 6)
     assert move_chance(at(2), there(1)) == 0 and move_chance(at(1), there(0)) == 0
     assert move_chance(at(1), there(0, faster=1.5)) == 0  # counts move targets, offers not
-    assert move_chance(at(4), there(0, faster=1 / 1.5)) == 0  # fewer targets, far slower
-    assert move_chance(at(4), there(0, faster=1 / 1.2)) == 0.25  # within the offers' noise
+    assert move_chance(at(4), there(1, faster=1 / 1.5)) == 0  # fewer targets, far slower
+    assert move_chance(at(4), there(1, faster=1 / 1.2)) == pytest.approx(0.1875)  # noise
+    assert move_chance(at(4), there(0, faster=1 / 1.5)) == 0.25  # an empty hub: its priors
     assert move_chance(at(1), Offer("b", 0.0, 0, 0.0)) == 0  # full
 
 
@@ -336,25 +338,28 @@ def test_a_target_moves_between_requests_to_a_hub_that_serves_it_better(tiny_mod
 
 
 def test_a_hub_over_its_limit_asks_those_it_serves_least_well_to_leave_and_keeps_asking_them():
-    """Past its limit the control plane names as many targets as it is over: those whose
-    predicted speed here beats their standalone speed least (a target with no session gains
-    nothing now); those it asked stay asked while admitted; within the limit, nobody."""
-    control = Controller(ControlConfig(max_targets=3))
-    for name in (b"a", b"b", b"c"):
-        assert control.join(name, name.decode(), 0.05, 0.0) is None
-    for tag, who, tokens in ((1, b"a", 0.8), (3, b"c", 3.0)):  # 0.8x and 3x standalone
+    """Once over its limit for OVER_S, the control plane names as many targets as it is
+    over: of those admitted at least OVER_S ago, the ones whose predicted speed here beats
+    their standalone speed least (a target with no session gains nothing now); those it
+    asked stay asked while admitted; within the limit, nobody."""
+    control = Controller(ControlConfig(max_targets=4))
+    for name, at in ((b"a", 0.0), (b"b", 0.0), (b"c", 0.0), (b"d", 105.0)):
+        assert control.join(name, name.decode(), 0.05, at) is None
+    # a speculates at 0.8x its standalone speed, b holds no session, c 3x, d (new) 0.5x
+    for tag, who, tokens in ((1, b"a", 0.8), (3, b"c", 3.0), (4, b"d", 0.5)):
         control.open(tag, who, 0.05)
         sm = control.sessions[tag]
         sm.s, sm.z, sm.e = 0.001, 0.049, tokens
-    assert control.review() == frozenset()
-    control.config.max_targets = 1  # the limit falls below the count (as N_max does)
-    assert control.review() == {b"a", b"b"}
+    assert control.review(100.0) == frozenset()
+    control.config.max_targets = 2  # the limit falls below the count (as N_max does)
+    assert control.review(101.0) == frozenset(), "not over for OVER_S yet"
+    assert control.review(101.0 + OVER_S) == {b"a", b"b"}, "d joined too lately to ask"
     assert control.snapshot(0.0).unwanted == 2
-    control.config.max_targets = 2
+    control.config.max_targets = 3
     control.sessions[1].e = 10.0  # a gains most now, but b and a were asked: b stays asked
-    assert control.review() == {b"b"}
+    assert control.review(102.0 + OVER_S) == {b"b"}
     control.leave(b"b")  # its peer grace ended
-    assert control.review() == frozenset()
+    assert control.review(103.0 + OVER_S) == frozenset()
 
 
 def test_a_target_its_hub_would_rather_lose_moves_to_a_hub_with_room_and_no_other_does(
@@ -362,6 +367,7 @@ def test_a_target_its_hub_would_rather_lose_moves_to_a_hub_with_room_and_no_othe
     """Two targets on a hub whose limit falls to one: the hub asks one of them to leave (in
     its PROPOSEs), and that one opens its next sessions on the other hub once it is up; the
     other stays. Outputs are generate()'s throughout."""
+    monkeypatch.setattr(plane, "OVER_S", 0.5)
     monkeypatch.setattr(hub_link, "move_chance", lambda *_: 0.0)  # the hub's word
     model, tok = tiny_model                                               # alone moves them
     want = _reference(model)
@@ -406,6 +412,7 @@ def test_a_serving_target_moves_at_a_session_boundary_while_its_open_request_fin
     from targets.batcher import Batcher, Request
     from tests.test_serve_gate import stats_of
 
+    monkeypatch.setattr(plane, "OVER_S", 0.2)
     monkeypatch.setattr(hub_link, "move_chance", lambda *_: 0.0)
     monkeypatch.setattr(hub_link, "LOOK_GAP_S", 0.1)  # choose while the long one decodes
     model, tok = tiny_model
@@ -419,6 +426,7 @@ def test_a_serving_target_moves_at_a_session_boundary_while_its_open_request_fin
         batcher.submit(Request(prompt=PROMPT, max_tokens=LONG, sink=long.put))
         assert _wait(lambda: a.hub.metrics.sessions_opened >= 1)
         b = HubThread(NgramDrafter(), bind=later)
+        a.hub.sweep_s = 0.2  # reviews its targets five times a second
         a.hub.control.config.max_targets = AUTO  # N_max falls to nothing: every target
         a.hub.control.n_max = lambda: 0          # here would be better off elsewhere
         deadline = time.monotonic() + 60

@@ -139,8 +139,9 @@ def running_deployment(path: str) -> tuple[Deployment, str]:
         return dep, written.read_text().strip()
     except OSError:
         raise ValueError(f"{path}: no running launch found ({written} is written while its "
-                         f"servers run, and removed when the launch ends); start it with "
-                         f"`starhub launch {path}`, or give the addresses it printed") from None
+                         f"servers run, and removed when the launch ends; a launch given "
+                         f"--out-dir writes it there); start it with `starhub launch "
+                         f"{path}`, or give the addresses it printed") from None
 
 
 def cmd_status(args: argparse.Namespace) -> int:

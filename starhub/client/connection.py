@@ -142,9 +142,10 @@ class Connection:
                 return msg
             log.debug("dropping an unrelated %s for tag %d", msg.TYPE, msg.tag)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close now; ``linger_ms``: how long messages still queued may take to leave."""
         self.handshakes.close()
-        self.sock.close(0)
+        self.sock.close(linger_ms)
 
 
 class HubClient(Connection):

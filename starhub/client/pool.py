@@ -92,7 +92,9 @@ def move_chance(here: HubReport, there: Offer, step_s: float = 0.0) -> float:
     at least two targets fewer, and an offer not worse by more than ``MOVE_MARGIN``,
     ``DAMPING`` times ``(n_here - n_there) / n_here``, so that a crowd that arrived
     together sends about a quarter of the gap each look instead of moving together (every
-    target looks at counts that lag the moves others just made); else 0.
+    target looks at counts that lag the moves others just made); else 0. An empty hub's
+    offer is not weighed: with no rounds of its own it promises what its cautious priors
+    say, and a restarted hub would never win its targets back.
 
     Only counts move a target, not a better offer alone: on a shared CPU two like hubs'
     estimates of their rounds (and so their offers) differed by more than 25% from one look
@@ -102,8 +104,9 @@ def move_chance(here: HubReport, there: Offer, step_s: float = 0.0) -> float:
     n = stay.admitted
     if there.tok_s <= 0 or n - there.admitted < 2:
         return 0.0
-    if there.tok_s * (1 + MOVE_MARGIN) < stay.tok_s:
-        return 0.0
+    if there.admitted and there.tok_s * (1 + MOVE_MARGIN) < stay.tok_s:
+        return 0.0  # (an empty hub's offer rests on its priors: its acceptance deliberately
+        # low until it has rounds to learn from, so counts alone judge a move there)
     return DAMPING * (n - there.admitted) / n
 
 

@@ -51,6 +51,11 @@ behind one another, and counting them in step there took ``--depth auto`` from 0
 MAX_FLOOR = 0.5
 """No floor leaves out a node the head gives even odds, whatever the cost estimates say
 (before a target has verified a tree its cost per node is a prior)."""
+OVER_S = 10.0
+"""A hub asks targets to leave once it has been over its limit this long, and never one it
+admitted more recently: N_max moves by a target or so as acceptance is learned, and
+admission (each target judged by its own estimates) can take one past the typical
+target's N_max."""
 CONFIDENCE = 2.0
 """Admission counts acceptance this many standard errors below its estimate: an admitted
 target keeps its slot until it leaves, so a lucky streak must not admit one too many."""
@@ -119,6 +124,8 @@ class TargetProfile:
         cores to itself (``starhub.cores``), so the hub's drafting counts against trees."""
         self.kept = Ema(1.0, alpha=0.05)
         """The share of its chosen trees' nodes the floor left, over its sessions."""
+        self.joined_at = -math.inf
+        """When admission took it (``Controller.join``)."""
         self.probes = ProbeBackoff()
         """Plain rounds between two probes of the target's plain sessions: 2, 4, then 8;
         kept across the target's sessions."""
@@ -185,6 +192,8 @@ class Controller:
         when nobody was admitted."""
         self.unwanted: frozenset[bytes] = frozenset()
         """The targets asked to move to another hub of their pool (``review``)."""
+        self._over_since: float | None = None
+        """Since when the hub has been over its limit (``review``)."""
 
     # --- the load model -------------------------------------------------------------
 
@@ -254,6 +263,7 @@ class Controller:
                 self._forget_rejected(now)
             return reason
         self.rejected_recently.pop(identity, None)
+        candidate.joined_at = now
         self.targets[identity] = candidate
         return None
 
@@ -263,21 +273,26 @@ class Controller:
             for tag in list(target.sessions):
                 self.close(tag)
 
-    def review(self) -> frozenset[bytes]:
+    def review(self, now: float) -> frozenset[bytes]:
         """Which admitted targets the hub would rather lose (each of their PROPOSEs says
-        ``leave``): past its limit (N_max under ``--max-targets auto``, else the number
-        given) as many as it is over. Those asked already come first while they are
-        admitted (one that left is counted until its peer grace ends, and a newly chosen
-        one would move too); then, and among those, the ones the hub serves least well (the lowest
-        predicted tokens/s against their standalone speed: a target with no speculating
-        session gains nothing here now), the latest admitted among equals. Admission
-        never drops anyone; a target asked to leave moves only to a hub of its pool with
-        room, and stays where there is none. Kept in ``unwanted``."""
+        ``leave``), at ``now``: once it has been over its limit (N_max under
+        ``--max-targets auto``, else the number given) for ``OVER_S``, as many as it is
+        over, among those admitted at least ``OVER_S`` ago. Those asked already come first
+        while they are admitted (one that left counts until its peer grace ends, and a
+        newly chosen one would move too); then the ones the hub serves least well: the
+        lowest predicted tokens/s per session against their standalone speed (a target
+        with no speculating session gains nothing here now), the latest admitted among
+        equals. Admission never drops anyone; a target asked to leave moves only to a hub
+        of its pool with room, and stays where there is none. Kept in ``unwanted``."""
         limit = self.config.max_targets
         cap = self.n_max() if limit == AUTO else int(limit) if limit else None
         over = len(self.targets) - cap if cap is not None else 0
         if over <= 0:
-            self.unwanted = frozenset()
+            self._over_since, self.unwanted = None, frozenset()
+            return self.unwanted
+        if self._over_since is None:
+            self._over_since = now
+        if now - self._over_since < OVER_S:
             return self.unwanted
         load = self._load()
         slowest = max((sm.s + sm.z for sm in self.sessions.values() if sm.s), default=0.0)
@@ -286,10 +301,11 @@ class Controller:
             step = target.step_s()
             rates = [self.predicted_tok_s(self.sessions[t], slowest, load)
                      for t in target.sessions]
-            return sum(rates) * step if rates and step > 0 else 1.0
+            return sum(rates) / len(rates) * step if rates and step > 0 else 1.0
 
         order = sorted((identity not in self.unwanted, gain(t), -n, identity)
-                       for n, (identity, t) in enumerate(self.targets.items()))
+                       for n, (identity, t) in enumerate(self.targets.items())
+                       if identity in self.unwanted or now - t.joined_at >= OVER_S)
         self.unwanted = frozenset(identity for *_, identity in order[:over])
         return self.unwanted
 

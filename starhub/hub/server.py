@@ -330,7 +330,7 @@ class Hub(Server):
     def review_targets(self) -> None:
         """Ask the control plane which targets it would rather lose; log when that changes."""
         before = len(self.control.unwanted)
-        after = len(self.control.review())
+        after = len(self.control.review(time.monotonic()))
         if after == before:
             return
         if not after:

@@ -241,13 +241,14 @@ class Launcher:
         """0 when every worker finished, 1 when a process failed, 130 when interrupted."""
         (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
         previous = signal.signal(signal.SIGTERM, _raise_stopped)
-        poller = None
+        poller, wrote = None, False
         try:
             self.backend.check(self.plan.processes)
             for spec in self.plan.servers:
                 self._start(spec, None)
             address = self._wait_ready()
             (self.out_dir / ADDRESS_FILE).write_text(address + "\n")
+            wrote = True
             self.say(f"{self.kind} ready at {address}" if len(self.server_names) == 1 else
                      f"pool of {len(self.server_names)} hubs ready at {address}")
             for spec in self.plan.workers:
@@ -273,7 +274,8 @@ class Launcher:
             if poller is not None:
                 poller.stop()
             self._stop_all()
-            (self.out_dir / ADDRESS_FILE).unlink(missing_ok=True)
+            if wrote:  # not another launch's, in the same folder
+                (self.out_dir / ADDRESS_FILE).unlink(missing_ok=True)
 
     @property
     def serving(self) -> bool:

@@ -274,7 +274,7 @@ class Propose(Message, tag="PROPOSE"):
     draft distribution at the root and row i+1 the one at node i. ``plain`` > 0 carries no
     tree: the target decodes that many tokens on its own, then commits them. ``leave``:
     the hub is over its admission limit and would rather lose this target; a target of a
-    pool moves to a hub with room when its sessions here end (alone, it stays).
+    pool opens its next sessions on a hub with room (alone, it stays).
     """
 
     ref: int = 0
