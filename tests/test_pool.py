@@ -257,12 +257,17 @@ def test_target_processes_carry_on_at_the_other_hub_when_theirs_is_killed_or_dra
             assert r["output_ids"] == want, r["id"]
 
 
-def test_move_chance_evens_out_a_crowd_but_never_follows_an_offer_alone(tiny_model):
+def _real_report():
+    """A real hub's STATS, with no target yet, for the tests to edit."""
     hub = HubThread(NgramDrafter())
     try:
-        report = survey([hub.address])[hub.address]
+        return survey([hub.address])[hub.address]
     finally:
         hub.stop()
+
+
+def test_move_chance_evens_out_a_crowd_but_never_follows_an_offer_alone(tiny_model):
+    report = _real_report()
 
     def at(n: int):
         return msgspec.structs.replace(report, control=msgspec.structs.replace(
@@ -286,11 +291,7 @@ def test_idle_hubs_a_millisecond_apart_in_drafting_tie_for_a_newcomer_that_knows
     """Two hubs with no targets (so no step in their round trip) whose drafting was timed
     8 and 9 ms: by their figures alone one offers 11% more and every newcomer would greet it;
     with the newcomer's own 28 ms step in the round trip they tie, and newcomers spread."""
-    hub = HubThread(NgramDrafter())
-    try:
-        report = survey([hub.address])[hub.address]
-    finally:
-        hub.stop()
+    report = _real_report()
 
     def idle(s_ms: float):
         typical = msgspec.structs.replace(report.control.typical, S_ms=s_ms, Z_ms=1.0)
