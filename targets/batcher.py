@@ -721,6 +721,7 @@ class Batcher:
             opened_on = self.link.client  # moved to another hub of the pool meanwhile
         if opened_on is not self.link.client or opened_on.sock.closed:
             self._features_off(slot)  # dropped or replaced while prefilling
+            slot.stats.note = slot.stats.note or "the hub connection was lost while it prefilled"
             return
         self._judge(opened_on, slot)
 
