@@ -12,14 +12,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import zmq.auth
 from pydantic import ValidationError
 
 from starhub.launch.config import LAUNCHER_CHOSEN, ConfigError, Deployment, Placement
 from starhub.options import AUTO, resolve_threads
 from starhub.settings.base import CONFIG_ENV, Settings, explain
 from starhub.settings.processes import PROCESSES
-from starhub.wire.security import is_loopback, server_files
+from starhub.wire.security import SecurityError, is_loopback, load_certificate, server_files
 
 HUB = "{hub}"
 PROMPTS = "{prompts}"
@@ -173,8 +172,8 @@ def _check_server_keys(dep: Deployment, group: str) -> None:
 def _public_key(path: str) -> bytes | None:
     """The public key in a certificate file, or None where this machine cannot read it."""
     try:
-        return zmq.auth.load_certificate(path)[0]
-    except (OSError, ValueError):
+        return load_certificate(path, "curve_server", secret=False)[0]
+    except SecurityError:
         return None
 
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+
 def observer_client(address: str, timeout_s: float = 5.0,
                     security: ClientSecurity | None = None, name: str = "status") -> HubClient:
     """A client that has sent an OBSERVER_CARD, so that the server's STATS include
