@@ -26,6 +26,7 @@ where no tree pays. The hub calls this module; it never touches sockets.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from starhub.control.estimators import Acceptance, Ema, ProbeBackoff
@@ -294,13 +295,10 @@ class Controller:
             self._over_since = now
         if now - self._over_since < OVER_S:
             return self.unwanted
-        load = self._load()
-        slowest = max((sm.s + sm.z for sm in self.sessions.values() if sm.s), default=0.0)
+        rates_of = self._rates_now()
 
         def gain(target: TargetProfile) -> float:
-            step = target.step_s()
-            rates = [self.predicted_tok_s(self.sessions[t], slowest, load)
-                     for t in target.sessions]
+            step, rates = target.step_s(), rates_of(target)
             return sum(rates) / len(rates) * step if rates and step > 0 else 1.0
 
         order = sorted((identity not in self.unwanted, gain(t), -n, identity)
@@ -492,6 +490,14 @@ class Controller:
 
     # --- what the model predicts ---------------------------------------------------------
 
+    def _rates_now(self) -> Callable[[TargetProfile], list[float]]:
+        """Each session's predicted tokens/s of a target, at the hub's load now (read once
+        for all the targets asked about)."""
+        load = self._load()
+        slowest = max((sm.s + sm.z for sm in self.sessions.values() if sm.s), default=0.0)
+        return lambda target: [self.predicted_tok_s(self.sessions[t], slowest, load)
+                               for t in target.sessions]
+
     def predicted_tok_s(self, sm: SessionModel, slowest: float, load: float) -> float:
         if not sm.s:
             step = sm.target.step_s()
@@ -550,15 +556,14 @@ class Controller:
     def snapshot(self, now: float, targets: bool = True) -> ControlReport:
         """The control plane's state; ``targets`` adds an entry per target (None without)."""
         load = self._load()
-        slowest = max((sm.s + sm.z for sm in self.sessions.values() if sm.s), default=0.0)
+        rates_of = self._rates_now()
         self._forget_rejected(now)
         s, z, e, step, depth = self.typical()
         per_target = None
         if targets:
             per_target = []
             for target in list(self.targets.values())[:MAX_ENTRIES]:
-                rates = [self.predicted_tok_s(self.sessions[t], slowest, load)
-                         for t in target.sessions]
+                rates = rates_of(target)
                 own = target.step_s()
                 per_target.append(TargetEntry(
                     name=target.name, sessions=len(target.sessions), step_ms=1e3 * own,
