@@ -54,8 +54,14 @@ def _reference(model) -> list[int]:
                           eos_token_id=None)[0, len(PROMPT):].tolist()
 
 
+HOLD = {"peer_grace_s": 600.0}
+"""A hub's settings that keep its holders admitted (``_holder``) throughout a test."""
+
+
 def _holder(address: str, vocab_size: int) -> HubClient:
-    """A target that holds an admission slot at ``address`` and does nothing else."""
+    """A target that holds an admission slot at ``address`` and does nothing else: the hub
+    forgets it after its peer grace (it opens no session), so a hub whose holders must stay
+    through a test is started with ``HOLD``."""
     client = HubClient(address, timeout_s=10)
     assert isinstance(client.greet(TargetCard(name="holder", vocab_size=vocab_size)),
                       DrafterCard)
@@ -118,7 +124,7 @@ def test_a_target_opens_on_the_hub_with_room_and_moves_when_its_hub_dies(tiny_mo
     Every output is generate()'s."""
     model, tok = tiny_model
     want = _reference(model)
-    a, b = HubThread(NgramDrafter()), HubThread(NgramDrafter())
+    a, b = HubThread(NgramDrafter(), **HOLD), HubThread(NgramDrafter())
     holder = _holder(a.address, model.config.vocab_size)
     try:
         with attach(model, tok, [a.address, b.address], name="pooled", timeout_s=1.0) as t:
@@ -311,10 +317,10 @@ def test_a_target_moves_between_requests_to_a_hub_that_serves_it_better(tiny_mod
                                                                        monkeypatch):
     """A target that found only a crowded hub (three targets beside it) moves to an empty
     one that comes up later, between two requests, with the same output."""
-    monkeypatch.setattr(hub_link, "REBALANCE_S", 0.2)
+    monkeypatch.setattr(hub_link, "REBALANCE_S", hub_link.LOOK_GAP_S)  # a look a second
     model, tok = tiny_model
     want = _reference(model)
-    crowded, later = HubThread(NgramDrafter()), _free_address()
+    crowded, later = HubThread(NgramDrafter(), **HOLD), _free_address()
     holders = [_holder(crowded.address, model.config.vocab_size) for _ in range(3)]
     empty = None
     try:
