@@ -34,7 +34,6 @@ the output is the same with or without it, whatever else is in the batch.
 from __future__ import annotations
 
 import contextlib
-import enum
 import itertools
 import logging
 import queue
@@ -75,6 +74,7 @@ from targets.cost import PassCost
 from targets.engine import VerifyEngine
 from targets.gate import BATCH_MARGIN, COALESCE, PRIOR_TAU, Decision, SpeculationGate
 from targets.hub_link import HubLink, check_propose
+from targets.phase import Phase, PhaseLog
 from targets.prefill import ChunkedPrefill, PrefillShare, PrefillTurns
 from targets.stats import GenerationStats
 from targets.verify import TokenLogprob, Verdict
@@ -115,19 +115,6 @@ class Request:
     sink: Sink = print
     """Called on the engine thread with each ``Event``: it must not block."""
     rid: int = 0
-
-
-class Phase(enum.Enum):
-    """Where a request is (``Slot.phase``); ``docs/architecture.md`` draws the transitions.
-    Each pass verifies every decoding request but the WAITING ones."""
-
-    PREFILLING = "its prompt is prefilled, a slice a turn"
-    ALONE = "decodes plain with no hub session (it may open one later if it kept features)"
-    AHEAD = "decodes plain while its hub session catches up (from its OPEN on)"
-    WAITING = "waits for the hub's PROPOSE to its OPEN or COMMIT"
-    TREE = "has a hub tree to verify in the next pass"
-    PLAIN_ROUND = "steps the plain round the hub asked for"
-    DONE = "ended: its tokens are emitted, its sessions here and at the hub closed"
 
 
 @dataclass(eq=False)
@@ -283,7 +270,7 @@ class Batcher:
         """Requests whose prompts are prefilled, a slice a turn, oldest first."""
         self._turns = PrefillTurns()
         self._rids = itertools.count(1)
-        self._phases: dict[int, Phase] = {}
+        self._phases = PhaseLog(log, name, "request")
         """Each request's phase at the end of the last turn (``_log_phases``)."""
         self._pass_no = 0
         self._rows_seen = 0
@@ -650,12 +637,7 @@ class Batcher:
     def _log_phases(self) -> None:
         """Each request's phase at the end of a turn, where it changed (at DEBUG)."""
         for rid, slot in self._slots.items():
-            phase = slot.phase
-            before = self._phases.get(rid)
-            if phase is not before:
-                self._phases[rid] = phase
-                log.debug("%s: request %d: %s -> %s", self.name, rid,
-                          before.name if before else "NEW", phase.name)
+            self._phases.note(rid, slot.phase)
 
     def _intake(self) -> None:
         while True:
@@ -667,9 +649,7 @@ class Batcher:
                                                        threads=torch.get_num_threads()))
             self._slots[req.rid] = slot
             self._new.append(slot)
-            if log.isEnabledFor(logging.DEBUG):
-                self._phases[req.rid] = Phase.PREFILLING
-                log.debug("%s: request %d: NEW -> PREFILLING", self.name, req.rid)
+            self._phases.note(req.rid, Phase.PREFILLING)
         while True:
             try:
                 rid = self._cancelled.get_nowait()
@@ -1068,9 +1048,7 @@ class Batcher:
         if slot in self._new:
             self._new.remove(slot)
         self.engine.close(slot.req.rid)
-        before = self._phases.pop(slot.req.rid, None)
-        if before is not None:
-            log.debug("%s: request %d: %s -> DONE", self.name, slot.req.rid, before.name)
+        self._phases.note(slot.req.rid, Phase.DONE)
 
 
 def _left(slot: Slot) -> int:

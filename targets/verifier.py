@@ -62,6 +62,7 @@ from targets.card import feature_dtype, measure_step, on_wire, target_card
 from targets.cohort import waits
 from targets.cost import PassCost
 from targets.engine import VerifyEngine, measure_budget
+from targets.phase import Phase, PhaseLog
 from targets.prefill import PrefillShare, PrefillTurns
 from targets.schedule import Scheduler, Waiting
 from targets.verifier_state import (
@@ -123,6 +124,8 @@ class Verifier(Server):
         self.running: set[int] = set()
         """Sessions whose rows (or prefill chunk) the engine thread is running now: one
         closed meanwhile is forgotten by the engine after the pass (``on_engine``)."""
+        self.phases = PhaseLog(log, "verifier")
+        """Each session's changes of ``phase``, at DEBUG."""
 
     @classmethod
     def for_model(cls, model, tokenizer, config: VerifierConfig,
@@ -131,6 +134,15 @@ class Verifier(Server):
         if not config.budget:
             config = replace(config, budget=max(measure_budget(model), 2))
         return cls(VerifyEngine(model), card, config, feature_dtype(model))
+
+    def phase(self, tag: int) -> Phase:
+        """A session's phase (``targets.phase``), read from where it is held: its prompt
+        being prefilled, its tree waiting for a pass or in the one running, or neither."""
+        if tag in self.prefills:
+            return Phase.PREFILLING
+        if tag in self.pending or tag in self.running:
+            return Phase.TREE
+        return Phase.WAITING if tag in self.table.sessions else Phase.DONE
 
     # -- the loop ---------------------------------------------------------------------
     def serve(self, ready: Callable[[str], None] = lambda address: None,
@@ -272,6 +284,7 @@ class Verifier(Server):
                                    opened_at=now, last_seen=now, busy=True), len(prompt) + 1,
                        self.held_bytes(len(prompt) + 1))
         self.prefills[tag] = Prefill(identity, msg.ref, prompt, chunks, msg.target_tok_s)
+        self.phases.note(tag, Phase.PREFILLING)
 
     async def prefill_step(self, slice_s: float = 0.0) -> None:
         """A slice of a prompt's prefill (``PrefillTurns`` says whose; ``slice_s``:
@@ -304,6 +317,7 @@ class Verifier(Server):
             budget=self.scheduler.nodes_for(tag),
             tokens=torch.tensor([*job.prompt, first], dtype=torch.int32),
             features=on_wire(feats, self.feature_dtype)))
+        self.phases.note(tag, self.phase(tag))
 
     def handle_propose(self, identity: bytes, msg: Propose) -> None:
         session = self.table.get(msg.tag, identity)
@@ -331,6 +345,7 @@ class Verifier(Server):
         waiting = Waiting(msg.tag, len(tree), self.engine.cached(msg.tag), now,
                           self.scheduler.deadline(msg.tag, now))
         self.pending[msg.tag] = Pending(waiting, tree, msg.seq)
+        self.phases.note(msg.tag, Phase.TREE)
 
     def close(self, tag: int) -> None:
         if self.table.close(tag) is not None:
@@ -340,6 +355,7 @@ class Verifier(Server):
         self.scheduler.close(tag)
         if tag not in self.running:  # else once the pass is done with it (``on_engine``)
             self.engine.close(tag)
+        self.phases.note(tag, Phase.DONE)
 
     # -- verification -----------------------------------------------------------------
     async def step(self) -> None:
@@ -402,6 +418,7 @@ class Verifier(Server):
                 step_ms=1e3 * self.step_s, budget=self.scheduler.nodes_for(sid),
                 tokens=torch.tensor(verdict.tokens, dtype=torch.int32),
                 features=on_wire(verdict.features, self.feature_dtype)))
+            self.phases.note(sid, self.phase(sid))
 
     def snapshot(self) -> VerifierReport:
         st = self.stats

@@ -1,15 +1,17 @@
-"""A serving request's phases: the diagram in docs/architecture.md names exactly the
-batcher's phases, and the changes a real batcher logs follow the diagram's arrows."""
+"""A session's phases (``targets.phase``): the diagram in docs/architecture.md names exactly
+them, and the changes a real batcher and a real edge verifier log follow its arrows."""
 
 from __future__ import annotations
 
 import logging
 import re
+import time
 from pathlib import Path
 
 import torch
 
-from targets.batcher import Phase
+from targets.phase import Phase, PhaseLog
+from tests.test_edge import PROMPTS, VerifierThread, _edge, _reference
 from tests.test_serve_gate import eagle3_hub, plain_pair_then_alone
 
 ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
@@ -37,7 +39,17 @@ def reachable(arrows: dict[str, set[str]], start: str, most: int = 99) -> set[st
     return seen
 
 
-def test_the_state_diagram_names_the_batchers_phases():
+def logged_changes(records, noun: str) -> dict[int, list[tuple[str, str]]]:
+    """Each session's logged phase changes (``PhaseLog``), in order."""
+    seen: dict[int, list[tuple[str, str]]] = {}
+    for record in records:
+        change = re.search(noun + r" (\d+): (\w+) -> (\w+)", record.getMessage())
+        if change:
+            seen.setdefault(int(change.group(1)), []).append((change.group(2), change.group(3)))
+    return seen
+
+
+def test_the_state_diagram_names_the_phases():
     arrows = diagram()
     named = set(arrows) | {p for targets in arrows.values() for p in targets}
     assert named - {"[*]"} == {p.name for p in Phase}
@@ -59,13 +71,56 @@ def test_a_requests_logged_phases_follow_the_diagram(tiny_model, tiny_dir, caplo
     assert got == ref[0, 5:].tolist()
     arrows = diagram()
     seen: dict[int, list[str]] = {}
-    for record in caplog.records:
-        change = re.search(r"request (\d+): (\w+) -> (\w+)", record.getMessage())
-        if change:
-            rid, before, after = int(change.group(1)), change.group(2), change.group(3)
+    for rid, changes in logged_changes(caplog.records, "request").items():
+        for before, after in changes:
             assert before == "NEW" or after in reachable(arrows, before, 2), (before, after)
             seen.setdefault(rid, []).append(after)
     long_phases = seen[1]
     assert long_phases[0] == "PREFILLING" and long_phases[-1] == "DONE"
     assert {"ALONE", "AHEAD"} <= set(long_phases), long_phases
     assert seen[2][-1] == "DONE"
+
+
+def test_an_edge_verifiers_sessions_follow_the_diagram_through_its_four_phases(tiny_model,
+                                                                               caplog):
+    """Two drafters decode through a real verifier: each session it logs is PREFILLING from
+    its OPEN, then WAITING and TREE in turn (a round each), and DONE once its drafter
+    closes it; every change is one arrow of the diagram (the verifier logs each as it
+    happens)."""
+    model, tokenizer = tiny_model
+    verifier = VerifierThread(model, tokenizer, ttl_s=30.0)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="starhub.verifier"):
+            for i in range(2):
+                edge = _edge(model, verifier.address, name=f"d{i}")
+                tokens, _ = edge.generate(PROMPTS[i], max_new_tokens=16)
+                edge.close()
+                assert tokens == _reference(model, PROMPTS[i], 16)
+            deadline = time.monotonic() + 10
+            while sum(after == "DONE" for changes in logged_changes(caplog.records, "session")
+                      .values() for _, after in changes) < 2:
+                assert time.monotonic() < deadline, "the closed sessions never reached DONE"
+                time.sleep(0.05)
+    finally:
+        verifier.stop()
+    arrows = diagram()
+    sessions = logged_changes(caplog.records, "session")
+    assert len(sessions) == 2
+    for changes in sessions.values():
+        phases = [after for _, after in changes]
+        assert changes[0] == ("NEW", "PREFILLING") and phases[1] == "WAITING", changes
+        assert phases[-1] == "DONE" and phases.count("TREE") >= 2, changes
+        assert set(phases) == {"PREFILLING", "WAITING", "TREE", "DONE"}, changes
+        assert all(after in arrows[before] for before, after in changes[1:]), changes
+
+
+def test_a_phase_log_forgets_a_session_once_it_is_done(caplog):
+    phases = PhaseLog(logging.getLogger("starhub.test"), "t")
+    with caplog.at_level(logging.DEBUG, logger="starhub.test"):
+        for phase in (Phase.PREFILLING, Phase.WAITING, Phase.WAITING, Phase.TREE, Phase.DONE):
+            phases.note(7, phase)
+        phases.note(8, Phase.DONE)  # never seen: nothing to say
+    assert phases.seen == {}
+    assert [r.getMessage() for r in caplog.records] == [
+        "t: session 7: NEW -> PREFILLING", "t: session 7: PREFILLING -> WAITING",
+        "t: session 7: WAITING -> TREE", "t: session 7: TREE -> DONE"]
