@@ -157,10 +157,7 @@ class EmulatedEngine:
         return self.lengths[sid] - 1
 
     def cost(self, work: list[tuple[int, DraftTree]]) -> BatchStats:
-        new = [len(tree) + 1 for _, tree in work]
-        cached = [self.cached(sid) for sid, _ in work]
-        return BatchStats(len(work), sum(new), sum(cached),
-                          sum(c * n for c, n in zip(cached, new, strict=True)))
+        return BatchStats.of(work, self.cached)
 
     def verify(self, work: list[tuple[int, DraftTree]]) -> list[Verdict]:
         cost = self.cost(work)

@@ -26,11 +26,12 @@ otherwise reach zero a few rows out.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from starhub.control.estimators import Ema
 from starhub.fit import LinearFit
+from starhub.wire.tree import DraftTree
 
 FORGET = 0.99
 """Each fit weighs its passes as if it kept about the last hundred."""
@@ -50,6 +51,16 @@ class BatchStats:
     """Cache entries the rows attend to, summed over rows."""
     cached_x_new: int
     """Sum over rows of cached length times new tokens: the attention work."""
+
+    @classmethod
+    def of(cls, work: Sequence[tuple[int, DraftTree]], cached: Callable[[int], int]
+           ) -> BatchStats:
+        """A pass over ``work`` (session, tree) pairs, each session holding ``cached(sid)``
+        entries and feeding its root and its tree's nodes."""
+        new = [len(tree) + 1 for _, tree in work]
+        held = [cached(sid) for sid, _ in work]
+        return cls(len(work), sum(new), sum(held),
+                   sum(c * n for c, n in zip(held, new, strict=True)))
 
 
 class PassCost:

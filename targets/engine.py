@@ -109,10 +109,7 @@ class VerifyEngine:
         return self.sessions[sid].cached
 
     def cost(self, work: list[tuple[int, DraftTree]]) -> BatchStats:
-        new = [len(tree) + 1 for _, tree in work]
-        cached = [self.cached(sid) for sid, _ in work]
-        return BatchStats(len(work), sum(new), sum(cached),
-                          sum(c * n for c, n in zip(cached, new, strict=True)))
+        return BatchStats.of(work, self.cached)
 
     def verify(self, work: list[tuple[int, DraftTree]]) -> list[Verdict]:
         """Verify each (session, tree) pair, all in one forward pass."""
