@@ -13,6 +13,7 @@ import zmq
 
 from starhub.drafters.base import TreeShape
 from starhub.drafters.model import ModelDrafter
+from starhub.drafters.ngram import NgramDrafter
 from starhub.edge.drafter import EdgeDrafter, VerifierUnavailable
 from starhub.wire.codec import decode, encode
 from starhub.wire.messages import (
@@ -88,6 +89,18 @@ def test_drafters_get_generate_tokens_from_a_batched_verifier(tiny_model, verifi
         assert stats.rounds < 24 and stats.mean_accept_len > 1.5
     body = verifier.verifier.snapshot()
     assert body.rounds > 0 and body.sessions == 0 and body.closed == len(PROMPTS)
+
+
+def test_a_drafter_with_no_guess_still_gets_generate_tokens(tiny_model, verifier):
+    """Prompt lookup finds nothing in a prompt without repeats: its empty trees each commit
+    the target's next token, and its guesses, once the output repeats, are verified."""
+    model, _ = tiny_model
+    edge = EdgeDrafter(NgramDrafter(), verifier.address, TreeShape(4, 2, 6), eos=set(),
+                       retries=0)
+    out, stats = edge.generate(PROMPTS[0], max_new_tokens=24)
+    edge.close()
+    assert out == _reference(model, PROMPTS[0], 24)
+    assert stats.rounds >= 1 and verifier.verifier.snapshot().errors == {}
 
 
 def test_budgets_never_exceed_what_the_verifier_accepts_from_a_chain_drafter(tiny_model):

@@ -232,7 +232,7 @@ def verifier(tiny_model):
 @st.composite
 def verifier_attacks(draw, greedy: int, sampled: int, vocab: int):
     how = draw(st.sampled_from(["malformed", "open", "unknown_tag", "not_owner", "stale",
-                                "plain", "too_many", "too_deep", "empty", "bad_id",
+                                "plain", "too_many", "too_deep", "bad_id",
                                 "bad_dist_id", "not_for_verifiers", "welcome"]))
     n = draw(st.integers(1, 8))
     star = Propose(tag=sampled, seq=1, tokens=np.ones(n, np.int32),
@@ -261,10 +261,9 @@ def verifier_attacks(draw, greedy: int, sampled: int, vocab: int):
     if how == "plain":
         return OWNER, Propose(tag=sampled, seq=1, plain=draw(st.integers(1, 64))), \
             ErrorCode.BAD_FIELD
-    if how in ("too_many", "too_deep", "empty"):
+    if how in ("too_many", "too_deep"):  # an empty tree is a drafter with no guess: served
         size = {"too_many": st.integers(MAX_NODES + 1, MAX_TREE_NODES),
-                "too_deep": st.integers(MAX_DEPTH + 1, MAX_NODES),
-                "empty": st.just(0)}[how]
+                "too_deep": st.integers(MAX_DEPTH + 1, MAX_NODES)}[how]
         m = draw(size)
         return OWNER, Propose(tag=sampled, seq=1, tokens=np.ones(m, np.int32),
                               parents=np.arange(-1, m - 1, dtype=np.int32)), ErrorCode.TOO_LARGE

@@ -176,12 +176,14 @@ def _mib(nbytes: int) -> str:
 
 def check_tree(parents, max_nodes: int, max_depth: int, tag: int = 0) -> None:
     """Refuse a tree with more than ``max_nodes`` nodes or deeper than ``max_depth`` layers.
+    An empty tree is a drafter with no guess (a lookup that found nothing): its round
+    commits the target's next token alone.
 
     ``parents`` must already be valid (each -1 or an earlier node), as ``Propose`` checks."""
     n = len(parents)
-    if not 1 <= n <= max_nodes:
-        raise ProtocolError(ErrorCode.TOO_LARGE, f"trees hold 1..{max_nodes} nodes here, got "
-                            f"{n} (--max-nodes)", tag=tag)
+    if n > max_nodes:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"trees hold at most {max_nodes} nodes here, "
+                            f"got {n} (--max-nodes)", tag=tag)
     depth = [0] * n
     for i, p in enumerate(parents.tolist() if hasattr(parents, "tolist") else parents):
         depth[i] = 1 if p < 0 else depth[p] + 1
