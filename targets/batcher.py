@@ -70,12 +70,13 @@ from targets.acceptance import Sampling
 from targets.calibration import ROWS, TREE_NODES, calibrate
 from targets.card import eos_ids, feature_dtype, measure_step, on_wire, target_card
 from targets.cohort import waits
+from targets.core import EngineCore
 from targets.cost import PassCost
 from targets.engine import VerifyEngine
 from targets.gate import BATCH_MARGIN, COALESCE, PRIOR_TAU, Decision, SpeculationGate
 from targets.hub_link import HubLink, check_propose
 from targets.phase import Phase, PhaseLog
-from targets.prefill import ChunkedPrefill, PrefillShare, PrefillTurns
+from targets.prefill import ChunkedPrefill
 from targets.stats import GenerationStats
 from targets.verify import TokenLogprob, Verdict
 
@@ -135,7 +136,7 @@ class Slot:
     waiting_since: float | None = None
     """When it sent what the hub must answer (OPEN or COMMIT), until the answer comes."""
     busy_mark: float = 0.0
-    """The engine's busy seconds (``Batcher._busy_s``) when it sent that."""
+    """The engine's busy seconds (``EngineCore.busy_s``) when it sent that."""
     cohort: int = 0
     """The pass whose COMMIT it waits on: the hub drafts a pass's trees together."""
     opening: Open | None = field(default=None, repr=False)
@@ -230,8 +231,6 @@ class Batcher:
         self.name = name
         self.prefill_chunk = prefill_chunk
         """Prompt tokens a prefill pass takes (0: ``targets.prefill.CHUNK``)."""
-        self._share = PrefillShare()
-        """When a slice of a prefill runs while other requests decode."""
         self.decode_ahead = decode_ahead
         """Whether a request decodes plain from its OPEN until its first tree comes (a
         server's requests never idle for the hub), or waits for that tree (the star
@@ -240,7 +239,6 @@ class Batcher:
         self.eos = eos_ids(model)
         self.wire_dtype = feature_dtype(model)
         self.vocab_size = model.config.vocab_size
-        self.engine = VerifyEngine(model)
         self.clock = CoreClock.for_target(model_device(model).type == "cpu", bool(hub),
                                           shared_cores)
         """Times passes, and alone (by CPU time) while the hub shares our cores: the gate
@@ -248,8 +246,9 @@ class Batcher:
         self._gate_open: bool | None = None
         """The gate's last verdict on a batch of more than one request (``_log_verdict``)."""
         self.step_s = measure_step(model, clock=self.clock) if hub else 0.0
-        self.cost = PassCost(self.step_s)
-        """What a pass costs here, learned from every pass the engine runs."""
+        self.core = EngineCore(VerifyEngine(model), PassCost(self.step_s), self.clock)
+        """Runs the passes and prefill slices, and learns what a pass costs here from them."""
+        self.engine, self.cost = self.core.engine, self.core.cost
         self.gate = SpeculationGate(self.cost, margin=BATCH_MARGIN if speculate == "auto" else 0) \
             if hub else None
         """Whether a request should use the hub at today's batch (``--speculate``)."""
@@ -268,14 +267,10 @@ class Batcher:
         self._slots: dict[int, Slot] = {}
         self._new: list[Slot] = []
         """Requests whose prompts are prefilled, a slice a turn, oldest first."""
-        self._turns = PrefillTurns()
         self._rids = itertools.count(1)
         self._phases = PhaseLog(log, name, "request")
         """Each request's phase at the end of the last turn (``_log_phases``)."""
-        self._pass_no = 0
         self._rows_seen = 0
-        self._busy_s = 0.0
-        """Seconds the engine thread has spent in passes and prefill slices."""
         self.failed = ""
         """Why the engine thread stopped, if it failed: the server then refuses requests."""
         self.link = HubLink(hub, self.card, self.clock, name, timeout_s,
@@ -287,7 +282,7 @@ class Batcher:
     def _calibrate(self) -> None:
         """Time passes over throwaway sessions for the cost model (``targets.calibration``)."""
         start = time.perf_counter()
-        timed = calibrate(self.engine, self.cost, self.clock, self.vocab_size)
+        timed = calibrate(self.core, self.vocab_size)
         widths = "/".join(map(str, ROWS))
         log.info("%s: passes at %s rows take %s ms plain, %s ms with %d-node trees "
                  "(timed in %.1f s)", self.name, widths,
@@ -529,7 +524,7 @@ class Batcher:
             if not msg.plain and slot.opening is None:  # a round, not the hub's prefill;
                 # what it kept the engine from doing: the passes it ran for other requests
                 # meanwhile were not lost
-                self.gate.observe_round_trip(max(took - (self._busy_s - slot.busy_mark), 0.0))
+                self.gate.observe_round_trip(max(took - (self.core.busy_s - slot.busy_mark), 0.0))
             elif not msg.plain and slot.produced > 1:  # a mid-stream OPEN (``_take_up_trees``)
                 self.gate.observe_open_wait(took)
         slot.tag, slot.seq, slot.waiting_since, slot.opening = msg.tag, msg.seq, None, None
@@ -608,12 +603,11 @@ class Batcher:
         self._ask_totals(client)
         self._read_hub(client, 0)
         self._overdue()
-        if self._new:
-            slice_s = self._share.next_slice(any(s.decoding for s in self._slots.values()),
-                                             any(s.ready for s in self._slots.values()),
-                                             min(map(_left, self._new)))
-            if slice_s is not None:
-                self._prefill_one(client, slice_s)
+        turn = self.core.prefill_turn(self._new, _left,
+                                      any(s.decoding for s in self._slots.values()),
+                                      any(s.ready for s in self._slots.values()))
+        if turn is not None:
+            self._prefill_one(client, *turn)
         if client is not None:
             self._take_up_trees(client)
         work = [s for s in self._slots.values() if s.ready]
@@ -659,11 +653,10 @@ class Batcher:
             if slot is not None:
                 self._release(slot)
 
-    def _prefill_one(self, client: HubClient | None, slice_s: float) -> None:
-        """A slice of a new prompt's prefill (``PrefillTurns`` says whose; ``slice_s``:
-        ``PrefillShare``); when it ends the prompt, the request starts decoding and OPENs
-        its hub session."""
-        slot = self._turns.pick(self._new, _left)
+    def _prefill_one(self, client: HubClient | None, slot: Slot, slice_s: float) -> None:
+        """A slice of a new prompt's prefill (``EngineCore.prefill_turn`` says whose and how
+        long); when it ends the prompt, the request starts decoding and OPENs its hub
+        session."""
         req = slot.req
         start = time.perf_counter()
         if client is not None and client.sock.closed:  # dropped earlier in this turn
@@ -676,12 +669,9 @@ class Batcher:
             slot.client, slot.history = client, [] if client is not None else None
             if client is None and self.link is not None:
                 slot.stats.note = self.link.note  # why it decodes with no hub
-        chunks = slot.prefill.chunks
-        done = slot.prefill.run(slice_s)
-        self.stats.prefill_chunks += slot.prefill.chunks - chunks
-        took = self._share.ran(start)
-        slot.stats.prefill_s += took
-        self._busy_s += took
+        done = self.core.prefill(slot.prefill, slice_s)
+        self.stats.prefill_chunks = self.core.prefill_chunks
+        slot.stats.prefill_s += time.perf_counter() - start
         if done is None:
             return
         first, feats = done
@@ -769,7 +759,7 @@ class Batcher:
         slot.client, slot.ref = client, next(self._refs)
         slot.stats.hub = client.address
         slot.seq, slot.reopened = -1, False
-        slot.waiting_since, slot.busy_mark = time.perf_counter(), self._busy_s
+        slot.waiting_since, slot.busy_mark = time.perf_counter(), self.core.busy_s
         slot.cohort, slot.ahead, slot.lag = -1, self.decode_ahead, None
         slot.plain_tokens, slot.plain_feats = [], []
         slot.opening = self.link.opening([*req.prompt, *slot.output], len(req.prompt),
@@ -804,11 +794,11 @@ class Batcher:
         the hub is still drafting for the requests verified with these in the last pass,
         so that they stay in one batch: the hub drafts a pass's trees together, but the
         first COMMIT can start a batch of its own."""
-        last = self._pass_no
+        last = self.core.passes
         trip = self.gate.round_trip.get(0.0) if self.gate is not None else 0.0
 
         def due() -> list[float]:  # the hub's turnaround, and the passes run meanwhile
-            return [s.waiting_since + trip + self._busy_s - s.busy_mark
+            return [s.waiting_since + trip + self.core.busy_s - s.busy_mark
                     for s in self._slots.values()
                     if s.waiting_since is not None and s.cohort == last]
 
@@ -822,17 +812,12 @@ class Batcher:
         """Verify every ready request in one forward pass, then emit and answer the hub."""
         trees = [s.tree if s.tree is not None else EMPTY_TREE for s in work]
         batch = [(s.req.rid, t) for s, t in zip(work, trees, strict=True)]
-        cost = self.engine.cost(batch)
-        self.clock.start()
-        verdicts = self.engine.verify(batch)
-        took, alone = self.clock.lap()
-        self._busy_s += took
         n_trees = sum(s.tree is not None for s in work)
+        done = self.core.verify(batch, n_trees)
+        verdicts, took = done.verdicts, done.took
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s: pass of %d rows (%d trees, %d fed): %.1f ms, %.1f alone", self.name,
-                      len(work), n_trees, cost.new_tokens, 1e3 * took, 1e3 * alone)
-        self.cost.observe(cost, alone, took, n_trees)
-        self._pass_no += 1
+                      len(work), n_trees, done.stats.new_tokens, 1e3 * took, 1e3 * done.alone)
         self.stats.passes += 1
         self.stats.rows += len(work)
         self.stats.last_batch = len(work)
@@ -998,8 +983,8 @@ class Batcher:
         return self.gate.floor(self.engine.cached(slot.req.rid), tok_s)
 
     def _commit(self, slot: Slot, commit: Commit) -> None:
-        slot.waiting_since, slot.busy_mark = time.perf_counter(), self._busy_s
-        slot.cohort = self._pass_no
+        slot.waiting_since, slot.busy_mark = time.perf_counter(), self.core.busy_s
+        slot.cohort = self.core.passes
         self._send(slot, commit)
 
     def _emit(self, slot: Slot, tokens: list[int],

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from starhub.cores import CoreClock
 from starhub.wire.tree import DraftTree
-from targets.cost import BatchStats, PassCost
-from targets.engine import VerifyEngine
+from targets.core import EngineCore
 
 ROWS = (1, 2, 4)
 TREE_NODES = (0, 4, 10)
@@ -34,13 +32,12 @@ def throwaway_tree(nodes: int, vocab: int) -> DraftTree:
     return DraftTree(np.array([(31 * i + 7) % vocab for i in range(nodes)], np.int32), parents)
 
 
-def calibrate(engine: VerifyEngine, cost: PassCost, clock: CoreClock,
-              vocab: int) -> dict[tuple[int, int], float]:
-    """Time a pass of each shape (rows, tree nodes) over each group of throwaway sessions,
-    after one untimed pass (a process's first passes run slow), and teach ``cost``
-    them. Returns the seconds alone of the last group's passes by (rows, tree nodes),
-    for the log."""
-    groups, sid = [], 0
+def calibrate(core: EngineCore, vocab: int) -> dict[tuple[int, int], float]:
+    """Run a pass of each shape (rows, tree nodes) over each group of throwaway sessions,
+    after one untimed pass (a process's first passes run slow), and teach the core's cost
+    model them. Returns the seconds alone of the last group's passes by (rows, tree
+    nodes), for the log."""
+    engine, groups, sid = core.engine, [], 0
     for length in LENGTHS:
         group = []
         for _ in range(max(ROWS)):
@@ -51,22 +48,13 @@ def calibrate(engine: VerifyEngine, cost: PassCost, clock: CoreClock,
     plan = [(group, rows, nodes) for group in groups for rows in ROWS for nodes in TREE_NODES]
     timed: dict[tuple[int, int], float] = {}
     try:
-        _timed_pass(engine, clock, vocab, *plan[-1])
-        for group, rows, nodes in plan:
-            stats, timed[rows, nodes] = _timed_pass(engine, clock, vocab, group, rows, nodes)
-            cost.observe(stats, timed[rows, nodes], trees=rows if nodes else 0)
+        for i, (group, rows, nodes) in enumerate([plan[-1], *plan]):
+            batch = [(s, throwaway_tree(nodes, vocab)) for s in group[:rows]]
+            done = core.verify(batch, trees=rows if nodes else 0, learn=i > 0)
+            timed[rows, nodes] = done.alone
     finally:
         for group in groups:
             for s in group:
                 engine.close(s)
-    cost.anchor()
+    core.cost.anchor()
     return timed
-
-
-def _timed_pass(engine: VerifyEngine, clock: CoreClock, vocab: int, group: list[int],
-                rows: int, nodes: int) -> tuple[BatchStats, float]:
-    batch = [(s, throwaway_tree(nodes, vocab)) for s in group[:rows]]
-    cost = engine.cost(batch)
-    clock.start()
-    engine.verify(batch)
-    return cost, clock.lap()[1]

@@ -128,7 +128,8 @@ class Scheduler:
     seed: int = 0
     sessions: dict[int, DrafterState] = field(default_factory=dict)
     cost: PassCost = field(default_factory=PassCost)
-    """What a pass costs: the target side's one model, taught by ``observe_pass``."""
+    """What a pass costs: the target side's one model, taught by the passes the core runs
+    (``targets.core``)."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -147,10 +148,6 @@ class Scheduler:
         self.sessions.pop(sid, None)
         self.sizes.pop(sid, None)
         self._resplit()
-
-    def observe_pass(self, stats: BatchStats, seconds: float) -> None:
-        """One forward pass's size and duration; every row verified a tree."""
-        self.cost.observe(stats, seconds, trees=stats.rows)
 
     @property
     def pass_s(self) -> float:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 
 import torch
 import zmq.asyncio
@@ -60,10 +61,10 @@ from starhub.wire.tree import DraftTree
 from targets.acceptance import Sampling
 from targets.card import feature_dtype, measure_step, on_wire, target_card
 from targets.cohort import waits
+from targets.core import EngineCore
 from targets.cost import PassCost
 from targets.engine import VerifyEngine, measure_budget
 from targets.phase import Phase, PhaseLog
-from targets.prefill import PrefillShare, PrefillTurns
 from targets.schedule import Scheduler, Waiting
 from targets.verifier_state import (
     DrafterPeer,
@@ -94,6 +95,8 @@ class Verifier(Server):
 
     def __init__(self, engine, card: TargetCard, config: VerifierConfig,
                  feature_dtype: torch.dtype = torch.float16):
+        self.core = EngineCore(engine, PassCost(card.step_ms / 1e3))
+        """Runs the passes and prefill slices (on ``model_thread``) and learns their cost."""
         self.engine = engine
         self.card = card
         self.step_s = card.step_ms / 1e3
@@ -107,16 +110,12 @@ class Verifier(Server):
         # of S nodes is S deep
         self.scheduler = Scheduler(config.schedule, config.budget, config.max_batch,
                                    config.nodes, cap=min(config.max_nodes, config.max_depth),
-                                   seed=config.seed, cost=PassCost(self.step_s))
+                                   seed=config.seed, cost=self.core.cost)
         self.observers = Observers()
         self.pending: dict[int, Pending] = {}
         self.prefills: dict[int, Prefill] = {}
         """OPENs whose prompts are being prefilled, a slice between two passes, in the
         order they came."""
-        self.turns = PrefillTurns()
-        """Which OPEN's prompt the next slice goes to (``prefill_step``)."""
-        self.share = PrefillShare()
-        """When a slice runs while other sessions have rows to verify."""
         self.model_thread = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="verifier-engine",
             initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
@@ -170,13 +169,12 @@ class Verifier(Server):
         about a layer of a chunk's pass at a time."""
         while True:
             await self.receive_ready(sock, RECEIVE_BATCH)
-            if self.prefills:
-                slice_s = self.share.next_slice(
-                    bool(self.scheduler.sessions), bool(self.pending),
-                    min(job.chunks.left for job in self.prefills.values()))
-                if slice_s is not None:
-                    await self.prefill_step(slice_s)
-                    await self.receive_ready(sock, RECEIVE_BATCH)
+            turn = self.core.prefill_turn(list(self.prefills),
+                                          lambda tag: self.prefills[tag].chunks.left,
+                                          bool(self.scheduler.sessions), bool(self.pending))
+            if turn is not None:
+                await self.prefill_step(*turn)
+                await self.receive_ready(sock, RECEIVE_BATCH)
             if not self.pending:
                 if not self.prefills:
                     self.arrived.clear()
@@ -286,23 +284,21 @@ class Verifier(Server):
         self.prefills[tag] = Prefill(identity, msg.ref, prompt, chunks, msg.target_tok_s)
         self.phases.note(tag, Phase.PREFILLING)
 
-    async def prefill_step(self, slice_s: float = 0.0) -> None:
-        """A slice of a prompt's prefill (``PrefillTurns`` says whose; ``slice_s``:
-        ``PrefillShare``), its OPENED once the prompt is done."""
-        tag = self.turns.pick(list(self.prefills), lambda t: self.prefills[t].chunks.left)
+    async def prefill_step(self, tag: int, slice_s: float = 0.0) -> None:
+        """A slice of a prompt's prefill (``EngineCore.prefill_turn`` says whose and how
+        long), its OPENED once the prompt is done."""
         job = self.prefills[tag]
-        chunks = job.chunks.chunks
         started = time.perf_counter()
         try:
-            done = await self.on_engine([tag], job.chunks.run, slice_s)
+            done = await self.on_engine([tag], self.core.prefill, job.chunks, slice_s)
         except Exception:
             log.exception("prefilling a %d-token prompt failed", len(job.prompt))
             self.close(tag)
             self.reply(job.identity, Error(ref=job.ref, code=int(ErrorCode.INTERNAL),
                                            message="prefill failed; see the verifier log"))
             return
-        self.stats.prefill_s += self.share.ran(started)
-        self.stats.prefill_chunks += job.chunks.chunks - chunks
+        self.stats.prefill_s += time.perf_counter() - started
+        self.stats.prefill_chunks = self.core.prefill_chunks
         if done is None or tag not in self.prefills:  # not done, or closed meanwhile
             return
         del self.prefills[tag]
@@ -365,10 +361,10 @@ class Verifier(Server):
                                      time.monotonic())
         batch = [self.pending.pop(w.sid) for w in picked]
         work = [(p.waiting.sid, p.tree) for p in batch]
-        cost = self.engine.cost(work)
-        start = time.perf_counter()
         try:
-            verdicts = await self.on_engine([sid for sid, _ in work], self.engine.verify, work)
+            # taught to the cost model here: the scheduler reads it on this thread
+            done = await self.on_engine([sid for sid, _ in work],
+                                        partial(self.core.verify, work, learn=False))
         except Exception:
             log.exception("verification failed; closing the batch's sessions")
             for p in batch:
@@ -379,12 +375,12 @@ class Verifier(Server):
                         message="verification failed; see the verifier log"))
                 self.close(p.waiting.sid)
             return
-        took = time.perf_counter() - start
-        done = time.monotonic()
+        self.core.learn(done)
+        verdicts, cost, took = done.verdicts, done.stats, done.took
         if log.isEnabledFor(logging.DEBUG):
             log.debug("pass of %d rows feeding %s took %.1f ms; %d left waiting", len(batch),
                       [p.waiting.fed for p in batch], 1e3 * took, len(self.pending))
-        self.scheduler.observe_pass(cost, took)
+        done_at = time.monotonic()
         st = self.stats
         st.steps += 1
         st.rows += len(batch)
@@ -397,18 +393,18 @@ class Verifier(Server):
             sid = p.waiting.sid
             session = self.table.sessions[sid]
             accepted = len(verdict.path)
-            self.scheduler.observe(sid, p.tree.depth, accepted, len(verdict.tokens), done,
+            self.scheduler.observe(sid, p.tree.depth, accepted, len(verdict.tokens), done_at,
                                    p.waiting.deadline)
             session.rounds += 1
             session.committed += len(verdict.tokens)
             self.table.grew(sid, len(verdict.tokens), self.held_bytes(len(verdict.tokens)))
-            session.committed_at = done
+            session.committed_at = done_at
             st.rounds += 1
             st.accepted += accepted
             st.committed += len(verdict.tokens)
             if math.isfinite(p.waiting.deadline):
                 st.deadlined += 1
-                st.late += done > p.waiting.deadline
+                st.late += done_at > p.waiting.deadline
         # budgets only once the whole pass is observed: the S_i these rows draft next come
         # from one split, so their next trees fit one pass together
         for p, verdict in rows:

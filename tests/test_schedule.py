@@ -100,10 +100,11 @@ def test_the_pass_cost_recovers_a_tree_pass_and_reports_its_error_on_unseen_pass
     assert cost.plain.samples == 0, "tree passes teach only the tree fit"
 
 
-def test_the_scheduler_learns_from_the_passes_it_is_told_of():
-    sched = Scheduler("slo", budget=40)
-    for _ in range(20):
-        sched.observe_pass(BatchStats(2, 22, 600, 6600), 0.05)
+def test_the_scheduler_reads_the_cost_model_it_shares_with_the_core():
+    cost = PassCost()
+    sched = Scheduler("slo", budget=40, cost=cost)
+    for _ in range(20):  # as ``EngineCore.learn`` teaches it
+        cost.observe(BatchStats(2, 22, 600, 6600), 0.05, trees=2)
     assert sched.pass_s == pytest.approx(0.05)
     assert sched.cost.trees.samples == 20 and sched.snapshot().time_model_ms
 

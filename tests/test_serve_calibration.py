@@ -4,8 +4,8 @@ widths before the first request."""
 
 from __future__ import annotations
 
-from starhub.cores import CoreClock
 from targets.calibration import ROWS, TREE_NODES, calibrate, throwaway_tree
+from targets.core import EngineCore
 from targets.cost import PassCost
 from targets.engine import VerifyEngine
 
@@ -14,7 +14,7 @@ def test_calibration_feeds_both_fits_every_width_and_leaves_no_session(tiny_mode
     model, _ = tiny_model
     engine = VerifyEngine(model)
     cost = PassCost(0.01)
-    timed = calibrate(engine, cost, CoreClock(), model.config.vocab_size)
+    timed = calibrate(EngineCore(engine, cost), model.config.vocab_size)
     assert set(timed) == {(rows, nodes) for rows in ROWS for nodes in TREE_NODES}
     assert all(seconds > 0 for seconds in timed.values())
     assert cost.plain.samples == 2 * len(ROWS)
