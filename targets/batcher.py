@@ -268,7 +268,7 @@ class Batcher:
         self._new: list[Slot] = []
         """Requests whose prompts are prefilled, a slice a turn, oldest first."""
         self._rids = itertools.count(1)
-        self._phases = PhaseLog(log, name, "request")
+        self._phases = PhaseLog(log, name, "request", arrows=2)
         """Each request's phase at the end of the last turn (``_log_phases``)."""
         self._rows_seen = 0
         self.failed = ""

@@ -1,5 +1,5 @@
-"""A session's phases (``targets.phase``): the diagram in docs/architecture.md names exactly
-them, and the changes a real batcher and a real edge verifier log follow its arrows."""
+"""A session's phases (``targets.phase``): the diagram in docs/architecture.md is the code's
+arrows, and the changes a real batcher and a real edge verifier log follow them."""
 
 from __future__ import annotations
 
@@ -10,33 +10,11 @@ from pathlib import Path
 
 import torch
 
-from targets.phase import Phase, PhaseLog
+from targets.phase import ARROWS, NEXT, Phase, PhaseLog, diagram, reachable
 from tests.test_edge import PROMPTS, VerifierThread, _edge, _reference
 from tests.test_serve_gate import eagle3_hub, plain_pair_then_alone
 
 ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
-
-
-def diagram() -> dict[str, set[str]]:
-    """The arrows of the serving request's state diagram: phase -> phases it goes to."""
-    text = ARCHITECTURE.read_text(encoding="utf-8")
-    block = re.search(r"```mermaid\nstateDiagram-v2\n(.*?)```", text, re.S)
-    assert block, "docs/architecture.md has no state diagram"
-    arrows: dict[str, set[str]] = {}
-    for line in block.group(1).splitlines():
-        found = re.match(r"\s*(\S+) --> (\S+?)(:|$)", line)
-        if found:
-            arrows.setdefault(found.group(1), set()).add(found.group(2))
-    return arrows
-
-
-def reachable(arrows: dict[str, set[str]], start: str, most: int = 99) -> set[str]:
-    """The phases ``start`` leads to in at most ``most`` arrows."""
-    seen, frontier = set(), {start}
-    for _ in range(most):
-        frontier = {nxt for p in frontier for nxt in arrows.get(p, ())} - seen
-        seen |= frontier
-    return seen
 
 
 def logged_changes(records, noun: str) -> dict[int, list[tuple[str, str]]]:
@@ -49,12 +27,28 @@ def logged_changes(records, noun: str) -> dict[int, list[tuple[str, str]]]:
     return seen
 
 
-def test_the_state_diagram_names_the_phases():
-    arrows = diagram()
-    named = set(arrows) | {p for targets in arrows.values() for p in targets}
-    assert named - {"[*]"} == {p.name for p in Phase}
-    assert arrows["[*]"] == {Phase.PREFILLING.name}
-    assert all(Phase.DONE.name in reachable(arrows, p.name) for p in Phase)
+def test_the_state_diagram_in_the_docs_is_the_codes_arrows():
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    assert f"```mermaid\n{diagram()}```" in text, "docs/architecture.md: paste diagram()"
+    drawn = re.findall(r"^    (\S+) --> (\S+?)(?::|$)", diagram(), re.M)
+    assert len(drawn) == len(ARROWS) == len(set(drawn)), "each arrow drawn once"
+    named = {p for arrow in drawn for p in arrow} - {"[*]"}
+    assert named == {p.name for p in Phase}
+    assert NEXT[None] == {Phase.PREFILLING}
+    assert all(Phase.DONE in reachable(p, 99) for p in Phase if p is not Phase.DONE)
+    assert not NEXT[Phase.DONE]
+
+
+def test_a_change_no_arrow_makes_is_logged_as_a_bug(caplog):
+    phases = PhaseLog(logging.getLogger("starhub.test"), "t")
+    with caplog.at_level(logging.DEBUG, logger="starhub.test"):
+        for phase in (Phase.PREFILLING, Phase.WAITING, Phase.TREE, Phase.WAITING):
+            phases.note(1, phase)
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        phases.note(1, Phase.PREFILLING)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == ["t: session 1 went from WAITING to PREFILLING, which the state "
+                      "diagram has no path for in 1 arrows (targets.phase.ARROWS)"]
 
 
 def test_a_requests_logged_phases_follow_the_diagram(tiny_model, tiny_dir, caplog):
@@ -69,11 +63,12 @@ def test_a_requests_logged_phases_follow_the_diagram(tiny_model, tiny_dir, caplo
     assert stats.rounds > 0, "the long request verified hub trees"
     ref = model.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=40, do_sample=False)
     assert got == ref[0, 5:].tolist()
-    arrows = diagram()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     seen: dict[int, list[str]] = {}
     for rid, changes in logged_changes(caplog.records, "request").items():
         for before, after in changes:
-            assert before == "NEW" or after in reachable(arrows, before, 2), (before, after)
+            assert before == "NEW" or Phase[after] in reachable(Phase[before], 2), \
+                (before, after)
             seen.setdefault(rid, []).append(after)
     long_phases = seen[1]
     assert long_phases[0] == "PREFILLING" and long_phases[-1] == "DONE"
@@ -103,7 +98,7 @@ def test_an_edge_verifiers_sessions_follow_the_diagram_through_its_four_phases(t
                 time.sleep(0.05)
     finally:
         verifier.stop()
-    arrows = diagram()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     sessions = logged_changes(caplog.records, "session")
     assert len(sessions) == 2
     for changes in sessions.values():
@@ -111,7 +106,8 @@ def test_an_edge_verifiers_sessions_follow_the_diagram_through_its_four_phases(t
         assert changes[0] == ("NEW", "PREFILLING") and phases[1] == "WAITING", changes
         assert phases[-1] == "DONE" and phases.count("TREE") >= 2, changes
         assert set(phases) == {"PREFILLING", "WAITING", "TREE", "DONE"}, changes
-        assert all(after in arrows[before] for before, after in changes[1:]), changes
+        assert all(Phase[after] in NEXT[Phase[before]] for before, after in changes[1:]), \
+            changes
 
 
 def test_a_phase_log_forgets_a_session_once_it_is_done(caplog):
