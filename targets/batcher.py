@@ -3,7 +3,8 @@ target`` and ``attach()`` through ``targets.generate``, ``starhub serve`` throug
 ``targets.serve.app``). Every request in flight is a session of one ``VerifyEngine`` and,
 while a hub serves this process, a session of its own at the hub.
 
-One engine thread owns the model, the engine and the hub connection. Each turn of its loop:
+One engine thread owns the model (through an ``EngineCore``, ``targets.core``, which runs
+its passes and prefill slices) and the hub connection. Each turn of its loop:
 
 1. takes in new requests and drops cancelled ones (their hub session is CLOSEd at once);
 2. runs a slice of a new prompt's prefill (``targets.prefill``: the shortest and the

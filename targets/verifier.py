@@ -11,8 +11,9 @@ the first token and the prompt's features: what a star target sends its hub. Eac
 answered by a COMMIT with the accepted tokens, the bonus token, their features and the
 next draft budget ``S_i``. CLOSE ends a session; silence past ``ttl_s`` does too.
 
-The event loop (``starhub.server.loop``, the hub's too) only does I/O; the model runs on
-one engine thread of its own. Each pass starts with every message that has arrived and
+The event loop (``starhub.server.loop``, the hub's too) only does I/O and scheduling; the
+target's ``EngineCore`` (``targets.core``, the star's core's too) runs every pass and prefill
+slice on one engine thread. Each pass starts with every message that has arrived and
 verifies what the scheduler picks: it never waits for a slow drafter, drafters draft while
 others verify, and messages are read, timed and answered while a pass runs. Sessions live
 in the servers' shared table (``starhub.server.sessions``).
