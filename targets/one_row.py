@@ -16,7 +16,10 @@ rounding in another order).
 
 The products stay on the kernels the loader chose: a layer that runs single rows on numpy's
 BLAS (``--linear auto``'s choice where it is fastest) is multiplied here directly, any other
-product is the layer's own, called through PyTorch on a view of the rows. Rows of more than
+product is the layer's own, called through PyTorch on a view of the rows. PyTorch's threads
+spin between its ops, so a row whose products go through it (a tree's, of several tokens)
+keeps numpy's own products (attention) to one BLAS thread (``blas_alone``); a plain step
+runs no PyTorch op and keeps the whole BLAS pool. Rows of more than
 ``MAX_TOKENS`` run through the layers: there attention is most of the rest, and PyTorch's
 is the faster over many tokens. A ``OneRowPass`` holds the model's modules and numpy views
 of its weights as they were when it was made (the loaded model's, which nothing changes
@@ -25,12 +28,13 @@ afterwards).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from starhub.models.loading import OneDNNLinear
+from starhub.models.loading import OneDNNLinear, blas_alone
 from targets.kv import SessionKV
 
 Product = Callable[[np.ndarray], np.ndarray]
@@ -148,7 +152,10 @@ class OneRowPass:
             additive = np.where(mask, np.float32(0), np.float32(-np.inf))
         x = self.embed[ids]
         hidden = {0: x} if 0 in features else {}
-        with np.errstate(over="ignore"):  # the SiLU's exp(-gate) may overflow: silu -> -0
+        # more than one token: the products run through PyTorch, whose threads spin
+        # between them, so numpy's own products (attention) keep to one BLAS thread
+        alone = blas_alone() if n > 1 else contextlib.nullcontext()
+        with alone, np.errstate(over="ignore"):  # the SiLU's exp(-gate) may overflow
             for li, layer in enumerate(self.layers):
                 x = self._layer(layer, x, kv.keys[li].numpy(), kv.values[li].numpy(),
                                 kv.length, cos, sin, additive)

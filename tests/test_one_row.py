@@ -180,3 +180,32 @@ def test_a_blas_product_inside_a_pytorch_pass_runs_on_one_blas_thread_and_gives_
             assert set(blas_threads()) == {1}
     finally:
         set_threads(before)
+
+
+def test_a_numpy_pass_of_several_tokens_keeps_numpys_products_to_one_blas_thread(tiny_model):
+    """A tree's products run through PyTorch, whose threads spin between ops: the row's
+    attention on numpy's BLAS pool fought them (a 10-node tree over 600 cached tokens took
+    450-580 ms on the embedded model instead of 45-55). A plain step runs no PyTorch product
+    and keeps the whole pool."""
+    model, _ = tiny_model
+    target = TargetModel(model)
+    target.prefill(PROMPT)
+    layer = target.runner.one_row.layers[0]
+    seen: list[set[int]] = []
+    attention_out = layer.o
+
+    def o(x):  # the first product after the row's attention
+        seen.append({lib.num_threads for lib in
+                     ThreadpoolController().select(user_api="blas").lib_controllers})
+        return attention_out(x)
+
+    before = torch.get_num_threads()
+    layer.o = o
+    try:
+        set_threads(2)
+        target.verify(TREE)
+        target.step()
+    finally:
+        layer.o = attention_out
+        set_threads(before)
+    assert seen == [{1}, {2}], "a tree's row on one BLAS thread, a plain step on the pool"

@@ -411,7 +411,7 @@ def blas_alone():
     """Inside a PyTorch pass, run a BLAS product on one thread. Between two PyTorch ops
     torch's own threads spin, waiting for the next; a BLAS pool of as many threads then
     fights them for the cores: ``generate()`` through these layers on 2 threads ran 3.7
-    tokens/s against 22 on one (AMD EPYC, 2026-12-06). The numpy pass of one row
+    tokens/s against 22 on one (AMD EPYC, 2026-12-06). The numpy pass of a plain step
     (``targets.one_row``) runs no PyTorch op between its products and keeps the pool."""
     if torch.get_num_threads() == 1:
         yield
