@@ -604,11 +604,12 @@ class Batcher:
         self._ask_totals(client)
         self._read_hub(client, 0)
         self._overdue()
-        turn = self.core.prefill_turn(self._new, _left,
-                                      any(s.decoding for s in self._slots.values()),
-                                      any(s.ready for s in self._slots.values()))
-        if turn is not None:
-            self._prefill_one(client, *turn)
+        if self._new:
+            slice_s = self.core.prefill_slice(any(s.decoding for s in self._slots.values()),
+                                              any(s.ready for s in self._slots.values()),
+                                              min(map(_left, self._new)))
+            if slice_s is not None:
+                self._prefill_one(client, slice_s)
         if client is not None:
             self._take_up_trees(client)
         work = [s for s in self._slots.values() if s.ready]
@@ -654,10 +655,11 @@ class Batcher:
             if slot is not None:
                 self._release(slot)
 
-    def _prefill_one(self, client: HubClient | None, slot: Slot, slice_s: float) -> None:
-        """A slice of a new prompt's prefill (``EngineCore.prefill_turn`` says whose and how
-        long); when it ends the prompt, the request starts decoding and OPENs its hub
-        session."""
+    def _prefill_one(self, client: HubClient | None, slice_s: float) -> None:
+        """A slice of a new prompt's prefill (``EngineCore.prefill_turn`` says whose;
+        ``slice_s``: ``prefill_slice``); when it ends the prompt, the request starts
+        decoding and OPENs its hub session."""
+        slot = self.core.prefill_turn(self._new, _left)
         req = slot.req
         start = time.perf_counter()
         if client is not None and client.sock.closed:  # dropped earlier in this turn

@@ -5,8 +5,9 @@ the ``Batcher`` for the star's requests (``starhub target``, ``attach()``, ``sta
 serve``), the edge ``Verifier`` for its drafters' sessions. The core runs it, on the front
 end's engine thread:
 
-- a prompt's prefill, a slice at a time between passes (``prefill``), its turn and its
-  share of the time chosen by one rule (``prefill_turn``, ``targets.prefill``);
+- a prompt's prefill, a slice at a time between passes (``prefill``), its share of the
+  time and its turn chosen by one rule (``prefill_slice``, ``prefill_turn``,
+  ``targets.prefill``);
 - one batched pass over the rows the front end picked (``verify``, ``targets.engine``),
   timed by the target's clock (``starhub.cores.CoreClock``) and taught to its one cost
   model (``targets.cost.PassCost``), which the front end's scheduling and the COMMITs read.
@@ -62,18 +63,17 @@ class EngineCore:
         self.prefill_chunks = 0
 
     # -- prefill ----------------------------------------------------------------------
-    def prefill_turn(self, waiting: Sequence[K], left: Callable[[K], int], others: bool,
-                     ready: bool) -> tuple[K, float] | None:
+    def prefill_slice(self, others: bool, ready: bool, shortest: int) -> float | None:
+        """How long a slice of a prefill runs now, None for not now
+        (``PrefillShare.next_slice``: ``others``, whether other sessions decode; ``ready``,
+        whether one has a pass to run now; ``shortest``, the fewest tokens a waiting prompt
+        has left)."""
+        return self.share.next_slice(others, ready, shortest)
+
+    def prefill_turn(self, waiting: Sequence[K], left: Callable[[K], int]) -> K:
         """Whose prompt of ``waiting`` (oldest first; ``left``: its tokens still to prefill)
-        gets a slice now, and how long it runs (``PrefillShare.next_slice``: ``others``,
-        whether other sessions decode; ``ready``, whether one has a pass to run now);
-        None: none now."""
-        if not waiting:
-            return None
-        slice_s = self.share.next_slice(others, ready, min(map(left, waiting)))
-        if slice_s is None:
-            return None
-        return self.turns.pick(waiting, left), slice_s
+        the slice goes to (``PrefillTurns``)."""
+        return self.turns.pick(waiting, left)
 
     def prefill(self, job: ChunkedPrefill[Prefilled], slice_s: float) -> Prefilled | None:
         """Run a slice of ``job`` (``ChunkedPrefill.run``); its result once the prompt is

@@ -47,9 +47,9 @@ def test_prefill_turns_go_to_the_shortest_and_the_oldest_in_turn_and_count_chunk
     jobs = {sid: core.engine.open_chunks(sid, PROMPT[:n], 16) for sid, n in
             ((1, 40), (2, 20))}
     left = {1: 40, 2: 20}.__getitem__
-    assert core.prefill_turn([], left, False, False) is None
-    assert core.prefill_turn([1, 2], left, False, False) == (1, SLICE_S), "the oldest first"
-    assert core.prefill_turn([1, 2], left, False, False) == (2, SLICE_S), "then the shortest"
+    assert core.prefill_slice(False, False, 20) == SLICE_S, "nothing else decodes"
+    assert core.prefill_turn([1, 2], left) == 1, "the oldest first"
+    assert core.prefill_turn([1, 2], left) == 2, "then the shortest"
     while (done := core.prefill(jobs[2], SLICE_S)) is None:
         pass
     first, _ = done
