@@ -199,7 +199,6 @@ class BatcherStats:
     passes: int = 0
     rows: int = 0
     """Requests verified, summed over passes: ``rows / passes`` is the mean verify batch."""
-    prefill_chunks: int = 0
     rounds: int = 0
     """Rounds that verified a hub tree."""
     committed: int = 0
@@ -673,7 +672,6 @@ class Batcher:
             if client is None and self.link is not None:
                 slot.stats.note = self.link.note  # why it decodes with no hub
         done = self.core.prefill(slot.prefill, slice_s)
-        self.stats.prefill_chunks = self.core.prefill_chunks
         slot.stats.prefill_s += time.perf_counter() - start
         if done is None:
             return

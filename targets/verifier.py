@@ -96,11 +96,11 @@ class Verifier(Server):
 
     def __init__(self, engine, card: TargetCard, config: VerifierConfig,
                  feature_dtype: torch.dtype = torch.float16):
-        self.core = EngineCore(engine, PassCost(card.step_ms / 1e3))
-        """Runs the passes and prefill slices (on ``model_thread``) and learns their cost."""
         self.engine = engine
         self.card = card
         self.step_s = card.step_ms / 1e3
+        self.core = EngineCore(engine, PassCost(self.step_s))
+        """Runs the passes and prefill slices (on ``model_thread``) and learns their cost."""
         self.feature_dtype = feature_dtype
         self.config = config
         self.stats = VerifierStats()
@@ -302,7 +302,6 @@ class Verifier(Server):
                                            message="prefill failed; see the verifier log"))
             return
         self.stats.prefill_s += time.perf_counter() - started
-        self.stats.prefill_chunks = self.core.prefill_chunks
         if done is None or tag not in self.prefills:  # not done, or closed meanwhile
             return
         del self.prefills[tag]

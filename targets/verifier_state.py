@@ -104,7 +104,6 @@ class VerifierStats:
     """Time spent waiting for proposals about to arrive, so that they share a pass."""
     prefill_s: float = 0.0
     """Time spent prefilling the prompts of new sessions."""
-    prefill_chunks: int = 0
     rounds: int = 0
     committed: int = 0
     accepted: int = 0

@@ -157,7 +157,7 @@ def test_a_long_prompt_is_prefilled_between_the_passes_of_other_sessions(tiny_mo
         late = decode(hurried.recv_multipart())
         assert isinstance(late, Opened), late
         assert int(late.tokens[-1]) == reference(model, long_prompt, 1)[0]
-        assert server.verifier.stats.prefill_chunks >= len(long_prompt) // 32
+        assert server.verifier.core.prefill_chunks >= len(long_prompt) // 32
     finally:
         server.stop()
 

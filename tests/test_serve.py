@@ -487,7 +487,7 @@ def test_a_short_prompt_is_not_prefilled_behind_a_whole_long_one(tiny_model):
     finally:
         batcher.stop()
     assert heard[0][0] == "short", "the short prompt's first token came first"
-    assert batcher.stats.prefill_chunks == 11
+    assert batcher.core.prefill_chunks == 11
     for name, ids in (("long", long), ("short", short)):
         got = [t for who, e in heard if who == name for t in e.tokens]
         assert got == reference(model, ids, 6)
