@@ -14,12 +14,13 @@ session's own cache buffers, its tokens attending under the row's positions and 
 ``targets.forward`` has them (logits within about 1e-5 of the layered pass: float32
 rounding in another order).
 
-The products stay on the kernels the loader chose: a layer that runs single rows on numpy's
-BLAS (``--linear auto``'s choice where it is fastest) is multiplied here directly, any other
-product is the layer's own, called through PyTorch on a view of the rows. PyTorch's threads
-spin between its ops, so a row whose products go through it (a tree's, of several tokens)
-keeps numpy's own products (attention) to one BLAS thread (``blas_alone``); a plain step
-runs no PyTorch op and keeps the whole BLAS pool. Rows of more than
+The products stay on the kernels the loader chose: a layer that runs a few rows on numpy's
+BLAS (``--linear auto``'s choice where it is fastest: ``OneDNNLinear.on_blas``) is
+multiplied here directly, any other product is the layer's own, called through PyTorch on a
+view of the rows. PyTorch's threads spin between its ops, so a row of several tokens (a
+tree's, whose products may go through it) keeps numpy's products to one BLAS thread
+(``blas_alone``, as the loader timed them); a plain step runs no PyTorch op and keeps the
+whole BLAS pool. Rows of more than
 ``MAX_TOKENS`` run through the layers: there attention is most of the rest, and PyTorch's
 is the faster over many tokens. A ``OneRowPass`` holds the model's modules and numpy views
 of its weights as they were when it was made (the loaded model's, which nothing changes
@@ -50,14 +51,12 @@ def _product(linear: torch.nn.Module) -> Product:
     """``linear`` as a function of ``[n, in]`` numpy rows: a single row on numpy's BLAS
     where the layer runs single rows there (asked at each call: the choice can change after
     load), anything else through the layer itself."""
-    bias = None if linear.bias is None else linear.bias.detach().numpy()
     prepacked = isinstance(linear, OneDNNLinear)
 
     def product(x: np.ndarray) -> np.ndarray:
-        rows = linear.blas_rows if prepacked else None
-        if rows is None or x.shape[0] != 1:
-            return linear(torch.from_numpy(x)[None]).numpy()[0]
-        return x @ rows if bias is None else x @ rows + bias
+        if prepacked and linear.on_blas(x.shape[0]):
+            return linear.blas(x)
+        return linear(torch.from_numpy(x)[None]).numpy()[0]
     return product
 
 
@@ -152,8 +151,8 @@ class OneRowPass:
             additive = np.where(mask, np.float32(0), np.float32(-np.inf))
         x = self.embed[ids]
         hidden = {0: x} if 0 in features else {}
-        # more than one token: the products run through PyTorch, whose threads spin
-        # between them, so numpy's own products (attention) keep to one BLAS thread
+        # more than one token: products may run through PyTorch, whose threads spin
+        # between them, so numpy's own products keep to one BLAS thread
         alone = blas_alone() if n > 1 else contextlib.nullcontext()
         with alone, np.errstate(over="ignore"):  # the SiLU's exp(-gate) may overflow
             for li, layer in enumerate(self.layers):

@@ -406,3 +406,43 @@ def test_two_row_products_run_as_three_only_where_timed_faster_and_give_the_same
         torch.testing.assert_close(layer(three)[:2], layer(three[:2]))
     assert padded.shape == plain.shape == (1, 2, layer.out_features)
     torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_products_of_a_few_rows_on_the_blas_give_the_prepacked_products_padded_or_not(
+        tiny_dir):
+    """Where single rows run on the BLAS, ``rows_on_blas`` leaves every layer taking the same
+    number of rows there, and the model's logits stay the plain model's; a layer's products
+    of any count up to it (padded to a larger count or not, its weight in blocks or in one)
+    are the plain layer's, bias included."""
+    import torch
+
+    from starhub.models.loading import (
+        BLAS_ROW,
+        FEW_ROWS,
+        OneDNNLinear,
+        linear_in_use,
+        onednn_linears,
+        prepack_linears,
+        rows_on_blas,
+    )
+
+    plain, packed = _plain_twice(tiny_dir)
+    prepack_linears(packed, BLAS_ROW)
+    most = rows_on_blas(packed, rounds=1)
+    assert 1 <= most <= FEW_ROWS and {m.blas_max for m in onednn_linears(packed)} == {most}
+    assert linear_in_use(packed) == ("onednn (blas for one row)" if most == 1
+                                     else f"onednn (blas for up to {most} rows)")
+    ids = torch.randint(3, 40000, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+    for out in (64, 40):  # two blocks of columns; one
+        linear = torch.nn.Linear(48, out)
+        layer = OneDNNLinear(linear, BLAS_ROW)
+        layer.blas_max, layer.blas_pad = 8, {3: 6, 5: 8}
+        x = torch.randn(8, 48)
+        with torch.inference_mode():
+            for rows in range(1, 9):
+                assert layer.on_blas(rows)
+                torch.testing.assert_close(layer(x[:rows]), linear(x[:rows]), rtol=1e-5,
+                                           atol=1e-5)
+        assert not layer.on_blas(9)

@@ -45,10 +45,14 @@ def _rows(kv, token: int) -> list[Row]:
             Row(kv, [token, 42], logits=NONE)]
 
 
+BLAS_ROWS = "blas rows"
+"""``BLAS_ROW`` taking products of every row count a pass here has (two of them padded)."""
+
+
 def _prepared(path, kernel: str | None):
     """The model at ``path`` with norm weights and biases moved off their initial 1s and 0s
     (so that a norm or bias left out or misplaced shows), fused and prepacked with single
-    rows on ``kernel``."""
+    rows on ``kernel`` (``BLAS_ROWS``: a tree's and a chunk's rows as well)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -58,8 +62,13 @@ def _prepared(path, kernel: str | None):
             elif name.endswith("bias"):
                 param.copy_(0.3 * torch.randn(param.shape, generator=generator))
     fuse_projections(model)
-    prepack_linears(model, kernel)
-    assert {linear.one_row_kernel for linear in onednn_linears(model)} == {kernel}
+    prepack_linears(model, BLAS_ROW if kernel == BLAS_ROWS else kernel)
+    linears = onednn_linears(model)
+    assert {linear.one_row_kernel for linear in linears} == \
+        {BLAS_ROW if kernel == BLAS_ROWS else kernel}
+    if kernel == BLAS_ROWS:
+        for linear in linears:
+            linear.blas_max, linear.blas_pad = MAX_TOKENS, {2: 3, 7: 8}
     return model
 
 
@@ -95,13 +104,13 @@ def _both_ways(model) -> None:
                                        theirs[layer][:, :slow.length], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kernel", [BLAS_ROW, TORCH_ROW, None])
+@pytest.mark.parametrize("kernel", [BLAS_ROW, BLAS_ROWS, TORCH_ROW, None])
 def test_a_numpy_pass_gives_the_layered_passs_logits_features_and_cache_on_every_kernel(
         tiny_dir, kernel):
     _both_ways(_prepared(tiny_dir, kernel))
 
 
-@pytest.mark.parametrize("kernel", [BLAS_ROW, None])
+@pytest.mark.parametrize("kernel", [BLAS_ROW, BLAS_ROWS, None])
 @pytest.mark.parametrize("config", [
     Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2),  # biased q/k/v

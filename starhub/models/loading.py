@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from threadpoolctl import ThreadpoolController, threadpool_limits
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -279,6 +280,7 @@ def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device:
         prepack_linears(model, TORCH_ROW if linear == "auto" else None)
         if linear == "auto":
             fastest_one_row(model)
+            rows_on_blas(model)
         two_rows_as_three(model)
         release_weights_file(model)
     if compile:
@@ -331,8 +333,23 @@ def release_weights_file(model: torch.nn.Module) -> None:
 TORCH_ROW, BLAS_ROW = "torch", "blas"
 """The kernels a single row's product may run on beside the prepacked one: PyTorch's own
 (``torch.nn.functional.linear`` over the plain ``[out, in]`` weight), or the BLAS that
-numpy is built with (OpenBLAS in numpy's wheels), as ``x @ W.T`` over a transposed
-``[in, out]`` copy, which its matrix-vector kernel streams as one pass down the rows."""
+numpy is built with (OpenBLAS in numpy's wheels) over the weight's columns in blocks
+(``blas_blocks``), which can take a few rows as well (``rows_on_blas``)."""
+
+BLOCK = 32
+"""Output columns in one block of a weight laid out for the BLAS (``blas_blocks``)."""
+
+
+def blas_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """A ``[out, in]`` weight as ``[out / BLOCK, in, BLOCK]``: its transpose cut into blocks
+    of columns (one block where ``out`` is no multiple of ``BLOCK``). ``rows @ blocks`` is
+    then one small product a block, each streaming its block once from memory: near the
+    memory's speed for one row and for a few. Over the whole ``[in, out]`` transpose at
+    once, OpenBLAS packs the weight first for any product of more than one row, and two
+    rows took three times as long as one (figures in docs/benchmarks.md)."""
+    out, inp = weight.shape
+    size = BLOCK if out % BLOCK == 0 else out
+    return weight.t().reshape(inp, out // size, size).transpose(0, 1).contiguous()
 
 
 class OneDNNLinear(torch.nn.Module):
@@ -345,7 +362,8 @@ class OneDNNLinear(torch.nn.Module):
     ``one_row`` keeps a plain copy of the weight as well, for products of a single row (a
     plain decoding step), where on some CPUs another kernel streams the weights faster than
     the prepacked one (``one_row_kernel``: ``TORCH_ROW`` or ``BLAS_ROW``; chosen at load by
-    ``fastest_one_row``)."""
+    ``fastest_one_row``). On ``BLAS_ROW`` products of up to ``blas_max`` rows run there
+    (``rows_on_blas``)."""
 
     PACK_ROWS = 16
     """The row count oneDNN picks the weight layout for; any count runs, and 8-32 run
@@ -359,7 +377,13 @@ class OneDNNLinear(torch.nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.one_row: torch.Tensor | None = None
         self.one_row_kernel: str | None = None
-        self._rows = None
+        self.blocks: np.ndarray | None = None
+        """The weight in ``blas_blocks`` as numpy holds it, on ``BLAS_ROW``."""
+        self.blas_max = 1
+        """The most rows a product runs on ``BLAS_ROW`` (where that is the one-row kernel)."""
+        self.blas_pad: dict[int, int] = {}
+        """Row counts that run on the BLAS as a larger one, which its kernels take faster
+        (``rows_on_blas``): the extra rows are zeros, their products dropped."""
         self.pad_two_rows = False
         """Run a product of two rows as one of three (the third a copy of the first,
         dropped after): where oneDNN's kernel for two rows is slower than for three
@@ -368,36 +392,48 @@ class OneDNNLinear(torch.nn.Module):
 
     def keep_one_row(self, kernel: str | None, weight: torch.Tensor | None = None) -> None:
         """Run single rows on ``kernel`` with a copy of ``weight`` (the plain ``[out, in]``
-        weight), or on the prepacked weight (None, dropping any plain copy)."""
+        weight, or for ``BLAS_ROW`` one already in ``blas_blocks``), or on the prepacked
+        weight (None, dropping any plain copy)."""
+        self.blocks, self._bias, self.blas_max, self.blas_pad = None, None, 1, {}
         if kernel is None:
-            self.one_row = self._rows = self.one_row_kernel = None
+            self.one_row = self.one_row_kernel = None
         elif weight is None:
             raise ValueError("a one-row kernel needs the layer's plain weight")
         elif kernel == TORCH_ROW:
-            self.one_row, self._rows, self.one_row_kernel = weight, None, kernel
+            self.one_row, self.one_row_kernel = weight, kernel
         elif kernel == BLAS_ROW:
-            self.one_row = weight.t().contiguous()
-            self._rows, self.one_row_kernel = self.one_row.numpy(), kernel
+            self.one_row = weight if weight.dim() == 3 else blas_blocks(weight)
+            self.blocks, self.one_row_kernel = self.one_row.numpy(), kernel
+            self._bias = None if self.bias is None else self.bias.numpy()
         else:
             raise ValueError(f"unknown one-row kernel '{kernel}'")
 
-    @property
-    def blas_rows(self):
-        """The ``[in, out]`` numpy array single rows are multiplied by (``BLAS_ROW``), or
-        None: a caller holding a numpy row can run the product without PyTorch."""
-        return self._rows
+    def on_blas(self, rows: int) -> bool:
+        """Whether a product of ``rows`` rows runs on numpy's BLAS (``blas``)."""
+        return self.blocks is not None and rows <= self.blas_max
+
+    def blas(self, x: np.ndarray) -> np.ndarray:
+        """The product of ``[rows, in]`` numpy rows on numpy's BLAS (where ``on_blas``): a
+        caller holding numpy rows runs it without PyTorch."""
+        rows = x.shape[0]
+        runs_as = self.blas_pad.get(rows, rows)
+        if runs_as != rows:
+            x = np.concatenate([x, np.zeros((runs_as - rows, x.shape[1]), x.dtype)])
+        y = np.matmul(x, self.blocks)[:, :rows]  # [blocks, rows, BLOCK]
+        y = y.transpose(1, 0, 2).reshape(rows, self.out_features)
+        return y if self._bias is None else y + self._bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.one_row is not None and x.numel() == self.in_features:
-            if self._rows is not None:  # BLAS_ROW: numpy's matrix-vector product
-                with blas_alone():
-                    y = torch.from_numpy(x.detach().reshape(1, -1).numpy() @ self._rows)
-                y = y.view(*x.shape[:-1], self.out_features)
-                return y if self.bias is None else y + self.bias
+        rows = x.numel() // self.in_features
+        if self.on_blas(rows):
+            with blas_alone():
+                y = torch.from_numpy(self.blas(x.detach().reshape(rows, -1).numpy()))
+            return y.view(*x.shape[:-1], self.out_features)
+        if self.one_row is not None and rows == 1:  # TORCH_ROW
             return torch.nn.functional.linear(x, self.one_row, self.bias)
         if self.pad_two_rows and x.numel() == 2 * self.in_features:
-            rows = x.reshape(2, self.in_features)
-            y = torch.ops.mkldnn._linear_pointwise(torch.cat([rows, rows[:1]]), self.packed,
+            pair = x.reshape(2, self.in_features)
+            y = torch.ops.mkldnn._linear_pointwise(torch.cat([pair, pair[:1]]), self.packed,
                                                    self.bias, "none", [], "")
             return y[:2].view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -500,11 +536,11 @@ def fastest_one_row(model: torch.nn.Module, rounds: int = 3) -> str | None:
     inputs = {n: torch.ones(1, n, dtype=dtype) for n in {m.in_features for m in linears}}
     kernels = [None, TORCH_ROW] + ([BLAS_ROW] if dtype == torch.float32 else [])
 
-    # each kernel's weights made once: the BLAS one's as views of a transposed copy, which
-    # keep_one_row takes as they are
+    # each kernel's weights made once (the BLAS one's in blocks, which keep_one_row takes
+    # as they are)
     given = {None: weights, TORCH_ROW: weights}
     if BLAS_ROW in kernels:
-        given[BLAS_ROW] = [w.t().contiguous().t() for w in weights]
+        given[BLAS_ROW] = [blas_blocks(w) for w in weights]
 
     rows = {n: x.numpy() for n, x in inputs.items()} if BLAS_ROW in kernels else {}
 
@@ -513,7 +549,7 @@ def fastest_one_row(model: torch.nn.Module, rounds: int = 3) -> str | None:
             m.keep_one_row(kernel, weight)
         if kernel == BLAS_ROW:  # as the numpy pass of one row runs it (targets.one_row): no
             # PyTorch op between two products, so on the whole BLAS pool (``blas_alone``)
-            return lambda: [rows[m.in_features] @ m.blas_rows for m in linears]
+            return lambda: [m.blas(rows[m.in_features]) for m in linears]
         return lambda: [m(inputs[m.in_features]) for m in linears]
 
     best = _best_seconds(kernels, run, rounds)
@@ -526,6 +562,58 @@ def fastest_one_row(model: torch.nn.Module, rounds: int = 3) -> str | None:
               ", ".join(f"{k or 'prepacked'} {1e3 * s:.1f} ms" for k, s in best.items()),
               fastest or "the prepacked weights")
     return fastest
+
+
+FEW_ROWS = 16
+"""The most rows ``rows_on_blas`` times on the BLAS."""
+
+
+@torch.inference_mode()
+def rows_on_blas(model: torch.nn.Module, rounds: int = 2) -> int:
+    """Where single rows run on ``BLAS_ROW``, the most rows (up to ``FEW_ROWS``) whose
+    products run faster there than on the prepacked weights, at every count up to it (1:
+    none); the layers are left taking that many (``OneDNNLinear.blas_max``). The BLAS's
+    kernels take rows in fixed groups (six on an AMD EPYC with AVX-512: four or five rows
+    took longer than six), so a count runs as the larger one that was at least 5% faster
+    where there is one (``blas_pad``). Every count timed each way as ``fastest_one_row``
+    times one row, on one BLAS thread as a product runs inside a PyTorch pass: about 2 s
+    on the embedded model. There, the products took 24 ms on the BLAS against 50
+    prepacked for two rows, 39 against 47 for eleven."""
+    linears = [m for m in onednn_linears(model) if m.one_row_kernel == BLAS_ROW]
+    if not linears:
+        return 1
+    counts = range(2, FEW_ROWS + 1)
+    inputs = {r: {n: np.ones((r, n), np.float32) for n in {m.in_features for m in linears}}
+              for r in counts}
+
+    def run(choice: tuple[str, int]) -> Callable[[], None]:
+        kernel, r = choice
+        if kernel == BLAS_ROW:
+            return lambda: [np.matmul(inputs[r][m.in_features], m.blocks) for m in linears]
+        x = {n: torch.from_numpy(a) for n, a in inputs[r].items()}
+        return lambda: [torch.ops.mkldnn._linear_pointwise(
+            x[m.in_features], m.packed, m.bias, "none", [], "") for m in linears]
+
+    with blas_alone():
+        times = _best_seconds([(k, r) for r in counts for k in (BLAS_ROW, "prepacked")], run,
+                              rounds)
+    pad: dict[int, int] = {}
+    for r in counts:
+        fastest = min((c for c in counts if c >= r), key=lambda c: times[BLAS_ROW, c])
+        runs_as = fastest if times[BLAS_ROW, fastest] < KERNEL_GAIN * times[BLAS_ROW, r] \
+            else r
+        if times[BLAS_ROW, runs_as] >= times["prepacked", r]:
+            break
+        pad[r] = runs_as
+    most = max(pad, default=1)
+    for m in linears:
+        m.blas_max, m.blas_pad = most, {r: c for r, c in pad.items() if c != r}
+    log.debug("linear products of 2..%d rows, ms on the BLAS: %s; prepacked: %s; up to %d "
+              "rows on the BLAS%s", FEW_ROWS,
+              " ".join(f"{1e3 * times[BLAS_ROW, r]:.1f}" for r in counts),
+              " ".join(f"{1e3 * times['prepacked', r]:.1f}" for r in counts), most,
+              "".join(f", {r} as {c}" for r, c in pad.items() if c != r))
+    return most
 
 
 @torch.inference_mode()
@@ -560,8 +648,10 @@ def linear_in_use(model: torch.nn.Module) -> str:
     linears = onednn_linears(model)
     if not linears:
         return "torch"
-    kernel = linears[0].one_row_kernel
-    return f"onednn ({kernel} for one row)" if kernel else "onednn"
+    kernel, rows = linears[0].one_row_kernel, linears[0].blas_max
+    if not kernel:
+        return "onednn"
+    return f"onednn ({kernel} for {'one row' if rows == 1 else f'up to {rows} rows'})"
 
 
 def truncate_layers(model: PreTrainedModel, layers: int) -> None:
