@@ -416,28 +416,21 @@ def test_products_of_a_few_rows_on_the_blas_give_the_prepacked_products_padded_o
     are the plain layer's, bias included."""
     import torch
 
-    from starhub.models.loading import (
-        BLAS_ROW,
-        FEW_ROWS,
-        OneDNNLinear,
-        linear_in_use,
-        onednn_linears,
-        prepack_linears,
-        rows_on_blas,
-    )
+    from starhub.models import loading
 
     plain, packed = _plain_twice(tiny_dir)
-    prepack_linears(packed, BLAS_ROW)
-    most = rows_on_blas(packed, rounds=1)
-    assert 1 <= most <= FEW_ROWS and {m.blas_max for m in onednn_linears(packed)} == {most}
-    assert linear_in_use(packed) == ("onednn (blas for one row)" if most == 1
-                                     else f"onednn (blas for up to {most} rows)")
+    loading.prepack_linears(packed, loading.BLAS_ROW)
+    most = loading.rows_on_blas(packed, rounds=1)
+    assert 1 <= most <= loading.FEW_ROWS
+    assert {m.blas_max for m in loading.onednn_linears(packed)} == {most}
+    assert loading.linear_in_use(packed) == (
+        "onednn (blas for one row)" if most == 1 else f"onednn (blas for up to {most} rows)")
     ids = torch.randint(3, 40000, (1, 6), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         torch.testing.assert_close(packed(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
     for out in (64, 40):  # two blocks of columns; one
         linear = torch.nn.Linear(48, out)
-        layer = OneDNNLinear(linear, BLAS_ROW)
+        layer = loading.OneDNNLinear(linear, loading.BLAS_ROW)
         layer.blas_max, layer.blas_pad = 8, {3: 6, 5: 8}
         x = torch.randn(8, 48)
         with torch.inference_mode():
