@@ -48,9 +48,9 @@ PyTorch's for 5 and 11 new tokens over 261 cached ones and 18% slower for 11 ove
 
 
 def _product(linear: torch.nn.Module) -> Product:
-    """``linear`` as a function of ``[n, in]`` numpy rows: a single row on numpy's BLAS
-    where the layer runs single rows there (asked at each call: the choice can change after
-    load), anything else through the layer itself."""
+    """``linear`` as a function of ``[n, in]`` numpy rows: on numpy's BLAS where the layer
+    takes that many rows there (asked at each call: the choice can change after load),
+    anything else through the layer itself."""
     prepacked = isinstance(linear, OneDNNLinear)
 
     def product(x: np.ndarray) -> np.ndarray:
