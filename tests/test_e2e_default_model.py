@@ -57,9 +57,11 @@ def assert_identical_to_generate(rows: list[dict], new: int) -> None:
                                   do_sample=False)[0, len(ids):].tolist()
         if row["output_ids"] != expected:
             mismatches.append(row["id"])
-        # the hub's control plane may rightly send a short prompt plain rounds only (a
-        # slow CPU, a loaded host): the prompt still went through the hub
-        assert not row["stats"]["standalone"], "the target never used the hub"
+        # the prompt's session opened on a hub. It may still rightly see no tree: the
+        # hub's control plane may send a short prompt plain rounds only (a slow CPU, a
+        # loaded host), and a target decodes on while the hub's first answer is on its
+        # way, so under load 24 tokens can be done before it comes
+        assert row["stats"]["hub"], "the prompt never opened a hub session"
         assert {"rounds", "mean_accept_len", "tokens_per_s", "wall_s"} <= set(row["stats"])
     assert sum(row["stats"]["rounds"] for row in rows) > 0, \
         "no tree was verified: equal outputs would prove nothing"
