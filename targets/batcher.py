@@ -603,12 +603,11 @@ class Batcher:
         self._ask_totals(client)
         self._read_hub(client, 0)
         self._overdue()
-        if self._new:
-            slice_s = self.core.prefill_slice(any(s.decoding for s in self._slots.values()),
-                                              any(s.ready for s in self._slots.values()),
-                                              min(map(_left, self._new)))
-            if slice_s is not None:
-                self._prefill_one(client, slice_s)
+        slice_s = self.core.prefill_slice(self._new, _left,
+                                          any(s.decoding for s in self._slots.values()),
+                                          any(s.ready for s in self._slots.values()))
+        if slice_s is not None:
+            self._prefill_one(client, slice_s)
         if client is not None:
             self._take_up_trees(client)
         work = [s for s in self._slots.values() if s.ready]

@@ -63,12 +63,15 @@ class EngineCore:
         self.prefill_chunks = 0
 
     # -- prefill ----------------------------------------------------------------------
-    def prefill_slice(self, others: bool, ready: bool, shortest: int) -> float | None:
-        """How long a slice of a prefill runs now, None for not now
-        (``PrefillShare.next_slice``: ``others``, whether other sessions decode; ``ready``,
-        whether one has a pass to run now; ``shortest``, the fewest tokens a waiting prompt
-        has left)."""
-        return self.share.next_slice(others, ready, shortest)
+    def prefill_slice(self, waiting: Sequence[K], left: Callable[[K], int], others: bool,
+                      ready: bool) -> float | None:
+        """How long a slice of the prefills ``waiting`` (``left``: a prompt's tokens still to
+        prefill) runs now, None for not now or none waiting (``PrefillShare.next_slice``:
+        ``others``, whether other sessions decode; ``ready``, whether one has a pass to run
+        now)."""
+        if not waiting:
+            return None
+        return self.share.next_slice(others, ready, min(map(left, waiting)))
 
     def prefill_turn(self, waiting: Sequence[K], left: Callable[[K], int]) -> K:
         """Whose prompt of ``waiting`` (oldest first; ``left``: its tokens still to prefill)

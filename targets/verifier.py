@@ -170,13 +170,11 @@ class Verifier(Server):
         about a layer of a chunk's pass at a time."""
         while True:
             await self.receive_ready(sock, RECEIVE_BATCH)
-            if self.prefills:
-                slice_s = self.core.prefill_slice(
-                    bool(self.scheduler.sessions), bool(self.pending),
-                    min(job.chunks.left for job in self.prefills.values()))
-                if slice_s is not None:
-                    await self.prefill_step(slice_s)
-                    await self.receive_ready(sock, RECEIVE_BATCH)
+            slice_s = self.core.prefill_slice(list(self.prefills), self._left,
+                                              bool(self.scheduler.sessions), bool(self.pending))
+            if slice_s is not None:
+                await self.prefill_step(slice_s)
+                await self.receive_ready(sock, RECEIVE_BATCH)
             if not self.pending:
                 if not self.prefills:
                     self.arrived.clear()
@@ -286,11 +284,14 @@ class Verifier(Server):
         self.prefills[tag] = Prefill(identity, msg.ref, prompt, chunks, msg.target_tok_s)
         self.phases.note(tag, Phase.PREFILLING)
 
+    def _left(self, tag: int) -> int:
+        """Prompt tokens a prefilling session has still to run."""
+        return self.prefills[tag].chunks.left
+
     async def prefill_step(self, slice_s: float = 0.0) -> None:
         """A slice of a prompt's prefill (``EngineCore.prefill_turn`` says whose;
         ``slice_s``: ``prefill_slice``), its OPENED once the prompt is done."""
-        tag = self.core.prefill_turn(list(self.prefills),
-                                     lambda t: self.prefills[t].chunks.left)
+        tag = self.core.prefill_turn(list(self.prefills), self._left)
         job = self.prefills[tag]
         started = time.perf_counter()
         try:

@@ -47,7 +47,8 @@ def test_prefill_turns_go_to_the_shortest_and_the_oldest_in_turn_and_count_chunk
     jobs = {sid: core.engine.open_chunks(sid, PROMPT[:n], 16) for sid, n in
             ((1, 40), (2, 20))}
     left = {1: 40, 2: 20}.__getitem__
-    assert core.prefill_slice(False, False, 20) == SLICE_S, "nothing else decodes"
+    assert core.prefill_slice([], left, False, False) is None
+    assert core.prefill_slice([1, 2], left, False, False) == SLICE_S, "nothing else decodes"
     assert core.prefill_turn([1, 2], left) == 1, "the oldest first"
     assert core.prefill_turn([1, 2], left) == 2, "then the shortest"
     while (done := core.prefill(jobs[2], SLICE_S)) is None:
