@@ -43,7 +43,7 @@ def measure_budget(model: PreTrainedModel, slack: float = 1.5, limit: int = 256)
         for _ in range(3):
             start = time.perf_counter()
             # through the layers, as the verifier's passes of several rows run (a single
-            # row may run on numpy: ``targets.one_row``)
+            # row may run on numpy: ``targets.numpy_pass``)
             run_through(runner.layer_by_layer([Row(runner.new_cache(n), ids, logits=ALL)]))
             times.append(time.perf_counter() - start)
         return min(times[1:])

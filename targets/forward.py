@@ -9,8 +9,9 @@ the front of those buffers under the row's own mask, so no cache is padded, stac
 copied, and no mask is made for the batch as a whole.
 
 A fresh prompt makes the very attention call transformers' ``sdpa`` makes for it. A pass
-of a single row (a plain step, one session's tree) runs on numpy instead where the model
-allows (``targets.one_row``: the same arithmetic without PyTorch's dispatch). Here a row
+of a few tokens (a plain step, one session's tree, plain steps of several sessions) runs
+on numpy instead where the model allows (``targets.numpy_pass``: the same arithmetic
+without PyTorch's dispatch). Here a row
 under a mask (a tree, a later chunk of a prompt) folds a grouped-query model's query heads
 into the query length instead of repeating its keys and values per head (as
 ``starhub.models.attention`` does for transformers' own passes): the same attention,
@@ -30,7 +31,7 @@ from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from targets.kv import SessionKV
-from targets.one_row import MAX_TOKENS, OneRowPass, supported
+from targets.numpy_pass import NumpyPass, NumpyRow, runs_here, supported
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 """Model types whose decoder layers this pass runs: pre-norm attention with rotary
@@ -113,9 +114,9 @@ class DecoderPass:
         self.token_bytes = 2 * len(self.layers) * self.kv_heads * self.head_dim * \
             self.dtype.itemsize
         """Bytes one cached token takes over every layer (keys and values)."""
-        self.one_row = OneRowPass(model, self.heads, self.kv_heads, self.head_dim) \
+        self.numpy_pass = NumpyPass(model, self.heads, self.kv_heads, self.head_dim) \
             if supported(model) else None
-        """Where it runs the model: passes of a single row (``targets.one_row``)."""
+        """Where it runs passes of a few tokens (``targets.numpy_pass``)."""
 
     def new_cache(self, capacity: int = 0) -> SessionKV:
         return SessionKV(self.kv_heads, self.head_dim, self.dtype, self.devices, capacity)
@@ -139,30 +140,38 @@ class DecoderPass:
         return mask.view(1, 1, self.groups * n, cached + n), False
 
     def __call__(self, rows: list[Row]) -> list[RowOut]:
-        if self.one_row is not None and len(rows) == 1 and len(rows[0].ids) <= MAX_TOKENS:
-            return [self._one_row(rows[0])]
+        if self.numpy_pass is not None and runs_here([len(row.ids) for row in rows]):
+            return self._on_numpy(rows)
         return run_through(self.layer_by_layer(rows))
 
-    def _one_row(self, row: Row) -> RowOut:
-        """A pass of a single row on ``OneRowPass``: what ``layer_by_layer`` gives."""
-        n, cached = len(row.ids), row.kv.length
-        positions = np.arange(cached, cached + n) if row.positions is None \
-            else row.positions.numpy()
-        if row.mask is None:
-            mask = np.tri(n, dtype=bool) if n > 1 else None
-        else:
-            mask = None if bool(row.mask.all()) else row.mask.numpy()
+    def _on_numpy(self, rows: list[Row]) -> list[RowOut]:
+        """A pass on ``NumpyPass``: what ``layer_by_layer`` gives."""
+        given = []
+        for row in rows:
+            n, cached = len(row.ids), row.kv.length
+            positions = np.arange(cached, cached + n) if row.positions is None \
+                else row.positions.numpy()
+            if row.mask is None:
+                mask = np.tri(n, dtype=bool) if n > 1 else None
+            else:
+                mask = None if bool(row.mask.all()) else row.mask.numpy()
+            row.kv.reserve(n)
+            given.append(NumpyRow(row.kv, row.ids, positions, mask))
         top = len(self.layers) + 1
-        row.kv.reserve(n)
-        logits, hidden = self.one_row(
-            row.kv, row.ids, positions, mask,
-            slice(None) if row.logits == ALL else slice(n - 1, n) if row.logits == LAST
-            else None, {i % top for i in row.features})
-        feats = None
-        if row.features:
-            feats = torch.from_numpy(np.concatenate([hidden[i % top] for i in row.features],
-                                                    -1))
-        return RowOut(None if logits is None else torch.from_numpy(logits), feats)
+        wanted = {i % top for row in rows for i in row.features}
+        logits, hidden = self.numpy_pass(
+            given, [slice(None) if row.logits == ALL else slice(-1, None)
+                    if row.logits == LAST else None for row in rows], wanted)
+        outs, at = [], 0
+        for row, out in zip(rows, logits, strict=True):
+            n = len(row.ids)
+            feats = None
+            if row.features:
+                feats = torch.from_numpy(np.concatenate(
+                    [hidden[i % top][at:at + n] for i in row.features], -1))
+            outs.append(RowOut(None if out is None else torch.from_numpy(out), feats))
+            at += n
+        return outs
 
     @torch.inference_mode()  # around each resumption of the generator
     def layer_by_layer(self, rows: list[Row]) -> Generator[None, None, list[RowOut]]:

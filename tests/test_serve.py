@@ -429,7 +429,7 @@ def test_a_decoding_request_steps_between_the_layers_of_a_long_prompts_prefill(t
     whole pass: the request's one-token passes run between the chunk's decoder layers, and
     both outputs are the target's own."""
     model, tokenizer = tiny_model
-    calls: list[int] = []  # the tokens each decoder layer's MLP or a one-row pass ran, in order
+    calls: list[int] = []  # the tokens each decoder layer's MLP or a numpy pass's row ran, in order
     long, short = [(7 * i) % 900 + 3 for i in range(400)], [5, 6, 7]
 
     def timed(_, args, out) -> None:
@@ -439,14 +439,14 @@ def test_a_decoding_request_steps_between_the_layers_of_a_long_prompts_prefill(t
 
     hooks = [layer.mlp.down_proj.register_forward_hook(timed) for layer in model.model.layers]
     runner = decoder_pass(model)
-    one_row = runner.one_row  # a single row's pass runs there, not through the layers
+    on_numpy = runner.numpy_pass  # a short pass runs there, not through the layers
 
-    def one_row_pass(kv, ids, *rest):
-        calls.append(len(ids))
-        return one_row(kv, ids, *rest)
+    def numpy_pass(rows, *rest):
+        calls.extend(len(row.ids) for row in rows)
+        return on_numpy(rows, *rest)
 
-    if one_row is not None:
-        runner.one_row = one_row_pass
+    if on_numpy is not None:
+        runner.numpy_pass = numpy_pass
     heard: list[tuple[str, Event]] = []
     batcher = Batcher(model, tokenizer, prefill_chunk=512)
     batcher.start()
@@ -459,7 +459,7 @@ def test_a_decoding_request_steps_between_the_layers_of_a_long_prompts_prefill(t
         assert wait_until(lambda: sum(e.done != "" for _, e in heard) == 2, 60)
     finally:
         batcher.stop()
-        runner.one_row = one_row
+        runner.numpy_pass = on_numpy
         for hook in hooks:
             hook.remove()
     chunk = [i for i, n in enumerate(calls) if n == len(long)]

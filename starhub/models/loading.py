@@ -448,7 +448,7 @@ def blas_alone():
     torch's own threads spin, waiting for the next; a BLAS pool of as many threads then
     fights them for the cores: ``generate()`` through these layers on 2 threads ran 3.7
     tokens/s against 22 on one (AMD EPYC, 2026-12-06). The numpy pass of a plain step
-    (``targets.one_row``) runs no PyTorch op between its products and keeps the pool."""
+    (``targets.numpy_pass``) runs no PyTorch op between its products and keeps the pool."""
     if torch.get_num_threads() == 1:
         yield
         return
@@ -547,7 +547,7 @@ def fastest_one_row(model: torch.nn.Module, rounds: int = 3) -> str | None:
     def run(kernel: str | None) -> Callable[[], None]:
         for m, weight in zip(linears, given[kernel], strict=True):
             m.keep_one_row(kernel, weight)
-        if kernel == BLAS_ROW:  # as the numpy pass of one row runs it (targets.one_row): no
+        if kernel == BLAS_ROW:  # as the numpy pass of one row runs it (targets.numpy_pass): no
             # PyTorch op between two products, so on the whole BLAS pool (``blas_alone``)
             return lambda: [m.blas(rows[m.in_features]) for m in linears]
         return lambda: [m(inputs[m.in_features]) for m in linears]

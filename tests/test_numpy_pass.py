@@ -1,7 +1,7 @@
-"""A pass of a single row on numpy (``targets.one_row``): the outputs and cache entries of
-the layered pass it replaces, for plain steps, trees and chunks, on every one-row kernel
-and on the architectures the engine runs; taken for single rows, and only where it can
-run."""
+"""Passes of a few tokens on numpy (``targets.numpy_pass``): the outputs and cache entries
+of the layered pass they replace, for plain steps, trees and chunks of one session and plain
+steps of several, on every one-row kernel and on the architectures the engine runs; taken
+for those passes only, and only where it can run."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from starhub.models.loading import (
 )
 from starhub.wire.tree import DraftTree, ancestor_mask, depths
 from targets.forward import ALL, LAST, NONE, DecoderPass, Row, run_through
-from targets.one_row import MAX_TOKENS
+from targets.numpy_pass import MAX_TOKENS, runs_here
 from targets.verify import TargetModel
 
 PROMPT = [1, 5, 9, 14, 3, 77, 1200, 40000, 8]
@@ -84,7 +84,7 @@ def _both_ways(model) -> None:
     prefilled cache each (and a prompt's first chunk, from none): every pass's logits,
     features and cache entries agree."""
     runner = DecoderPass(model)
-    assert runner.one_row is not None
+    assert runner.numpy_pass is not None
     fast, slow = runner.new_cache(64), runner.new_cache(64)
     with torch.inference_mode():
         _close(runner([Row(fast, PROMPT, features=FEATURES)])[0],
@@ -97,6 +97,23 @@ def _both_ways(model) -> None:
         _close(a, b)
         if b.logits is not None:
             token = int(b.logits[-1].argmax())
+    # plain steps of three sessions in one pass: this one, a fresh one and a longer one
+    others = [(runner.new_cache(64), runner.new_cache(64)) for _ in range(2)]
+    with torch.inference_mode():
+        for a, b, prompt in ((*others[0], PROMPT[:2]), (*others[1], PROMPT * 3)):
+            runner([Row(a, prompt)])
+            run_through(runner.layer_by_layer([Row(b, prompt)]))
+        several = [(fast, slow, token), (*others[0], 5), (*others[1], 6)]
+        mine = runner([Row(a, [t], features=FEATURES) for a, _, t in several])
+        theirs = run_through(runner.layer_by_layer(
+            [Row(b, [t], features=FEATURES) for _, b, t in several]))
+    for a, b in zip(mine, theirs, strict=True):
+        _close(a, b)
+    for a, b, _ in several:
+        _same_entries(runner, a, b)
+
+
+def _same_entries(runner, fast, slow) -> None:
     assert fast.length == slow.length
     for layer in range(len(runner.layers)):
         for mine, theirs in ((fast.keys, slow.keys), (fast.values, slow.values)):
@@ -148,7 +165,8 @@ def test_a_row_too_long_for_numpy_runs_through_the_layers(tiny_model):
         assert len(calls) == len(model.model.layers)
 
 
-def test_a_single_row_runs_on_numpy_and_several_rows_through_the_layers(tiny_model):
+def test_a_sessions_row_and_several_plain_steps_run_on_numpy_several_trees_through_layers(
+        tiny_model):
     model, _ = tiny_model
     target, other = TargetModel(model), TargetModel(model)
     target.prefill(PROMPT)
@@ -156,19 +174,22 @@ def test_a_single_row_runs_on_numpy_and_several_rows_through_the_layers(tiny_mod
     with _layered_passes(model) as calls:
         target.step()
         target.verify(TREE)
-        assert calls == [], "a plain step and a tree of one session run on numpy"
         with torch.inference_mode():
             target.runner([Row(target.kv, [3]), Row(other.kv, [4])])
+        assert calls == [], "a plain step, a tree, plain steps of two sessions run on numpy"
+        with torch.inference_mode():
+            target.runner([Row(target.kv, [3, 5]), Row(other.kv, [4])])
         assert len(calls) == len(model.model.layers)
+    assert runs_here([1] * MAX_TOKENS) and not runs_here([1] * (MAX_TOKENS + 1))
 
 
 def test_a_model_the_numpy_pass_cannot_run_keeps_the_layered_pass(tiny_dir):
     half, _ = load_model(str(tiny_dir), dtype="bfloat16")
-    assert DecoderPass(half).one_row is None
+    assert DecoderPass(half).numpy_pass is None
     stock = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
-    assert DecoderPass(stock).one_row is None, "unfused projections"
+    assert DecoderPass(stock).numpy_pass is None, "unfused projections"
     compiled, _ = load_model(str(tiny_dir), compile=True)  # its MLPs stay unfused
-    assert DecoderPass(compiled).one_row is None
+    assert DecoderPass(compiled).numpy_pass is None
 
 
 def test_a_blas_product_inside_a_pytorch_pass_runs_on_one_blas_thread_and_gives_it_back():
@@ -199,7 +220,7 @@ def test_a_numpy_pass_of_several_tokens_keeps_numpys_products_to_one_blas_thread
     model, _ = tiny_model
     target = TargetModel(model)
     target.prefill(PROMPT)
-    layer = target.runner.one_row.layers[0]
+    layer = target.runner.numpy_pass.layers[0]
     seen: list[set[int]] = []
     attention_out = layer.o
 
