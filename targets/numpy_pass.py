@@ -215,12 +215,9 @@ class NumpyPass:
         k, v = self._rotate(k, cos, sin), qkv[:, heads + kv_heads:]
         q = self._rotate(q, cos, sin)
         out = np.empty((x.shape[0], kv_heads, groups, dim), np.float32)
-        if len(caches) == x.shape[0] > 1:  # several rows of one token each
-            self._attend_tokens(q, k, v, caches, layer.scale, out)
-        else:
-            for keys, values, start, additive, rows in caches:
-                self._attend_row(q[rows], k[rows], v[rows], keys, values, start, additive,
-                                 layer.scale, out[rows])
+        for keys, values, start, additive, rows in caches:
+            self._attend_row(q[rows], k[rows], v[rows], keys, values, start, additive,
+                             layer.scale, out[rows])
         x = x + layer.o(out.reshape(x.shape[0], heads * dim))
         gate_up = layer.gate_up(layer.post_norm(x))
         gate, up = gate_up[:, :layer.inner], gate_up[:, layer.inner:]
@@ -253,21 +250,3 @@ class NumpyPass:
         weights /= weights.sum(-1, keepdims=True)
         out[:] = np.matmul(weights, values[:, :end]).reshape(
             kv_heads, groups, n, dim).transpose(2, 0, 1, 3)
-
-    def _attend_tokens(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, caches: list,
-                       scale: np.float32, out: np.ndarray) -> None:
-        """``_attend_row`` for rows of one token each (``caches`` as ``_layer`` has them),
-        with every row's queries scaled and laid out for the product at once: the fewest
-        operations a row."""
-        kv_heads, groups, dim = self.kv_heads, self.groups, self.head_dim
-        # [rows, kv_heads, dim, groups]: each row's query heads by key/value head, as
-        # columns for a product with its cache on the left
-        columns = (q * scale).reshape(-1, kv_heads, groups, dim).transpose(0, 1, 3, 2).copy()
-        for i, (keys, values, start, _, _) in enumerate(caches):
-            keys[:, start] = k[i]
-            values[:, start] = v[i]
-            scores = np.matmul(keys[:, :start + 1], columns[i]).transpose(0, 2, 1).copy()
-            scores -= scores.max(-1, keepdims=True)
-            np.exp(scores, out=scores)
-            scores /= scores.sum(-1, keepdims=True)
-            np.matmul(scores, values[:, :start + 1], out=out[i])
