@@ -6,16 +6,16 @@ about twenty small operations a layer (two norms, the rotary positions, attentio
 cache, the gated activation, two residual sums). At a few tokens each of those costs what
 dispatching it costs, and PyTorch's dispatch is the dearer: about 10 µs for an RMS norm of
 one row and 17 µs for a batched product of a few heads, against numpy's 1 to 5 µs. On the
-embedded model that was a quarter of a plain step, and a third of a serving pass of two to
-eight plain rows (figures in docs/benchmarks.md, "A pass of one row on numpy" and "Plain
-rows of several sessions on numpy"). So where the whole model is float32 on the CPU, with
-its projections fused (``starhub.models.fused``) and a SiLU-gated MLP, ``DecoderPass``
-runs such passes here instead of through its layers (``runs_here``): the same arithmetic
-over numpy views of the same weights, each row's new keys and values written in place into
-its session's own cache buffers, its tokens attending there under the row's positions and
-mask as ``targets.forward`` has them (logits within about 1e-5 of the layered pass: float32
-rounding in another order). The products run over every row's tokens at once; attention
-runs row by row.
+embedded model that was a quarter of a plain step, and a tenth to a quarter of a serving
+pass of two to eight plain rows (figures in docs/benchmarks.md, "A pass of one row on
+numpy" and "Plain steps of several sessions on numpy"). So where the whole model is
+float32 on the CPU, with its projections fused (``starhub.models.fused``) and a SiLU-gated
+MLP, ``DecoderPass`` runs such passes here instead of through its layers (``runs_here``):
+the same arithmetic over numpy views of the same weights, each row's new keys and values
+written in place into its session's own cache buffers, its tokens attending there under
+the row's positions and mask as ``targets.forward`` has them (logits within about 1e-5 of
+the layered pass: float32 rounding in another order). The products run over every row's
+tokens at once; attention runs row by row.
 
 The products stay on the kernels the loader chose: a layer that runs a few rows on numpy's
 BLAS (``--linear auto``'s choice where it is fastest: ``OneDNNLinear.on_blas``) is
