@@ -42,8 +42,8 @@ def measure_budget(model: PreTrainedModel, slack: float = 1.5, limit: int = 256)
         times = []
         for _ in range(3):
             start = time.perf_counter()
-            # through the layers, as the verifier's passes of several rows run (a single
-            # row may run on numpy: ``targets.numpy_pass``)
+            # through the layers, as the verifier's passes of several trees run (a pass of
+            # one row, or of one-token rows, may run on numpy: ``targets.numpy_pass``)
             run_through(runner.layer_by_layer([Row(runner.new_cache(n), ids, logits=ALL)]))
             times.append(time.perf_counter() - start)
         return min(times[1:])

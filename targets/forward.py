@@ -11,11 +11,11 @@ copied, and no mask is made for the batch as a whole.
 A fresh prompt makes the very attention call transformers' ``sdpa`` makes for it. A pass
 of a few tokens (a plain step, one session's tree, plain steps of several sessions) runs
 on numpy instead where the model allows (``targets.numpy_pass``: the same arithmetic
-without PyTorch's dispatch). Here a row
-under a mask (a tree, a later chunk of a prompt) folds a grouped-query model's query heads
-into the query length instead of repeating its keys and values per head (as
-``starhub.models.attention`` does for transformers' own passes): the same attention,
-grouped differently by the kernel (logits within about 1e-6).
+without PyTorch's dispatch). Here a row under a mask (a tree, a later chunk of a prompt)
+folds a grouped-query model's query heads into the query length instead of repeating its
+keys and values per head (as ``starhub.models.attention`` does for transformers' own
+passes): the same attention, grouped differently by the kernel (logits within about
+1e-6).
 """
 
 from __future__ import annotations
