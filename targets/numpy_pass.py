@@ -54,8 +54,8 @@ attention over its own cache, stays on PyTorch's, which runs on all the threads.
 def runs_here(sizes: list[int]) -> bool:
     """Whether a pass of rows of these token counts runs on numpy: a single row of up to
     ``MAX_TOKENS`` tokens, or up to ``MAX_TOKENS`` rows of one token each (plain steps of
-    several sessions: two to eight of them ran 10-35% faster here than through the layers
-    on the embedded model, at 100 and 600 cached tokens)."""
+    several sessions: two to eight of them ran up to a quarter faster here than through
+    the layers on the embedded model at 100 and 600 cached tokens, none slower)."""
     if len(sizes) == 1:
         return sizes[0] <= MAX_TOKENS
     return len(sizes) <= MAX_TOKENS and all(n == 1 for n in sizes)
