@@ -181,13 +181,13 @@ def _plain_twice(tiny_dir):
             load_model(str(tiny_dir), linear="torch")[0])
 
 
-@pytest.mark.parametrize("kernel", ["torch", "blas"])
+@pytest.mark.parametrize("kernel", ["torch", "blas", "gemv"])
 def test_prepacked_linears_keep_plain_weights_for_single_rows_only_where_asked(tiny_dir, kernel):
     """``--linear auto`` may keep each layer's plain weight for one-row products (a plain
-    decoding step) beside the prepacked one (the rest), run by PyTorch or by numpy's BLAS:
-    both give the plain model's logits, one row goes through the plain weight, a tied LM
-    head shares the embeddings' copy under PyTorch, and nothing is left in the weights
-    file's map."""
+    decoding step) beside the prepacked one (the rest), run by PyTorch or by numpy's BLAS
+    (over blocks of columns or the whole transpose): each gives the plain model's logits,
+    one row goes through the plain weight, a tied LM head shares the embeddings' copy under
+    PyTorch, and nothing is left in the weights file's map."""
     import torch
 
     from starhub.models.loading import (
@@ -241,7 +241,7 @@ def test_auto_runs_single_rows_on_the_kernel_it_timed_fastest_and_keeps_the_logi
     plain, auto = _plain_twice(tiny_dir)
     prepack_linears(auto, TORCH_ROW)
     chosen = fastest_one_row(auto, rounds=1)
-    assert chosen in (None, "torch", "blas")
+    assert chosen in (None, "torch", "blas", "gemv")
     assert {m.one_row_kernel for m in onednn_linears(auto)} == {chosen}
     assert linear_in_use(auto) == ("onednn" if chosen is None else f"onednn ({chosen} for one row)")
     ids = torch.tensor([[5, 17, 301]])
@@ -439,3 +439,30 @@ def test_products_of_a_few_rows_on_the_blas_give_the_prepacked_products_padded_o
                 torch.testing.assert_close(layer(x[:rows]), linear(x[:rows]), rtol=1e-5,
                                            atol=1e-5)
         assert not layer.on_blas(9)
+
+
+def test_single_rows_over_the_whole_transpose_take_one_row_and_leave_more_to_onednn(tiny_dir):
+    """``GEMV_ROW`` holds each weight's ``[in, out]`` transpose as one block: one row's
+    product runs there and equals the plain layer's, two rows go to the prepacked weight,
+    and ``rows_on_blas`` sends no more rows to it (OpenBLAS would pack the whole weight)."""
+    import torch
+
+    from starhub.models import loading
+
+    plain, packed = _plain_twice(tiny_dir)
+    loading.prepack_linears(packed, loading.GEMV_ROW)
+    assert loading.rows_on_blas(packed, rounds=1) == 1
+    assert loading.linear_in_use(packed) == "onednn (gemv for one row)"
+    for out in (64, 40):
+        linear = torch.nn.Linear(48, out)
+        layer = loading.OneDNNLinear(linear, loading.GEMV_ROW)
+        assert layer.blocks.shape == (1, 48, out)
+        assert layer.on_blas(1) and not layer.on_blas(2)
+        x = torch.randn(2, 48)
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(x[:1]), linear(x[:1]), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)
+    ids = torch.randint(3, 40000, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(ids[:, :1]).logits, plain(ids[:, :1]).logits,
+                                   rtol=1e-4, atol=1e-4)

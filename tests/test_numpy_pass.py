@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 from starhub.models.fused import fuse_projections
 from starhub.models.loading import (
     BLAS_ROW,
+    GEMV_ROW,
     TORCH_ROW,
     blas_alone,
     load_model,
@@ -121,7 +122,7 @@ def _same_entries(runner, fast, slow) -> None:
                                        theirs[layer][:, :slow.length], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kernel", [BLAS_ROW, BLAS_ROWS, TORCH_ROW, None])
+@pytest.mark.parametrize("kernel", [BLAS_ROW, BLAS_ROWS, GEMV_ROW, TORCH_ROW, None])
 def test_a_numpy_pass_gives_the_layered_passs_logits_features_and_cache_on_every_kernel(
         tiny_dir, kernel):
     _both_ways(_prepared(tiny_dir, kernel))

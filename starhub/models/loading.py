@@ -330,25 +330,30 @@ def release_weights_file(model: torch.nn.Module) -> None:
             module.one_row = module.one_row.clone() if shared is None else shared
 
 
-TORCH_ROW, BLAS_ROW = "torch", "blas"
+TORCH_ROW, BLAS_ROW, GEMV_ROW = "torch", "blas", "gemv"
 """The kernels a single row's product may run on beside the prepacked one: PyTorch's own
 (``torch.nn.functional.linear`` over the plain ``[out, in]`` weight), or the BLAS that
-numpy is built with (OpenBLAS in numpy's wheels) over the weight's columns in blocks
-(``blas_blocks``), which can take a few rows as well (``rows_on_blas``)."""
+numpy is built with (OpenBLAS in numpy's wheels), over the weight's columns in blocks
+(``BLAS_ROW``, ``blas_blocks``; it can take a few rows as well, ``rows_on_blas``) or over
+the whole ``[in, out]`` transpose (``GEMV_ROW``, one block: a single matrix-vector
+product a layer, for one row only, since OpenBLAS packs the whole weight first for more).
+Which streams a weight fastest depends on the CPU: on an AMD EPYC the blocks (22-26 ms
+for the embedded model's products against 26-29), on an Intel Xeon the whole transpose (40
+ms against 50-56), whose single long stream its prefetch favours."""
 
 BLOCK = 32
 """Output columns in one block of a weight laid out for the BLAS (``blas_blocks``)."""
 
 
-def blas_blocks(weight: torch.Tensor) -> torch.Tensor:
-    """A ``[out, in]`` weight as ``[out / BLOCK, in, BLOCK]``: its transpose cut into blocks
-    of columns (one block where ``out`` is no multiple of ``BLOCK``). ``rows @ blocks`` is
-    then one small product a block, each streaming its block once from memory: near the
-    memory's speed for one row and for a few. Over the whole ``[in, out]`` transpose at
-    once, OpenBLAS packs the weight first for any product of more than one row, and two
-    rows took three times as long as one (figures in docs/benchmarks.md)."""
+def blas_blocks(weight: torch.Tensor, block: int | None = BLOCK) -> torch.Tensor:
+    """A ``[out, in]`` weight as ``[out / block, in, block]``: its transpose cut into blocks
+    of columns (one block where ``out`` is no multiple of ``block``, or ``block`` is None).
+    ``rows @ blocks`` is then one small product a block, each streaming its block once from
+    memory: near the memory's speed for one row and for a few. Over the whole ``[in, out]``
+    transpose at once, OpenBLAS packs the weight first for any product of more than one
+    row, and two rows took three times as long as one (figures in docs/benchmarks.md)."""
     out, inp = weight.shape
-    size = BLOCK if out % BLOCK == 0 else out
+    size = block if block and out % block == 0 else out
     return weight.t().reshape(inp, out // size, size).transpose(0, 1).contiguous()
 
 
@@ -361,9 +366,9 @@ class OneDNNLinear(torch.nn.Module):
 
     ``one_row`` keeps a plain copy of the weight as well, for products of a single row (a
     plain decoding step), where on some CPUs another kernel streams the weights faster than
-    the prepacked one (``one_row_kernel``: ``TORCH_ROW`` or ``BLAS_ROW``; chosen at load by
-    ``fastest_one_row``). On ``BLAS_ROW`` products of up to ``blas_max`` rows run there
-    (``rows_on_blas``)."""
+    the prepacked one (``one_row_kernel``: ``TORCH_ROW``, ``BLAS_ROW`` or ``GEMV_ROW``;
+    chosen at load by ``fastest_one_row``). On ``BLAS_ROW`` products of up to ``blas_max``
+    rows run there (``rows_on_blas``)."""
 
     PACK_ROWS = 16
     """The row count oneDNN picks the weight layout for; any count runs, and 8-32 run
@@ -392,8 +397,8 @@ class OneDNNLinear(torch.nn.Module):
 
     def keep_one_row(self, kernel: str | None, weight: torch.Tensor | None = None) -> None:
         """Run single rows on ``kernel`` with a copy of ``weight`` (the plain ``[out, in]``
-        weight, or for ``BLAS_ROW`` one already in ``blas_blocks``), or on the prepacked
-        weight (None, dropping any plain copy)."""
+        weight, or for ``BLAS_ROW`` and ``GEMV_ROW`` one already in ``blas_blocks``), or on
+        the prepacked weight (None, dropping any plain copy)."""
         self.blocks, self._bias, self.blas_max, self.blas_pad = None, None, 1, {}
         if kernel is None:
             self.one_row = self.one_row_kernel = None
@@ -401,8 +406,9 @@ class OneDNNLinear(torch.nn.Module):
             raise ValueError("a one-row kernel needs the layer's plain weight")
         elif kernel == TORCH_ROW:
             self.one_row, self.one_row_kernel = weight, kernel
-        elif kernel == BLAS_ROW:
-            self.one_row = weight if weight.dim() == 3 else blas_blocks(weight)
+        elif kernel in (BLAS_ROW, GEMV_ROW):
+            self.one_row = weight if weight.dim() == 3 else \
+                blas_blocks(weight, BLOCK if kernel == BLAS_ROW else None)
             self.blocks, self.one_row_kernel = self.one_row.numpy(), kernel
             self._bias = None if self.bias is None else self.bias.numpy()
         else:
@@ -419,8 +425,11 @@ class OneDNNLinear(torch.nn.Module):
         runs_as = self.blas_pad.get(rows, rows)
         if runs_as != rows:
             x = np.concatenate([x, np.zeros((runs_as - rows, x.shape[1]), x.dtype)])
-        y = np.matmul(x, self.blocks)[:, :rows]  # [blocks, rows, BLOCK]
-        y = y.transpose(1, 0, 2).reshape(rows, self.out_features)
+        if len(self.blocks) == 1:
+            y = (x @ self.blocks[0])[:rows]
+        else:
+            y = np.matmul(x, self.blocks)[:, :rows]  # [blocks, rows, BLOCK]
+            y = y.transpose(1, 0, 2).reshape(rows, self.out_features)
         return y if self._bias is None else y + self._bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -519,11 +528,13 @@ def _best_seconds(choices: list, run: Callable, rounds: int) -> dict:
 
 @torch.inference_mode()
 def fastest_one_row(model: torch.nn.Module, rounds: int = 3) -> str | None:
-    """The kernel single rows run fastest on here: ``TORCH_ROW``, ``BLAS_ROW`` or None (the
-    prepacked one). Every linear layer of the model once each way, ``rounds`` times in
-    turn, best round each (the whole model's weights, so that each is timed streaming them
-    from memory as a decoding step does). About 0.1 s a kernel and round on the embedded
-    model; the figures behind it are in docs/benchmarks.md ("One row on the BLAS").
+    """The kernel single rows run fastest on here: ``TORCH_ROW``, ``BLAS_ROW``, ``GEMV_ROW``
+    or None (the prepacked one). Every linear layer of the model once each way, ``rounds``
+    times in turn, best round each (the whole model's weights, so that each is timed
+    streaming them from memory as a decoding step does). About 0.1 s a kernel and round on
+    the embedded model; the figures behind it are in docs/benchmarks.md ("One row on the
+    BLAS", "One row over the whole transpose"). ``GEMV_ROW`` is taken over ``BLAS_ROW``
+    only where it is at least 5% faster, since the blocks can take a few rows as well.
     The layers must hold their plain weights (``prepack_linears(model, TORCH_ROW)``); they
     are left running single rows on what was chosen."""
     linears = onednn_linears(model)
@@ -534,26 +545,30 @@ def fastest_one_row(model: torch.nn.Module, rounds: int = 3) -> str | None:
     weights = [m.one_row for m in linears]
     dtype = linears[0].packed.dtype
     inputs = {n: torch.ones(1, n, dtype=dtype) for n in {m.in_features for m in linears}}
-    kernels = [None, TORCH_ROW] + ([BLAS_ROW] if dtype == torch.float32 else [])
+    on_blas = (BLAS_ROW, GEMV_ROW) if dtype == torch.float32 else ()
+    kernels = [None, TORCH_ROW, *on_blas]
 
-    # each kernel's weights made once (the BLAS one's in blocks, which keep_one_row takes
-    # as they are)
+    # each kernel's weights made once (the BLAS's laid out already, which keep_one_row
+    # takes as they are)
     given = {None: weights, TORCH_ROW: weights}
-    if BLAS_ROW in kernels:
-        given[BLAS_ROW] = [blas_blocks(w) for w in weights]
+    for kernel in on_blas:
+        given[kernel] = [blas_blocks(w, BLOCK if kernel == BLAS_ROW else None)
+                         for w in weights]
 
-    rows = {n: x.numpy() for n, x in inputs.items()} if BLAS_ROW in kernels else {}
+    rows = {n: x.numpy() for n, x in inputs.items()} if on_blas else {}
 
     def run(kernel: str | None) -> Callable[[], None]:
         for m, weight in zip(linears, given[kernel], strict=True):
             m.keep_one_row(kernel, weight)
-        if kernel == BLAS_ROW:  # as the numpy pass of one row runs it (targets.numpy_pass): no
+        if kernel in on_blas:  # as the numpy pass of one row runs it (targets.numpy_pass): no
             # PyTorch op between two products, so on the whole BLAS pool (``blas_alone``)
             return lambda: [m.blas(rows[m.in_features]) for m in linears]
         return lambda: [m(inputs[m.in_features]) for m in linears]
 
     best = _best_seconds(kernels, run, rounds)
-    fastest = min(kernels[1:], key=best.__getitem__)
+    choices = [k for k in kernels[1:]  # over the blocks (which take a few rows as well) by 5%
+               if k != GEMV_ROW or best[k] < KERNEL_GAIN * best[BLAS_ROW]]
+    fastest = min(choices, key=best.__getitem__)
     if best[fastest] >= KERNEL_GAIN * best[None]:
         fastest = None
     for m, weight in zip(linears, given[fastest], strict=True):
