@@ -25,7 +25,7 @@ def run(hub: str | None, weights: dict, prompts: str, out: str, max_new_tokens: 
     loads, through ``hub`` where one is given, writing one JSON line each to ``out``."""
     threads = set_threads(resolve_threads(threads))
     items = read_prompts(prompts)[shard[0]::shard[1]]
-    model, tokenizer = load_model(**weights)
+    model, tokenizer = load_model(**weights, one_row_only=hub is None)
     gen = SpeculativeGenerator(model, tokenizer, hub, name=name, timeout_s=hub_timeout_s,
                                shared_cores=shared_cores)
     where = model_device(model)

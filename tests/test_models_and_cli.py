@@ -225,9 +225,12 @@ def test_prepacked_linears_keep_plain_weights_for_single_rows_only_where_asked(t
         fastest_one_row(packed)
 
 
-def test_auto_runs_single_rows_on_the_kernel_it_timed_fastest_and_keeps_the_logits(tiny_dir):
-    """The timing at load leaves every layer on one kernel for single rows (or none), and
-    whichever it chose, one row's logits are the plain model's."""
+@pytest.mark.parametrize("whole", [False, True])
+def test_auto_runs_single_rows_on_the_kernel_it_timed_fastest_and_keeps_the_logits(tiny_dir,
+                                                                                   whole):
+    """The timing at load leaves every layer on one kernel for single rows (or none; the
+    whole transpose only for a model that runs single rows only), and whichever it chose,
+    one row's logits are the plain model's."""
     import torch
 
     from starhub.models.loading import (
@@ -240,8 +243,8 @@ def test_auto_runs_single_rows_on_the_kernel_it_timed_fastest_and_keeps_the_logi
 
     plain, auto = _plain_twice(tiny_dir)
     prepack_linears(auto, TORCH_ROW)
-    chosen = fastest_one_row(auto, rounds=1)
-    assert chosen in (None, "torch", "blas", "gemv")
+    chosen = fastest_one_row(auto, rounds=1, whole=whole)
+    assert chosen in (None, "torch", "blas", *(("gemv",) if whole else ()))
     assert {m.one_row_kernel for m in onednn_linears(auto)} == {chosen}
     assert linear_in_use(auto) == ("onednn" if chosen is None else f"onednn ({chosen} for one row)")
     ids = torch.tensor([[5, 17, 301]])

@@ -251,8 +251,8 @@ def linear_kernel(linear: str, dtype: torch.dtype, device: str = "cpu",
 
 def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device: str = "cpu",
                layers: int | None = None, linear: str = "auto",
-               device_map: str | None = None, compile: bool = False
-               ) -> tuple[PreTrainedModel, object]:
+               device_map: str | None = None, compile: bool = False,
+               one_row_only: bool = False) -> tuple[PreTrainedModel, object]:
     """(model, tokenizer) in eval mode; ``layers`` keeps only the first K decoder layers.
 
     ``device`` is cpu, cuda, cuda:N or auto; ``device_map`` (auto or GPU indices) spreads the
@@ -262,6 +262,9 @@ def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device:
     several fed tokens reads a grouped-query cache without copying it (``fold_gqa``). Each
     decoder layer's projections of one input run as one product (``fuse_projections``).
     ``compile`` runs each decoder layer's MLP under ``torch.compile`` (``compile_mlps``).
+    ``one_row_only`` says that past its prompts' prefill the model runs single rows only (a
+    target decoding with no hub): ``--linear auto`` then picks the one-row kernel among all
+    of them, ``GEMV_ROW`` included (``fastest_one_row``).
     """
     path = resolve(spec)
     spread = device_map_kwargs(device_map)
@@ -279,7 +282,7 @@ def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device:
     if linear_kernel(linear, dtype, device, compile) == "onednn":
         prepack_linears(model, TORCH_ROW if linear == "auto" else None)
         if linear == "auto":
-            fastest_one_row(model)
+            fastest_one_row(model, whole=one_row_only)
             rows_on_blas(model)
         two_rows_as_three(model)
         release_weights_file(model)
@@ -527,16 +530,20 @@ def _best_seconds(choices: list, run: Callable, rounds: int) -> dict:
 
 
 @torch.inference_mode()
-def fastest_one_row(model: torch.nn.Module, rounds: int = 3) -> str | None:
-    """The kernel single rows run fastest on here: ``TORCH_ROW``, ``BLAS_ROW``, ``GEMV_ROW``
-    or None (the prepacked one). Every linear layer of the model once each way, ``rounds``
-    times in turn, best round each (the whole model's weights, so that each is timed
-    streaming them from memory as a decoding step does). About 0.1 s a kernel and round on
-    the embedded model; the figures behind it are in docs/benchmarks.md ("One row on the
-    BLAS", "One row over the whole transpose"). ``GEMV_ROW`` is taken over ``BLAS_ROW``
-    only where it is at least 5% faster, since the blocks can take a few rows as well.
-    The layers must hold their plain weights (``prepack_linears(model, TORCH_ROW)``); they
-    are left running single rows on what was chosen."""
+def fastest_one_row(model: torch.nn.Module, rounds: int = 3, whole: bool = False
+                    ) -> str | None:
+    """The kernel single rows run fastest on here: ``TORCH_ROW``, ``BLAS_ROW`` or None (the
+    prepacked one), and with ``whole`` ``GEMV_ROW`` as well, for a model whose passes are
+    single rows only: a few rows then run on the prepacked weights, which on an Intel Xeon
+    took half again as long as one row (there a target verifying a hub's trees lost more
+    than its plain steps gained). ``GEMV_ROW`` is taken over ``BLAS_ROW`` only where it is
+    at least 5% faster, since the blocks take a few rows as well. Every linear layer of
+    the model once each way, ``rounds`` times in turn, best round each (the whole model's
+    weights, so that each is timed streaming them from memory as a decoding step does).
+    About 0.1 s a kernel and round on the embedded model; the figures behind it are in
+    docs/benchmarks.md ("One row on the BLAS", "One row over the whole transpose"). The
+    layers must hold their plain weights (``prepack_linears(model, TORCH_ROW)``); they are
+    left running single rows on what was chosen."""
     linears = onednn_linears(model)
     if not linears:
         return None
@@ -545,7 +552,8 @@ def fastest_one_row(model: torch.nn.Module, rounds: int = 3) -> str | None:
     weights = [m.one_row for m in linears]
     dtype = linears[0].packed.dtype
     inputs = {n: torch.ones(1, n, dtype=dtype) for n in {m.in_features for m in linears}}
-    on_blas = (BLAS_ROW, GEMV_ROW) if dtype == torch.float32 else ()
+    on_blas = ((BLAS_ROW, GEMV_ROW) if whole else (BLAS_ROW,)) \
+        if dtype == torch.float32 else ()
     kernels = [None, TORCH_ROW, *on_blas]
 
     # each kernel's weights made once (the BLAS's laid out already, which keep_one_row
@@ -566,7 +574,7 @@ def fastest_one_row(model: torch.nn.Module, rounds: int = 3) -> str | None:
         return lambda: [m(inputs[m.in_features]) for m in linears]
 
     best = _best_seconds(kernels, run, rounds)
-    choices = [k for k in kernels[1:]  # over the blocks (which take a few rows as well) by 5%
+    choices = [k for k in kernels[1:]  # over the blocks (which take a few rows too) by 5%
                if k != GEMV_ROW or best[k] < KERNEL_GAIN * best[BLAS_ROW]]
     fastest = min(choices, key=best.__getitem__)
     if best[fastest] >= KERNEL_GAIN * best[None]:
