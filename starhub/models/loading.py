@@ -341,8 +341,8 @@ numpy is built with (OpenBLAS in numpy's wheels), over the weight's columns in b
 the whole ``[in, out]`` transpose (``GEMV_ROW``, one block: a single matrix-vector
 product a layer, for one row only, since OpenBLAS packs the whole weight first for more).
 Which streams a weight fastest depends on the CPU: on an AMD EPYC the blocks (22-26 ms
-for the embedded model's products against 26-29), on an Intel Xeon the whole transpose (40
-ms against 50-56), whose single long stream its prefetch favours."""
+for the embedded model's products against 26-29), on an Intel Xeon the whole transpose
+(41-45 ms against 50-57), whose single long stream its prefetch favours."""
 
 BLOCK = 32
 """Output columns in one block of a weight laid out for the BLAS (``blas_blocks``)."""
