@@ -347,6 +347,9 @@ for the embedded model's products against 26-29), on an Intel Xeon the whole tra
 BLOCK = 32
 """Output columns in one block of a weight laid out for the BLAS (``blas_blocks``)."""
 
+ROW_BLOCK = {BLAS_ROW: BLOCK, GEMV_ROW: None}
+"""The block each kernel on the BLAS lays a weight out in (None: the whole transpose)."""
+
 
 def blas_blocks(weight: torch.Tensor, block: int | None = BLOCK) -> torch.Tensor:
     """A ``[out, in]`` weight as ``[out / block, in, block]``: its transpose cut into blocks
@@ -411,7 +414,7 @@ class OneDNNLinear(torch.nn.Module):
             self.one_row, self.one_row_kernel = weight, kernel
         elif kernel in (BLAS_ROW, GEMV_ROW):
             self.one_row = weight if weight.dim() == 3 else \
-                blas_blocks(weight, BLOCK if kernel == BLAS_ROW else None)
+                blas_blocks(weight, ROW_BLOCK[kernel])
             self.blocks, self.one_row_kernel = self.one_row.numpy(), kernel
             self._bias = None if self.bias is None else self.bias.numpy()
         else:
@@ -428,11 +431,8 @@ class OneDNNLinear(torch.nn.Module):
         runs_as = self.blas_pad.get(rows, rows)
         if runs_as != rows:
             x = np.concatenate([x, np.zeros((runs_as - rows, x.shape[1]), x.dtype)])
-        if len(self.blocks) == 1:
-            y = (x @ self.blocks[0])[:rows]
-        else:
-            y = np.matmul(x, self.blocks)[:, :rows]  # [blocks, rows, BLOCK]
-            y = y.transpose(1, 0, 2).reshape(rows, self.out_features)
+        y = np.matmul(x, self.blocks)[:, :rows]  # [blocks, rows, BLOCK]
+        y = y.transpose(1, 0, 2).reshape(rows, self.out_features)
         return y if self._bias is None else y + self._bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -560,8 +560,7 @@ def fastest_one_row(model: torch.nn.Module, rounds: int = 3, whole: bool = False
     # takes as they are)
     given = {None: weights, TORCH_ROW: weights}
     for kernel in on_blas:
-        given[kernel] = [blas_blocks(w, BLOCK if kernel == BLAS_ROW else None)
-                         for w in weights]
+        given[kernel] = [blas_blocks(w, ROW_BLOCK[kernel]) for w in weights]
 
     rows = {n: x.numpy() for n, x in inputs.items()} if on_blas else {}
 
