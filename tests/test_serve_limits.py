@@ -269,10 +269,11 @@ def test_a_client_that_never_reads_its_stream_is_dropped_and_its_place_given_bac
     """A streaming client that reads nothing is dropped once a write has waited
     ``WRITE_TIMEOUT_S``: its request ends before its 2,000 tokens (about 2 MB of events
     with their logprobs, past the buffers), and the server has room for as many others as
-    before."""
+    before. Greedy, so that the random model cannot sample its end-of-sequence token and
+    end the stream early, within the buffers."""
     monkeypatch.setattr(app_module, "WRITE_TIMEOUT_S", 1.0)
     body = json.dumps({"model": "tiny", "prompt": [5, 6], "max_tokens": 2000, "stream": True,
-                       "logprobs": 20}).encode()
+                       "logprobs": 20, "temperature": 0}).encode()
     with serving(tiny_model, context_len=2048, send_buffer=16384) as (url, port):
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -287,8 +288,9 @@ def test_a_client_that_never_reads_its_stream_is_dropped_and_its_place_given_bac
             received = b""
             while chunk := sock.recv(1 << 16):
                 received += chunk
-        assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received, \
-            "the stream ran to its end: it was never dropped"
+        assert received.startswith(b"HTTP/1.1 200"), received[:300]
+        assert b"[DONE]" not in received, \
+            f"the stream ran to its end ({len(received)} bytes): it was never dropped"
         replies = [post(url, "/v1/completions", {"model": "tiny", "prompt": [5, 6],
                                                  "max_tokens": 2})[0]
                    for _ in range(CONCURRENCY + 1)]
