@@ -53,9 +53,21 @@ def target_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return probs
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax over its last dimension, the first index on a tie. On a CPU tensor
+    by numpy, whose argmax over a vocabulary row is vectorised: PyTorch's took 0.75 ms for
+    11 rows of 49,152 logits, numpy's 0.07."""
+    if logits.device.type != "cpu":
+        return logits.argmax(-1).tolist()
+    rows = logits.detach()
+    if rows.dtype not in (torch.float32, torch.float64):
+        rows = rows.float()  # numpy has no bfloat16; widening keeps every order and tie
+    return rows.numpy().argmax(-1).tolist()
+
+
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
     """(accepted node indices along one path, bonus token). ``logits[0]`` is the root's."""
-    argmax = logits.argmax(-1).tolist()
+    argmax = argmax_rows(logits)
     return walk(tree, lambda pos, depth: argmax[pos])
 
 

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 
 from starhub.models.coupling import sample_at
 from starhub.wire.tree import DraftTree, ancestor_mask, depths
-from targets.acceptance import Sampling, accept_greedy, accept_sampled, target_probs
+from targets.acceptance import Sampling, accept_greedy, accept_sampled, argmax_rows, target_probs
 from targets.forward import ALL, LAST, NONE, DecoderPass, Row, RowOut, run_through
 
 HEADROOM = 256
@@ -122,7 +122,7 @@ class TargetModel:
     def next_token(self, logits: torch.Tensor, index: int) -> int:
         """The token at sequence ``index`` from the logits before it."""
         if self.sampling.greedy:
-            return int(logits.argmax())
+            return argmax_rows(logits[None])[0]
         return sample_at(target_probs(logits.float().cpu(), self.sampling), self.seed, index)
 
     def prefill(self, prompt: list[int]) -> tuple[int, torch.Tensor | None]:

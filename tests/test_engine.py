@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from starhub.drafters.base import DraftContext, TreeShape
 from starhub.drafters.model import ModelDrafter
-from targets.acceptance import Sampling
+from targets.acceptance import Sampling, argmax_rows
 from targets.engine import VerifyEngine
 from targets.forward import run_through
 from targets.verify import TargetModel
@@ -64,6 +64,16 @@ def test_batched_greedy_verification_equals_generate(tiny_model):
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=len(out), do_sample=False,
                              eos_token_id=None)[0, len(prompt):].tolist()
         assert out == ref
+
+
+def test_greedy_picks_are_torchs_argmax_first_on_a_tie_in_any_float_dtype():
+    logits = torch.randn(11, 4096, generator=torch.Generator().manual_seed(0))
+    logits[3, [7, 900]] = 1e3
+    assert argmax_rows(logits) == logits.argmax(-1).tolist()
+    assert argmax_rows(logits)[3] == 7
+    half = logits.bfloat16()
+    assert argmax_rows(half) == half.float().argmax(-1).tolist()
+    assert argmax_rows(logits.double()[:1]) == logits[:1].argmax(-1).tolist()
 
 
 def test_batched_sampled_verification_equals_one_session_at_a_time(tiny_model):
