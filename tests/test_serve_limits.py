@@ -269,8 +269,8 @@ def test_a_client_that_never_reads_its_stream_is_dropped_and_its_place_given_bac
     """A streaming client that reads nothing is dropped once a write has waited
     ``WRITE_TIMEOUT_S``: its request ends before its 2,000 tokens (about 2 MB of events
     with their logprobs, past the buffers), and the server has room for as many others as
-    before. Greedy, so that the random model cannot sample its end-of-sequence token and
-    end the stream early, within the buffers."""
+    before. Greedy, so that every run decodes the same tokens: a sampled stream has a fresh
+    seed each run, and one that drew the end-of-sequence token early would fit the buffers."""
     monkeypatch.setattr(app_module, "WRITE_TIMEOUT_S", 1.0)
     body = json.dumps({"model": "tiny", "prompt": [5, 6], "max_tokens": 2000, "stream": True,
                        "logprobs": 20, "temperature": 0}).encode()
