@@ -444,6 +444,46 @@ def test_products_of_a_few_rows_on_the_blas_give_the_prepacked_products_padded_o
         assert not layer.on_blas(9)
 
 
+def test_many_row_products_run_on_the_plain_weights_only_at_the_counts_timed_faster(tiny_dir):
+    """``many_rows_on_plain`` leaves every layer of a shape on the counts it timed faster on
+    the plain weights, and the model's logits stay the plain model's; a layer sends a
+    product there by the first timed count at or above its rows (the last beyond them),
+    never a product of a few rows, and reads the prepacked weight for the rest."""
+    import torch
+
+    from starhub.models import loading
+
+    plain, both = _plain_twice(tiny_dir)
+    loading.prepack_linears(both, loading.TORCH_ROW)
+    chosen = loading.many_rows_on_plain(both, rounds=1)
+    layers = loading.onednn_linears(both)
+    assert set(chosen) == {(m.in_features, m.out_features) for m in layers}
+    for m in layers:
+        assert m.plain_rows == chosen[m.in_features, m.out_features] <= set(loading.MANY_ROWS)
+    ids = torch.randint(3, 40000, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(both(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+    linear = torch.nn.Linear(48, 40)
+    layer = loading.OneDNNLinear(linear, loading.TORCH_ROW)
+    layer.plain_rows = frozenset({48})
+    doubled = torch.nn.Linear(48, 40)  # the plain copy made to differ, to tell which ran
+    with torch.no_grad():
+        doubled.weight.copy_(2 * linear.weight)
+        doubled.bias.copy_(linear.bias)
+    layer.one_row = doubled.weight.detach()
+    x = torch.randn(80, 48)
+    with torch.inference_mode():
+        for rows, on_plain in [(1, True), (2, False), (15, False), (32, False), (33, True),
+                               (48, True), (64, False), (80, False)]:
+            assert layer.runs_plain(rows) is on_plain
+            want = (doubled if on_plain else linear)(x[:rows])
+            torch.testing.assert_close(layer(x[:rows]), want, rtol=1e-5, atol=1e-5)
+    layer.plain_rows = frozenset({64})
+    assert layer.runs_plain(80) and not layer.runs_plain(48)
+    layer.keep_one_row(None)
+    assert not layer.plain_rows and not layer.runs_plain(64)
+
+
 def test_single_rows_over_the_whole_transpose_take_one_row_and_leave_more_to_onednn(tiny_dir):
     """``GEMV_ROW`` holds each weight's ``[in, out]`` transpose as one block: one row's
     product runs there and equals the plain layer's, two rows go to the prepacked weight,

@@ -284,6 +284,7 @@ def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device:
         if linear == "auto":
             fastest_one_row(model, whole=one_row_only)
             rows_on_blas(model)
+            many_rows_on_plain(model)
         two_rows_as_three(model)
         release_weights_file(model)
     if compile:
@@ -363,6 +364,10 @@ def blas_blocks(weight: torch.Tensor, block: int | None = BLOCK) -> torch.Tensor
     return weight.t().reshape(inp, out // size, size).transpose(0, 1).contiguous()
 
 
+MANY_ROWS = (16, 32, 48, 64)
+"""The row counts ``many_rows_on_plain`` times."""
+
+
 class OneDNNLinear(torch.nn.Module):
     """An inference-only ``nn.Linear`` whose weight oneDNN reordered once into its own layout.
 
@@ -399,6 +404,10 @@ class OneDNNLinear(torch.nn.Module):
         """Run a product of two rows as one of three (the third a copy of the first,
         dropped after): where oneDNN's kernel for two rows is slower than for three
         (``two_rows_as_three``)."""
+        self.plain_rows: frozenset[int] = frozenset()
+        """On ``TORCH_ROW``, the counts of ``MANY_ROWS`` whose products run on the plain
+        weight too, where PyTorch's own kernel took them faster (``many_rows_on_plain``;
+        ``runs_plain``)."""
         self.keep_one_row(one_row, linear.weight.detach() if one_row else None)
 
     def keep_one_row(self, kernel: str | None, weight: torch.Tensor | None = None) -> None:
@@ -406,6 +415,7 @@ class OneDNNLinear(torch.nn.Module):
         weight, or for ``BLAS_ROW`` and ``GEMV_ROW`` one already in ``blas_blocks``), or on
         the prepacked weight (None, dropping any plain copy)."""
         self.blocks, self._bias, self.blas_max, self.blas_pad = None, None, 1, {}
+        self.plain_rows = frozenset()
         if kernel is None:
             self.one_row = self.one_row_kernel = None
         elif weight is None:
@@ -419,6 +429,16 @@ class OneDNNLinear(torch.nn.Module):
             self._bias = None if self.bias is None else self.bias.numpy()
         else:
             raise ValueError(f"unknown one-row kernel '{kernel}'")
+
+    def runs_plain(self, rows: int) -> bool:
+        """Whether a product of ``rows`` rows runs on the plain weight (on ``TORCH_ROW``):
+        one row, and from ``MANY_ROWS[0]`` rows on, as the first timed count at or above
+        them (the last beyond them) was decided."""
+        if rows == 1:
+            return True
+        if rows < MANY_ROWS[0] or not self.plain_rows:
+            return False
+        return next((c for c in MANY_ROWS if c >= rows), MANY_ROWS[-1]) in self.plain_rows
 
     def on_blas(self, rows: int) -> bool:
         """Whether a product of ``rows`` rows runs on numpy's BLAS (``blas``)."""
@@ -441,7 +461,7 @@ class OneDNNLinear(torch.nn.Module):
             with blas_alone():
                 y = torch.from_numpy(self.blas(x.detach().reshape(rows, -1).numpy()))
             return y.view(*x.shape[:-1], self.out_features)
-        if self.one_row is not None and rows == 1:  # TORCH_ROW
+        if self.one_row is not None and self.runs_plain(rows):  # TORCH_ROW
             return torch.nn.functional.linear(x, self.one_row, self.bias)
         if self.pad_two_rows and x.numel() == 2 * self.in_features:
             pair = x.reshape(2, self.in_features)
@@ -665,6 +685,52 @@ def two_rows_as_three(model: torch.nn.Module, rounds: int = 3) -> bool:
     return pad
 
 
+@torch.inference_mode()
+def many_rows_on_plain(model: torch.nn.Module, rounds: int = 2
+                       ) -> dict[tuple[int, int], frozenset[int]]:
+    """Where layers keep their plain weights for single rows (``TORCH_ROW``), at which of
+    ``MANY_ROWS`` each shape of layer runs its products there too: where PyTorch's own
+    kernel took them at least 5% faster than the prepacked one (``OneDNNLinear.plain_rows``;
+    a count between two timed ones goes as the larger: ``runs_plain``). oneDNN's kernels for these
+    weights are fastest for a few rows (a tree, a few plain steps) and for the wide layers,
+    but on an Intel Xeon with two threads they took the narrow projections of 44 rows (a
+    pass of four trees) a third to a half longer than PyTorch's: 12.5 ms against 8.5 for
+    the embedded model's query-key-value products, 20.9 against 14.5 for its down
+    projections (docs/benchmarks.md, "Many rows on the plain weights"). Each shape's layers
+    timed together, both ways at each count in turn, best of ``rounds``: about 1 s on the
+    embedded model. Returns each ``(in, out)`` shape's counts; the layers are left on them."""
+    groups: dict[tuple[int, int], list[OneDNNLinear]] = {}
+    for m in onednn_linears(model):
+        if m.one_row_kernel == TORCH_ROW:
+            groups.setdefault((m.in_features, m.out_features), []).append(m)
+    if not groups:
+        return {}
+    dtype = next(iter(groups.values()))[0].packed.dtype
+    inputs = {(r, n): torch.ones(r, n, dtype=dtype) for r in MANY_ROWS for n, _ in groups}
+
+    def run(choice: tuple[tuple[int, int], str, int]) -> Callable[[], None]:
+        shape, kernel, r = choice
+        x, layers = inputs[r, shape[0]], groups[shape]
+        if kernel == TORCH_ROW:
+            return lambda: [torch.nn.functional.linear(x, m.one_row, m.bias) for m in layers]
+        return lambda: [torch.ops.mkldnn._linear_pointwise(x, m.packed, m.bias, "none", [], "")
+                        for m in layers]
+
+    times = _best_seconds([(shape, kernel, r) for shape in groups for r in MANY_ROWS
+                           for kernel in (TORCH_ROW, "prepacked")], run, rounds)
+    chosen = {shape: frozenset(r for r in MANY_ROWS if times[shape, TORCH_ROW, r]
+                               < KERNEL_GAIN * times[shape, "prepacked", r]) for shape in groups}
+    for shape, layers in groups.items():
+        for m in layers:
+            m.plain_rows = chosen[shape]
+    log.debug("products of %s rows, ms plain / prepacked: %s", ", ".join(map(str, MANY_ROWS)),
+              "; ".join(f"{shape[0]}x{shape[1]} " + " ".join(
+                  f"{1e3 * times[shape, TORCH_ROW, r]:.1f}/{1e3 * times[shape, 'prepacked', r]:.1f}"
+                  for r in MANY_ROWS) + f" -> plain at {sorted(chosen[shape]) or 'none'}"
+                  for shape in groups))
+    return chosen
+
+
 def linear_in_use(model: torch.nn.Module) -> str:
     """The linear kernels a loaded model runs, as its start-up line names them."""
     linears = onednn_linears(model)
@@ -673,7 +739,10 @@ def linear_in_use(model: torch.nn.Module) -> str:
     kernel, rows = linears[0].one_row_kernel, linears[0].blas_max
     if not kernel:
         return "onednn"
-    return f"onednn ({kernel} for {'one row' if rows == 1 else f'up to {rows} rows'})"
+    many = [min(m.plain_rows) for m in linears if m.plain_rows]
+    also = f" and for some of {min(many)}+ rows in {len(many)} of {len(linears)} layers" \
+        if many else ""
+    return f"onednn ({kernel} for {'one row' if rows == 1 else f'up to {rows} rows'}{also})"
 
 
 def truncate_layers(model: PreTrainedModel, layers: int) -> None:
