@@ -694,16 +694,16 @@ def many_rows_on_plain(model: torch.nn.Module, rounds: int = 2
     """Where layers keep their plain weights for single rows (``TORCH_ROW``), at which of
     ``MANY_ROWS`` each shape of layer runs its products there too: where PyTorch's own
     kernel took them at least 5% faster than the prepacked one (``OneDNNLinear.plain_rows``;
-    a count between two timed ones goes as the larger: ``runs_plain``). oneDNN's kernels for these
-    weights are fastest for a few rows (a tree, a few plain steps) and for the wide layers,
-    but on an Intel Xeon with two threads they took the narrow projections of 44 rows (a
-    pass of four trees) a third to a half longer than PyTorch's: 12.5 ms against 8.5 for
-    the embedded model's query-key-value products, 20.9 against 14.5 for its down
-    projections (docs/benchmarks.md, "Many rows on the plain weights"). Up to
-    ``TIMED_LAYERS`` of each shape timed together (so many rows are bound by the arithmetic,
-    not by reading the weights, which a few layers show as well as all), both ways at each
-    count in turn, best of ``rounds``: 0.4 to 1 s on the embedded model. Returns each ``(in,
-    out)`` shape's counts; the layers are left on them."""
+    a count between two timed ones goes as the larger, ``runs_plain``). oneDNN's kernels
+    are the fastest for a few rows (a tree, a few plain steps) and for the wide layers, but
+    on an Intel Xeon with two threads they took the narrow projections of 44 rows (a pass
+    of four trees) a quarter to a half longer than PyTorch's: 12.6 ms against 10.1 for the
+    embedded model's query-key-value products, 20.7 against 15.9 for its down projections
+    (docs/benchmarks.md, "Many rows on the plain weights"). Up to ``TIMED_LAYERS`` of each
+    shape are timed together (a product of many rows is bound by its arithmetic, not by
+    reading the weights, so a few layers time it as well as all of them), both ways at each
+    count in turn, best of ``rounds``: 0.4 to 1 s on the embedded model. Returns each
+    ``(in, out)`` shape's counts; the layers are left on them."""
     groups: dict[tuple[int, int], list[OneDNNLinear]] = {}
     for m in onednn_linears(model):
         if m.one_row_kernel == TORCH_ROW:
