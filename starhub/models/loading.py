@@ -468,9 +468,12 @@ class OneDNNLinear(torch.nn.Module):
             return torch.nn.functional.linear(x, self.one_row, self.bias)
         if self.pad_two_rows and x.numel() == 2 * self.in_features:
             pair = x.reshape(2, self.in_features)
-            y = torch.ops.mkldnn._linear_pointwise(torch.cat([pair, pair[:1]]), self.packed,
-                                                   self.bias, "none", [], "")
+            y = self.prepacked(torch.cat([pair, pair[:1]]))
             return y[:2].view(*x.shape[:-1], self.out_features)
+        return self.prepacked(x)
+
+    def prepacked(self, x: torch.Tensor) -> torch.Tensor:
+        """The product on the prepacked weight, whatever the rows."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
@@ -636,8 +639,7 @@ def rows_on_blas(model: torch.nn.Module, rounds: int = 2) -> int:
         if kernel == BLAS_ROW:
             return lambda: [m.blas(inputs[r][m.in_features]) for m in linears]
         x = {n: torch.from_numpy(a) for n, a in inputs[r].items()}
-        return lambda: [torch.ops.mkldnn._linear_pointwise(
-            x[m.in_features], m.packed, m.bias, "none", [], "") for m in linears]
+        return lambda: [m.prepacked(x[m.in_features]) for m in linears]
 
     with blas_alone():
         times = _best_seconds([(k, r) for r in counts for k in (BLAS_ROW, "prepacked")], run,
@@ -676,8 +678,7 @@ def two_rows_as_three(model: torch.nn.Module, rounds: int = 3) -> bool:
               for r in (2, 3) for n in {m.in_features for m in linears}}
 
     def run(rows: int) -> Callable[[], None]:
-        return lambda: [torch.ops.mkldnn._linear_pointwise(
-            inputs[rows, m.in_features], m.packed, m.bias, "none", [], "") for m in linears]
+        return lambda: [m.prepacked(inputs[rows, m.in_features]) for m in linears]
 
     best = _best_seconds([2, 3], run, rounds)
     pad = best[3] < KERNEL_GAIN * best[2]
@@ -718,8 +719,7 @@ def many_rows_on_plain(model: torch.nn.Module, rounds: int = 2
         x, layers = inputs[r, shape[0]], groups[shape][:TIMED_LAYERS]
         if kernel == TORCH_ROW:
             return lambda: [torch.nn.functional.linear(x, m.one_row, m.bias) for m in layers]
-        return lambda: [torch.ops.mkldnn._linear_pointwise(x, m.packed, m.bias, "none", [], "")
-                        for m in layers]
+        return lambda: [m.prepacked(x) for m in layers]
 
     times = _best_seconds([(shape, kernel, r) for shape in groups for r in MANY_ROWS
                            for kernel in (TORCH_ROW, "prepacked")], run, rounds)
