@@ -1,11 +1,11 @@
 """Batched verification: several sessions' draft trees in one forward pass of the target.
 
-Each session keeps its own KV cache (a ``TargetModel`` over static storage), so sessions
-come and go freely. A batched pass is one ``DecoderPass`` over every session's row: the
-linear layers run over all rows' tokens together, and each row attends to its own cache in
-place under its own ancestor mask and positions. Rows never see each other, so each row's
-logits are the ones it would get alone: greedy output stays token-identical to
-``generate()``, and sampling uses the star target's acceptance rules.
+Each session keeps its own KV cache (a ``TargetModel`` over a slot of the model's
+``KVPool``), so sessions come and go freely. A batched pass is one ``DecoderPass`` over
+every session's row: the linear layers run over all rows' tokens together, and each row
+attends to its own cache in place under its own ancestor mask and positions. Rows never
+see each other, so each row's logits are the ones it would get alone: greedy output stays
+token-identical to ``generate()``, and sampling uses the star target's acceptance rules.
 
 Nothing here knows about sockets or roles: the edge verifier drives it, and so does a
 serving star target (``targets.batcher``) for its requests in flight.

@@ -3,10 +3,11 @@ its own cache where that cache lies.
 
 The pass runs the model's own modules (embedding, norms, projections, MLPs, rotary table,
 LM head: whatever kernels the loader gave them) on every row's tokens at once, so each
-weight is read once a pass whatever the rows. Only attention is per row: a row's new keys
-and values go straight into its session's buffers (``SessionKV``) and its queries attend to
-the front of those buffers under the row's own mask, so no cache is padded, stacked or
-copied, and no mask is made for the batch as a whole.
+weight is read once a pass whatever the rows. Only attention sees sessions apart: a row's
+new keys and values go straight into its session's slot (``targets.kv``) and its queries
+attend to the front of that slot under the row's own mask, so no cache is padded, stacked
+or copied. Rows whose sessions share a shelf are attended to by one call over the shelf's
+slots (``ShelfCall``), every other row by a call of its own.
 
 A fresh prompt makes the very attention call transformers' ``sdpa`` makes for it. A pass
 of a few tokens (a plain step, one session's tree, plain steps of several sessions) runs
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from targets.kv import SessionKV
+from targets.kv import KVPool, SessionKV, Shelf
 from targets.numpy_pass import NumpyPass, NumpyRow, runs_here, supported
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -38,6 +39,10 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 positions and a gated MLP, every layer attending to the whole context."""
 
 T = TypeVar("T")
+
+SHARED_WIDTH = 64
+"""The most tokens a row may feed and share an attention call with other sessions' rows
+(a tree's nodes and root, plain steps)."""
 
 ALL, LAST, NONE = "all", "last", "none"
 """Which of a row's positions get logits."""
@@ -58,6 +63,36 @@ class Row:
     features: tuple[int, ...] = ()
     """Hidden states to return for every new token, as transformers numbers them
     (0: the embeddings, i: layer i's output; negative from the end), concatenated."""
+
+
+class Alone(NamedTuple):
+    """A row attended to by a call of its own."""
+    row: Row
+    n: int
+    start: int
+    mask: torch.Tensor | None
+    causal: bool
+
+
+class ShelfCall(NamedTuple):
+    """Rows whose sessions share a shelf (``targets.kv``), attended to by one call over its
+    slots ``lo`` to ``lo + batch``, each row's queries padded to ``width`` and every key
+    up to ``span`` read under ``mask``."""
+    shelf: Shelf
+    lo: int
+    batch: int
+    width: int
+    span: int
+    tokens: slice | torch.Tensor
+    """The rows' tokens' places in the pass (a slice where they lie together)."""
+    padded: torch.Tensor | None
+    """``[T]``: each token's place among the ``batch * width`` queries; None where they
+    are the same (every slot's row fills the width)."""
+    entries: torch.Tensor
+    """``[T * kv_heads]``: where each token's key and value for each head go, in the
+    shelf's storage of a layer seen as ``[-1, head_dim]``."""
+    mask: torch.Tensor
+    """``[batch, 1, groups * width, span]`` additive, the query heads folded."""
 
 
 @dataclass
@@ -117,9 +152,11 @@ class DecoderPass:
         self.numpy_pass = NumpyPass(model, self.heads, self.kv_heads, self.head_dim) \
             if supported(model) else None
         """Where it runs passes of a few tokens (``targets.numpy_pass``)."""
+        self.pool = KVPool(self.kv_heads, self.head_dim, self.dtype, self.devices)
+        """Every session's cache (``targets.kv``)."""
 
     def new_cache(self, capacity: int = 0) -> SessionKV:
-        return SessionKV(self.kv_heads, self.head_dim, self.dtype, self.devices, capacity)
+        return self.pool.new_cache(capacity)
 
     def _mask(self, row: Row, n: int) -> tuple[torch.Tensor | None, bool]:
         """The row's additive mask for its folded queries (each key/value head's query heads one
@@ -188,7 +225,7 @@ class DecoderPass:
             for row, n in zip(rows, sizes, strict=True)])
         for row, n in zip(rows, sizes, strict=True):
             row.kv.reserve(n)
-        masks = [self._mask(row, n) for row, n in zip(rows, sizes, strict=True)]
+        calls, alone = self._plan(rows, sizes, starts)
         device = model.embed_tokens.weight.device
         x = model.embed_tokens(ids[None].to(device))
         rotary = model.rotary_emb(x, positions[None].to(device))
@@ -199,8 +236,8 @@ class DecoderPass:
             if x.device != self.devices[li]:
                 x = x.to(self.devices[li])
                 rotary = tuple(t.to(x.device) for t in rotary)
-            x = x + self._attention(li, layer, norm(layer.input_layernorm, x), rotary, rows,
-                                    sizes, starts, masks, total)
+            x = x + self._attention(li, layer, norm(layer.input_layernorm, x), rotary, calls,
+                                    alone, total)
             x = x + self._mlp(layer.mlp, norm(layer.post_attention_layernorm, x))
             if li + 1 in wanted:
                 hidden[li + 1] = x
@@ -212,8 +249,57 @@ class DecoderPass:
             row.kv.advance(n)
         return self._outputs(rows, sizes, starts, x, hidden)
 
-    def _attention(self, li: int, layer, h: torch.Tensor, rotary, rows: list[Row],
-                   sizes: list[int], starts: list[int], masks, total: int) -> torch.Tensor:
+    def _plan(self, rows: list[Row], sizes: list[int], starts: list[int]
+              ) -> tuple[list[ShelfCall], list[Alone]]:
+        """How each row is attended to: rows of sessions that share a shelf by one call over
+        it, any other row by a call of its own (a fresh prompt, which runs causal, and a
+        prompt's later chunk, whose width every row of a shared call would be padded to)."""
+        by_shelf: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            if row.kv.length and row.kv.shelf is not None and len(row.ids) <= SHARED_WIDTH:
+                by_shelf.setdefault(id(row.kv.shelf), []).append(i)
+        calls, shared = [], set()
+        for members in by_shelf.values():
+            if len(members) > 1 and len({rows[i].kv.slot for i in members}) == len(members):
+                calls.append(self._shelf_call([rows[i] for i in members],
+                                              [starts[i] for i in members]))
+                shared.update(members)
+        alone = [Alone(row, n, s, *self._mask(row, n)) for i, (row, n, s)
+                 in enumerate(zip(rows, sizes, starts, strict=True)) if i not in shared]
+        return calls, alone
+
+    def _shelf_call(self, rows: list[Row], starts: list[int]) -> ShelfCall:
+        shelf = rows[0].kv.shelf
+        slots = [row.kv.slot for row in rows]
+        lo, batch = min(slots), max(slots) - min(slots) + 1
+        width = max(len(row.ids) for row in rows)
+        span = max(row.kv.length + len(row.ids) for row in rows)
+        # additive, as attention would make a boolean mask in each layer; a query that
+        # feeds nothing (a shorter row's padding, a slot outside the pass) sees the first
+        # entry only, and its output is dropped
+        mask = torch.full((batch, self.groups, width, span), float("-inf"), dtype=self.dtype)
+        mask[..., 0] = 0
+        tokens, padded, entries = [], [], []
+        heads = torch.arange(self.kv_heads)[None] * shelf.capacity
+        for row, s, slot in zip(rows, starts, slots, strict=True):
+            n, cached, b = len(row.ids), row.kv.length, slot - lo
+            new = row.mask if row.mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
+            mask[b, :, :n, :cached] = 0
+            mask[b, :, :n, cached:cached + n].masked_fill_(new, 0)
+            tokens.extend(range(s, s + n))
+            padded.extend(range(b * width, b * width + n))
+            at = slot * self.kv_heads * shelf.capacity + torch.arange(cached, cached + n)
+            entries.append((at[:, None] + heads).flatten())
+        first = tokens[0]
+        return ShelfCall(
+            shelf, lo, batch, width, span,
+            slice(first, first + len(tokens)) if tokens == list(range(first, first + len(tokens)))
+            else torch.tensor(tokens),
+            None if padded == list(range(batch * width)) else torch.tensor(padded),
+            torch.cat(entries), mask.view(batch, 1, self.groups * width, span))
+
+    def _attention(self, li: int, layer, h: torch.Tensor, rotary, calls: list[ShelfCall],
+                   alone: list[Alone], total: int) -> torch.Tensor:
         attn = layer.self_attn
         shape = (1, total, -1, self.head_dim)
         if hasattr(attn, "qkv_proj"):  # one product (``starhub.models.fused``)
@@ -226,7 +312,10 @@ class DecoderPass:
         v = v.view(shape).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rotary)
         out = h.new_empty(total, self.heads, self.head_dim)
-        for row, n, s, (mask, causal) in zip(rows, sizes, starts, masks, strict=True):
+        for call in calls:
+            self._over_shelf(li, call, q[0].transpose(0, 1), k[0].transpose(0, 1),
+                             v[0].transpose(0, 1), out, attn.scaling)
+        for row, n, s, mask, causal in alone:
             keys, values = row.kv.write(li, k[0, :, s:s + n], v[0, :, s:s + n])
             query = q[:, :, s:s + n]
             if mask is None:
@@ -239,6 +328,28 @@ class DecoderPass:
                            scale=attn.scaling)
                 out[s:s + n] = got.view(self.heads, n, self.head_dim).transpose(0, 1)
         return attn.o_proj(out.view(1, total, -1))
+
+    def _over_shelf(self, li: int, call: ShelfCall, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        """One attention call over the shelf's slots ``call.lo`` on for ``call``'s rows,
+        whose ``[tokens, heads, head_dim]`` queries, keys and values are in ``q``, ``k``,
+        ``v``: the keys and values go into their slots, and the rows' output into ``out``."""
+        keys, values = call.shelf.keys[li], call.shelf.values[li]
+        dim, batch, width = self.head_dim, call.batch, call.width
+        entries = call.entries.to(keys.device)
+        padded = None if call.padded is None else call.padded.to(keys.device)
+        keys.view(-1, dim).index_copy_(0, entries, k[call.tokens].reshape(-1, dim))
+        values.view(-1, dim).index_copy_(0, entries, v[call.tokens].reshape(-1, dim))
+        queries = q[call.tokens]
+        if padded is not None:
+            queries = q.new_zeros(batch * width, self.heads, dim).index_copy_(0, padded, queries)
+        folded = queries.view(batch, width, self.heads, dim).transpose(1, 2).reshape(
+            batch, self.kv_heads, self.groups * width, dim)
+        window = slice(call.lo, call.lo + batch)
+        got = sdpa(folded, keys[window, :, :call.span], values[window, :, :call.span],
+                   attn_mask=call.mask.to(keys.device), scale=scale)
+        got = got.view(batch, self.heads, width, dim).transpose(1, 2).reshape(-1, self.heads, dim)
+        out[call.tokens] = got if padded is None else got.index_select(0, padded)
 
     @staticmethod
     def _mlp(mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:

@@ -1,69 +1,164 @@
-"""A session's keys and values in storage of its own that passes write in place.
+"""Sessions' keys and values in shared storage that passes write in place.
 
-Each layer holds one keys and one values buffer, ``[kv_heads, capacity, head_dim]``, with
-the session's ``length`` entries at the front. A forward pass writes its new entries after
-them (``DecoderPass``) and attention reads the front of the buffer as it is: nothing is
-concatenated, padded or copied into a batch. Compaction after a verify moves only the
-accepted entries down, inside the session (``keep``). A buffer grows, by half again, only
-when a pass would overflow it, so a session is copied a few times in its life, never once
-a pass.
+A ``KVPool`` holds, for each size class, shelves of ``SLOTS`` sessions: each layer's keys
+and each layer's values are one ``[SLOTS, kv_heads, capacity, head_dim]`` tensor, and a
+session (``SessionKV``) owns one slot of a shelf, its ``length`` entries at the front: a
+slot on a shelf with room of at most twice what it needs, else on a new shelf of its size
+class. A forward pass writes its new entries after them (``DecoderPass``) and attention
+reads the slot as it is: nothing is concatenated, padded or copied into a batch. Sessions
+that share a shelf are attended to by one call over the shelf (the slot is the batch
+dimension), which on two threads runs a pass of several trees faster than one call a
+session (a call over one session splits its three key-value heads unevenly between two
+threads).
+
+Compaction after a verify moves only the accepted entries down, inside the slot
+(``keep``). A session moves to a bigger slot, one copy, only when a pass would overflow its
+own, so it is copied a few times in its life, never once a pass. A slot is zeroed when a
+session takes it, so a call over the shelf never reads another session's entries or
+uninitialised memory (it reads them only under a mask, past a row's own); it goes back to
+its shelf when the session is dropped, and a shelf with no session is freed.
 """
 
 from __future__ import annotations
 
+import collections
+import threading
+import weakref
+
 import torch
 
 GRAIN = 128
-"""Capacities are whole multiples of this many entries."""
+"""The smallest capacity; the size classes are it times 1, 1.5, 2, 3, 4, 6, 8, ..."""
+
+SLOTS = 8
+"""Sessions a shelf holds: the most rows one attention call covers."""
 
 
-def _rounded(n: int) -> int:
-    return -(-n // GRAIN) * GRAIN
+def size_class(n: int) -> int:
+    """The smallest capacity of at least ``n`` entries."""
+    size = GRAIN
+    while size < n:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return size
+
+
+class Shelf:
+    """Storage of up to ``SLOTS`` sessions of one capacity, over every layer."""
+
+    @torch.inference_mode(False)  # plain tensors: written in place in and out of passes
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 devices: list[torch.device], capacity: int):
+        self.capacity = capacity
+        shape = (SLOTS, kv_heads, capacity, head_dim)
+        # untouched pages of empty slots take no memory until a session zeroes its own
+        self.keys = [torch.empty(shape, dtype=dtype, device=d) for d in devices]
+        self.values = [torch.empty(shape, dtype=dtype, device=d) for d in devices]
+        self.free = set(range(SLOTS))
+
+
+class KVPool:
+    """Every shelf of one model's sessions."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 devices: list[torch.device]):
+        self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
+        self.devices = devices
+        self.shelves: dict[int, list[Shelf]] = {}
+        self._lock = threading.Lock()
+        self._returned: collections.deque[tuple[Shelf, int]] = collections.deque()
+        """Slots given back and not yet settled: a session is dropped on any thread, even
+        by a garbage collection inside ``take``."""
+
+    def new_cache(self, capacity: int = 0) -> SessionKV:
+        return SessionKV(self, capacity)
+
+    def take(self, need: int) -> tuple[Shelf, int]:
+        """A free slot of at least ``need`` entries: on a shelf with room of at most twice
+        that (the smallest), so that sessions of different lengths still share shelves and
+        with them their passes' attention calls; else on a new shelf of ``need``'s size
+        class. The lowest free slot, so that a pass's sessions tend to lie together."""
+        with self._lock:
+            self._settle()
+            fits = [shelf for size, shelves in self.shelves.items()
+                    if need <= size <= max(2 * need, size_class(need)) for shelf in shelves
+                    if shelf.free]
+            if fits:
+                shelf = min(fits, key=lambda shelf: shelf.capacity)
+            else:
+                shelf = Shelf(self.kv_heads, self.head_dim, self.dtype, self.devices,
+                              size_class(need))
+                self.shelves.setdefault(shelf.capacity, []).append(shelf)
+            slot = min(shelf.free)
+            shelf.free.remove(slot)
+            return shelf, slot
+
+    def give_back(self, shelf: Shelf, slot: int) -> None:
+        """Free a slot: now, unless the pool is busy (then at its next ``take``)."""
+        self._returned.append((shelf, slot))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._settle()
+            finally:
+                self._lock.release()
+
+    def _settle(self) -> None:
+        while self._returned:
+            shelf, slot = self._returned.popleft()
+            shelf.free.add(slot)
+            if len(shelf.free) == SLOTS:
+                self.shelves[shelf.capacity].remove(shelf)
 
 
 class SessionKV:
-    """One session's cache over every layer of a model (``devices`` gives each layer's)."""
+    """One session's cache over every layer: a slot of a ``KVPool`` shelf, once it holds
+    anything. ``keys[layer]`` and ``values[layer]`` are the slot's ``[kv_heads, capacity,
+    head_dim]`` storage."""
 
-    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 devices: list[torch.device], capacity: int = 0):
-        self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
-        self.devices = devices
+    def __init__(self, pool: KVPool, capacity: int = 0):
+        self.pool = pool
         self.length = 0
-        """Entries held: every layer's buffers hold this many at their front."""
+        """Entries held: every layer's storage holds this many at its front."""
+        self.shelf: Shelf | None = None
+        self.slot = -1
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         """Nothing until the first ``reserve`` (or a ``capacity`` given here)."""
+        self._release: weakref.finalize | None = None
         if capacity:
-            self._allocate(_rounded(capacity))
+            self._move(capacity)
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[1] if self.keys else 0
+        return 0 if self.shelf is None else self.shelf.capacity
 
     @property
     def nbytes(self) -> int:
-        """What the buffers take, over every layer."""
+        """What the slot takes, over every layer."""
         return 2 * sum(k.nbytes for k in self.keys)
 
-    @torch.inference_mode(False)  # plain tensors: written in place in and out of passes
-    def _allocate(self, capacity: int) -> None:
-        old = list(zip(self.keys, self.values, strict=True))
-        self.keys, self.values = [], []
-        for layer, device in enumerate(self.devices):
-            shape = (self.kv_heads, capacity, self.head_dim)
-            keys = torch.empty(shape, dtype=self.dtype, device=device)
-            values = torch.empty(shape, dtype=self.dtype, device=device)
-            if old and self.length:
-                keys[:, :self.length] = old[layer][0][:, :self.length]
-                values[:, :self.length] = old[layer][1][:, :self.length]
-            self.keys.append(keys)
-            self.values.append(values)
+    @torch.inference_mode(False)  # views of plain tensors, written in and out of passes
+    def _move(self, need: int) -> None:
+        """Into a zeroed slot of at least ``need`` entries, with the held entries; the old
+        slot goes back."""
+        shelf, slot = self.pool.take(need)
+        keys = [k[slot] for k in shelf.keys]
+        values = [v[slot] for v in shelf.values]
+        for new, old in ((keys, self.keys), (values, self.values)):
+            for layer, storage in enumerate(new):
+                storage.zero_()
+                if old and self.length:
+                    storage[:, :self.length] = old[layer][:, :self.length]
+        if self._release is not None:
+            self._release()
+        self._release = weakref.finalize(self, self.pool.give_back, shelf, slot)
+        self._release.atexit = False
+        self.shelf, self.slot, self.keys, self.values = shelf, slot, keys, values
 
     def reserve(self, new: int) -> None:
-        """Make room for ``new`` more entries; grows (one copy) only when they do not fit."""
+        """Make room for ``new`` more entries; moves (one copy) only when they do not fit."""
         need = self.length + new
         if need > self.capacity:
-            self._allocate(_rounded(max(need, self.capacity + self.capacity // 2)))
+            self._move(need)
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:

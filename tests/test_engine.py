@@ -257,3 +257,56 @@ def test_the_verifiers_budget_is_priced_against_a_tree_pass_never_a_one_token_pa
         hook.remove()
     assert fed and min(fed) >= 2, f"a pass of {min(fed)} token timed"
     assert 2 <= budget <= 8
+
+
+@pytest.mark.parametrize("fresh_at", [2, 1])
+def test_rows_sharing_a_shelf_get_what_each_gets_alone_around_a_slot_not_in_the_pass(
+        tiny_model, fresh_at):
+    """One attention call over a shelf's slots serves rows of different lengths and tree
+    sizes, skips a session in between that feeds nothing, and leaves a fresh prompt in the
+    same pass to its own causal call: every row's logits and new cache entries are the ones
+    it gets in a pass of its own."""
+    import numpy as np
+
+    from starhub.wire.tree import DraftTree, ancestor_mask, depths
+    from targets.forward import ALL, SHARED_WIDTH, DecoderPass, Row
+
+    model, _ = tiny_model
+    runner = DecoderPass(model)
+    prompts = [list(range(3, 40)), [5, 6, 7], list(range(50, 61))]
+    trees = [DraftTree(np.array([9, 4, 2], np.int32), np.array([-1, 0, 0], np.int32)), None,
+             DraftTree(np.array([8, 1, 6, 3, 2], np.int32), np.array([-1, 0, 1, 1, 2], np.int32))]
+
+    def rows(caches, fresh):
+        made = []
+        for kv, tree, prompt in zip(caches, trees, prompts, strict=True):
+            if tree is not None:
+                depth = np.concatenate([[0], depths(tree.parents)])
+                positions = kv.length + torch.from_numpy(depth)
+                made.append(Row(kv, [prompt[-1], *tree.tokens.tolist()], positions,
+                                ancestor_mask(tree.parents)))
+        made.insert(fresh_at, Row(fresh, [4, 5, 6, 7]))
+        return made
+
+    with torch.inference_mode():
+        together = [runner.new_cache(64) for _ in prompts]
+        alone = [runner.new_cache(64) for _ in prompts]
+        for kv, prompt in zip(together + alone, prompts + prompts, strict=True):
+            run_through(runner.layer_by_layer([Row(kv, prompt[:-1], logits=ALL)]))
+        assert len({kv.slot for kv in together}) == 3 and together[0].shelf is together[2].shelf
+        fresh, fresh_alone = runner.new_cache(4), runner.new_cache(4)
+        given = rows(together, fresh)
+        sizes = [len(row.ids) for row in given]
+        plan, _ = runner._plan(given, sizes, [sum(sizes[:i]) for i in range(3)])
+        assert len(plan) == 1 and plan[0].batch == 3, "slots 0 to 2, one call"
+        chunk = Row(together[2], list(range(3, 3 + SHARED_WIDTH + 1)))
+        plan, alone_rows = runner._plan([given[0], chunk], [4, SHARED_WIDTH + 1], [0, 4])
+        assert not plan and len(alone_rows) == 2, "a prompt's chunk is not padded to"
+        mine = run_through(runner.layer_by_layer(rows(together, fresh)))
+        theirs = [run_through(runner.layer_by_layer([row]))[0] for row in rows(alone, fresh_alone)]
+    for a, b in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+    for a, b in zip([*together, fresh], [*alone, fresh_alone], strict=True):
+        assert a.length == b.length
+        torch.testing.assert_close(a.keys[1][:, :a.length], b.keys[1][:, :b.length])
+        torch.testing.assert_close(a.values[1][:, :a.length], b.values[1][:, :b.length])

@@ -126,10 +126,10 @@ def test_without_replacement_draw_order_matches_sequential_sampling():
 
 @pytest.mark.parametrize("rows", [[0, 2, 5], [0, 1, 2], [0]])
 def test_keep_keeps_the_prefix_and_the_chosen_rows_in_order(rows):
-    from targets.kv import SessionKV
+    from targets.kv import KVPool
 
-    kv = SessionKV(kv_heads=2, head_dim=3, dtype=torch.float32,
-                   devices=[torch.device("cpu")] * 2, capacity=4)
+    kv = KVPool(kv_heads=2, head_dim=3, dtype=torch.float32,
+                devices=[torch.device("cpu")] * 2).new_cache(4)
     entries = torch.arange(10.0).view(1, 10, 1).expand(2, 10, 3)
     kv.reserve(10)
     for layer in range(2):
@@ -146,18 +146,46 @@ def test_keep_keeps_the_prefix_and_the_chosen_rows_in_order(rows):
 
 
 def test_a_cache_grows_only_when_a_pass_would_overflow_it_and_keeps_its_entries():
-    from targets.kv import GRAIN, SessionKV
+    from targets.kv import GRAIN, KVPool
 
-    kv = SessionKV(kv_heads=1, head_dim=2, dtype=torch.float32,
-                   devices=[torch.device("cpu")], capacity=GRAIN)
+    pool = KVPool(kv_heads=1, head_dim=2, dtype=torch.float32, devices=[torch.device("cpu")])
+    kv = pool.new_cache(GRAIN)
     first = kv.keys[0].data_ptr()
     kv.reserve(GRAIN)
     kv.write(0, torch.ones(1, GRAIN, 2), torch.ones(1, GRAIN, 2))
     kv.advance(GRAIN)
     assert kv.keys[0].data_ptr() == first and kv.capacity == GRAIN
     kv.reserve(1)
-    assert kv.capacity >= GRAIN + GRAIN // 2 and kv.capacity % GRAIN == 0
+    assert kv.capacity == GRAIN + GRAIN // 2
     assert torch.equal(kv.keys[0][:, :GRAIN], torch.ones(1, GRAIN, 2))
+    assert not kv.keys[0][:, GRAIN:].any(), "a slot is zeroed when a session takes it"
+    assert list(pool.shelves) == [GRAIN, GRAIN + GRAIN // 2] and not pool.shelves[GRAIN], \
+        "the slot it left went back, and its shelf, empty, was dropped"
+
+
+def test_size_classes_grow_by_a_half_or_a_third_from_the_grain():
+    from targets.kv import GRAIN, size_class
+
+    assert [size_class(n) for n in (1, GRAIN, GRAIN + 1, 2 * GRAIN, 2 * GRAIN + 1, 600, 857)] \
+        == [GRAIN, GRAIN, 192, 256, 384, 768, 1024]
+
+
+def test_a_dropped_session_gives_its_slot_back_and_an_empty_shelf_is_freed():
+    import gc
+
+    from targets.kv import SLOTS, KVPool
+
+    pool = KVPool(kv_heads=1, head_dim=2, dtype=torch.float32, devices=[torch.device("cpu")])
+    caches = [pool.new_cache(10) for _ in range(SLOTS + 1)]
+    assert [kv.slot for kv in caches] == [*range(SLOTS), 0]
+    assert len(pool.shelves[128]) == 2, "a full shelf makes room on a new one"
+    second = caches.pop(3)
+    del second
+    gc.collect()
+    assert pool.new_cache(10).slot == 3, "the lowest free slot goes first"
+    del caches
+    gc.collect()
+    assert not pool.shelves[128]
 
 
 def test_graft_adds_only_the_nodes_a_path_of_the_tree_lacks():
@@ -250,3 +278,25 @@ def test_a_floor_above_every_node_keeps_the_best_first_guess():
     tree = build_greedy_tree(root, random_expand(50), depth=5, topk=4, max_nodes=10,
                              floor=0.9)
     assert tree.tokens.tolist() == [7] and tree.parents.tolist() == [-1]
+
+
+def test_a_session_joins_a_shelf_with_room_of_up_to_twice_its_need_before_opening_one():
+    from targets.kv import KVPool
+
+    pool = KVPool(kv_heads=1, head_dim=2, dtype=torch.float32, devices=[torch.device("cpu")])
+    long = pool.new_cache(500)
+    assert long.capacity == 512
+    near, far = pool.new_cache(300), pool.new_cache(200)
+    assert near.shelf is long.shelf, "512 is within twice 300"
+    assert far.capacity == 256 and far.shelf is not long.shelf
+
+
+def test_a_slot_given_back_while_the_pool_is_busy_is_freed_at_its_next_take():
+    from targets.kv import KVPool
+
+    pool = KVPool(kv_heads=1, head_dim=2, dtype=torch.float32, devices=[torch.device("cpu")])
+    kept, dropped = pool.new_cache(10), pool.new_cache(10)
+    with pool._lock:  # as a garbage collection inside ``take`` drops a session: no deadlock
+        dropped._release()
+    assert dropped.slot not in kept.shelf.free
+    assert pool.new_cache(10).slot == dropped.slot
