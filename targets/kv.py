@@ -1,15 +1,15 @@
 """Sessions' keys and values in shared storage that passes write in place.
 
-A ``KVPool`` holds, for each size class, shelves of ``SLOTS`` sessions: each layer's keys
-and each layer's values are one ``[SLOTS, kv_heads, capacity, head_dim]`` tensor, and a
-session (``SessionKV``) owns one slot of a shelf, its ``length`` entries at the front: a
-slot on a shelf with room of at most twice what it needs, else on a new shelf of its size
-class. A forward pass writes its new entries after them (``DecoderPass``) and attention
-reads the slot as it is: nothing is concatenated, padded or copied into a batch. Sessions
-that share a shelf are attended to by one call over the shelf (the slot is the batch
-dimension), which on two threads runs a pass of several trees faster than one call a
-session (a call over one session splits its three key-value heads unevenly between two
-threads).
+A ``KVPool`` holds, for each size class, shelves of ``SLOTS`` sessions (one on an
+accelerator): each layer's keys and each layer's values are one ``[slots, kv_heads,
+capacity, head_dim]`` tensor, and a session (``SessionKV``) owns one slot of a shelf, its
+``length`` entries at the front: a slot on a shelf with room of at most twice what it
+needs, else on a new shelf of its size class. A forward pass writes its new entries after
+them (``DecoderPass``) and attention reads the slot as it is: nothing is concatenated,
+padded or copied into a batch. Sessions that share a shelf are attended to by one call
+over the shelf (the slot is the batch dimension), which on two threads runs a pass of
+several trees faster than one call a session (a call over one session splits its three
+key-value heads unevenly between two threads).
 
 Compaction after a verify moves only the accepted entries down, inside the slot
 (``keep``). A session moves to a bigger slot, one copy, only when a pass would overflow its
@@ -31,7 +31,8 @@ GRAIN = 128
 """The smallest capacity; the size classes are it times 1, 1.5, 2, 3, 4, 6, 8, ..."""
 
 SLOTS = 8
-"""Sessions a shelf holds: the most rows one attention call covers."""
+"""Sessions a shelf holds on a CPU: the most rows one attention call covers. On an
+accelerator, whose memory a tensor takes whole from the start, a shelf holds one."""
 
 
 def size_class(n: int) -> int:
@@ -43,17 +44,19 @@ def size_class(n: int) -> int:
 
 
 class Shelf:
-    """Storage of up to ``SLOTS`` sessions of one capacity, over every layer."""
+    """Storage of up to ``slots`` sessions of one capacity, over every layer."""
 
     @torch.inference_mode(False)  # plain tensors: written in place in and out of passes
     def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  devices: list[torch.device], capacity: int):
         self.capacity = capacity
-        shape = (SLOTS, kv_heads, capacity, head_dim)
-        # untouched pages of empty slots take no memory until a session zeroes its own
+        # on a CPU, untouched pages of empty slots take no memory until a session zeroes
+        # its own
+        self.slots = SLOTS if all(d.type == "cpu" for d in devices) else 1
+        shape = (self.slots, kv_heads, capacity, head_dim)
         self.keys = [torch.empty(shape, dtype=dtype, device=d) for d in devices]
         self.values = [torch.empty(shape, dtype=dtype, device=d) for d in devices]
-        self.free = set(range(SLOTS))
+        self.free = set(range(self.slots))
 
 
 class KVPool:
@@ -105,7 +108,7 @@ class KVPool:
         while self._returned:
             shelf, slot = self._returned.popleft()
             shelf.free.add(slot)
-            if len(shelf.free) == SLOTS:
+            if len(shelf.free) == shelf.slots:
                 self.shelves[shelf.capacity].remove(shelf)
 
 

@@ -300,3 +300,12 @@ def test_a_slot_given_back_while_the_pool_is_busy_is_freed_at_its_next_take():
         dropped._release()
     assert dropped.slot not in kept.shelf.free
     assert pool.new_cache(10).slot == dropped.slot
+
+
+def test_off_the_cpu_a_shelf_holds_one_session_so_no_empty_slot_takes_memory():
+    from targets.kv import KVPool
+
+    pool = KVPool(kv_heads=1, head_dim=2, dtype=torch.float32, devices=[torch.device("meta")])
+    first, second = pool.new_cache(10), pool.new_cache(10)
+    assert first.shelf.slots == 1 and first.shelf.keys[0].shape[0] == 1
+    assert first.shelf is not second.shelf
