@@ -120,6 +120,11 @@ def norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.rms_norm(x, module.weight.shape, module.weight, eps)
 
 
+def _sees(row: Row, n: int) -> torch.Tensor:
+    """``[n, n]`` boolean: which of the row's new tokens each new token sees."""
+    return row.mask if row.mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
+
+
 def check_supported(model: PreTrainedModel) -> None:
     cfg = model.config
     kind = getattr(cfg, "model_type", "?")
@@ -163,14 +168,11 @@ class DecoderPass:
         after another along the query length), None for none; and whether the row is
         causal from the start of an empty cache (a fresh prompt)."""
         cached = row.kv.length
-        if row.mask is None:
-            if cached == 0 or n == 1:
-                return None, n > 1
-            new = torch.ones(n, n, dtype=torch.bool).tril()
-        elif bool(row.mask.all()):
+        if row.mask is None and (cached == 0 or n == 1):
+            return None, n > 1
+        if row.mask is not None and bool(row.mask.all()):
             return None, False
-        else:
-            new = row.mask
+        new = _sees(row, n)
         # additive, as attention would make a boolean mask in each layer
         mask = torch.zeros(self.groups, n, cached + n, dtype=self.dtype)
         mask[:, :, cached:].masked_fill_(~new, float("-inf"))
@@ -283,9 +285,8 @@ class DecoderPass:
         heads = torch.arange(self.kv_heads)[None] * shelf.capacity
         for row, s, slot in zip(rows, starts, slots, strict=True):
             n, cached, b = len(row.ids), row.kv.length, slot - lo
-            new = row.mask if row.mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
             mask[b, :, :n, :cached] = 0
-            mask[b, :, :n, cached:cached + n].masked_fill_(new, 0)
+            mask[b, :, :n, cached:cached + n].masked_fill_(_sees(row, n), 0)
             tokens.extend(range(s, s + n))
             padded.extend(range(b * width, b * width + n))
             at = slot * self.kv_heads * shelf.capacity + torch.arange(cached, cached + n)
@@ -312,9 +313,10 @@ class DecoderPass:
         v = v.view(shape).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rotary)
         out = h.new_empty(total, self.heads, self.head_dim)
-        for call in calls:
-            self._over_shelf(li, call, q[0].transpose(0, 1), k[0].transpose(0, 1),
-                             v[0].transpose(0, 1), out, attn.scaling)
+        if calls:
+            by_token = [t[0].transpose(0, 1) for t in (q, k, v)]  # [tokens, heads, head_dim]
+            for call in calls:
+                self._over_shelf(li, call, *by_token, out, attn.scaling)
         for row, n, s, mask, causal in alone:
             keys, values = row.kv.write(li, k[0, :, s:s + n], v[0, :, s:s + n])
             query = q[:, :, s:s + n]
