@@ -65,9 +65,9 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     return rows.numpy().argmax(-1).tolist()
 
 
-def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
-    """(accepted node indices along one path, bonus token). ``logits[0]`` is the root's."""
-    argmax = argmax_rows(logits)
+def accept_greedy(tree: DraftTree, argmax: list[int]) -> tuple[list[int], int]:
+    """(accepted node indices along one path, bonus token), from the target's argmax at the
+    root (``argmax[0]``) and at each node."""
     return walk(tree, lambda pos, depth: argmax[pos])
 
 

@@ -7,7 +7,9 @@ weight is read once a pass whatever the rows. Only attention sees sessions apart
 new keys and values go straight into its session's slot (``targets.kv``) and its queries
 attend to the front of that slot under the row's own mask, so no cache is padded, stacked
 or copied. Rows whose sessions share a shelf are attended to by one call over the shelf's
-slots (``ShelfCall``), every other row by a call of its own.
+slots (``ShelfCall``), every other row by a call of its own. A greedy row may ask for its
+positions' argmax instead of their logits (``Row.picks``), which ``targets.greedy_head``
+finds without reading the float32 LM head whole.
 
 A fresh prompt makes the very attention call transformers' ``sdpa`` makes for it. A pass
 of a few tokens (a plain step, one session's tree, plain steps of several sessions) runs
@@ -31,6 +33,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from targets.greedy_head import GreedyHead
 from targets.kv import KVPool, SessionKV, Shelf
 from targets.numpy_pass import NumpyPass, NumpyRow, runs_here, supported
 
@@ -60,6 +63,10 @@ class Row:
     """``[n, n]`` boolean, which new tokens each new token sees (a tree's ancestor mask);
     None: those before it (causal). Every new token sees the whole cache."""
     logits: str = ALL
+    picks: bool = False
+    """Greedy: the positions ``logits`` names get their argmax (``RowOut.picks``) instead
+    of their logits where the pass has a ``GreedyHead``, which does not read the float32
+    head."""
     features: tuple[int, ...] = ()
     """Hidden states to return for every new token, as transformers numbers them
     (0: the embeddings, i: layer i's output; negative from the end), concatenated."""
@@ -98,8 +105,10 @@ class ShelfCall(NamedTuple):
 @dataclass
 class RowOut:
     logits: torch.Tensor | None
-    """``[k, vocab]`` for the positions the row asked for."""
+    """``[k, vocab]`` for the positions the row asked for (None where picked)."""
     features: torch.Tensor | None
+    picks: list[int] | None = None
+    """The argmax of each of those positions, for a row that asked for ``picks``."""
 
 
 def run_through(steps: Generator[object, None, T]) -> T:
@@ -159,6 +168,13 @@ class DecoderPass:
         """Where it runs passes of a few tokens (``targets.numpy_pass``)."""
         self.pool = KVPool(self.kv_heads, self.head_dim, self.dtype, self.devices)
         """Every session's cache (``targets.kv``)."""
+        self.greedy_head = GreedyHead.of(model)
+        """Where rows that ask for ``picks`` get them (``targets.greedy_head``); None: from
+        the head's logits."""
+
+    def picked(self, row: Row) -> bool:
+        """Whether the pass gives ``row`` picks rather than logits."""
+        return row.picks and self.greedy_head is not None and row.logits != NONE
 
     def new_cache(self, capacity: int = 0) -> SessionKV:
         return self.pool.new_cache(capacity)
@@ -198,17 +214,23 @@ class DecoderPass:
             given.append(NumpyRow(row.kv, row.ids, positions, mask))
         top = len(self.layers) + 1
         wanted = {i % top for row in rows for i in row.features}
+        positions = [slice(None) if row.logits == ALL else slice(-1, None)
+                     if row.logits == LAST else None for row in rows]
+        picked = [self.picked(row) for row in rows]
+        if any(picked):
+            wanted.add(len(self.layers))  # the last layer's output, normed: the head's input
         logits, hidden = self.numpy_pass(
-            given, [slice(None) if row.logits == ALL else slice(-1, None)
-                    if row.logits == LAST else None for row in rows], wanted)
+            given, [None if p else at for p, at in zip(picked, positions, strict=True)], wanted)
         outs, at = [], 0
-        for row, out in zip(rows, logits, strict=True):
+        for row, out, p, where in zip(rows, logits, picked, positions, strict=True):
             n = len(row.ids)
             feats = None
             if row.features:
                 feats = torch.from_numpy(np.concatenate(
                     [hidden[i % top][at:at + n] for i in row.features], -1))
-            outs.append(RowOut(None if out is None else torch.from_numpy(out), feats))
+            picks = self.greedy_head.picks(hidden[len(self.layers)][at:at + n][where]) \
+                if p else None
+            outs.append(RowOut(None if out is None else torch.from_numpy(out), feats, picks))
             at += n
         return outs
 
@@ -363,27 +385,42 @@ class DecoderPass:
 
     def _outputs(self, rows: list[Row], sizes: list[int], starts: list[int],
                  x: torch.Tensor, hidden: dict[int, torch.Tensor]) -> list[RowOut]:
-        picks: list[list[int]] = []
+        wanted: list[list[int]] = []  # each row's positions in the pass that get an output
         for row, n, s in zip(rows, sizes, starts, strict=True):
-            picks.append(list(range(s, s + n)) if row.logits == ALL
-                         else [s + n - 1] if row.logits == LAST else [])
-        flat = [i for pick in picks for i in pick]
-        logits = None
+            wanted.append(list(range(s, s + n)) if row.logits == ALL
+                          else [s + n - 1] if row.logits == LAST else [])
+        flat = [i for where in wanted for i in where]
+        normed = None
         if flat:
             normed = hidden.get(len(self.layers))
             if normed is None:
                 normed = norm(self.model.model.norm, x[:, flat] if len(flat) < x.shape[1] else x)
             else:
                 normed = normed[:, flat]
-            logits = self.model.lm_head(normed)[0]
-        outs, at = [], 0
+            normed = normed[0]
+        picked = [self.picked(row) for row in rows]
+        at, by_head, by_picks = 0, [], []  # rows of ``normed`` for the head and for picks
+        for where, p in zip(wanted, picked, strict=True):
+            (by_picks if p else by_head).extend(range(at, at + len(where)))
+            at += len(where)
+        logits = picks = None
+        if by_head:
+            logits = self.model.lm_head(normed if not by_picks else normed[by_head])
+        if by_picks:
+            picks = self.greedy_head.picks(normed[by_picks].cpu())
+        outs, at_head, at_picks = [], 0, 0
         top = len(self.layers) + 1
-        for row, n, s, pick in zip(rows, sizes, starts, picks, strict=True):
+        for row, n, s, where, p in zip(rows, sizes, starts, wanted, picked, strict=True):
             feats = None
             if row.features:
                 first = hidden[row.features[0] % top].device
                 feats = torch.cat([hidden[i % top][0, s:s + n].to(first)
                                    for i in row.features], -1)
-            outs.append(RowOut(logits[at:at + len(pick)] if pick else None, feats))
-            at += len(pick)
+            k = len(where)
+            if p:
+                outs.append(RowOut(None, feats, picks[at_picks:at_picks + k]))
+                at_picks += k
+            else:
+                outs.append(RowOut(logits[at_head:at_head + k] if k else None, feats))
+                at_head += k
         return outs

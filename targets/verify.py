@@ -102,6 +102,8 @@ class TargetModel:
         """Whether prefill computes every prompt token's log-probability too."""
         self.prompt_logprobs: list[TokenLogprob | None] = []
         """Each prompt token's given the ones before (None for the first), with ``echo``."""
+        self.picks = sampling.greedy and logprobs is None
+        """Whether its rows ask the pass for greedy picks, not logits (``Row.picks``)."""
 
     @property
     def cached(self) -> int:
@@ -119,11 +121,15 @@ class TargetModel:
     def _run(self, row: Row) -> RowOut:
         return self.runner([row])[0]
 
-    def next_token(self, logits: torch.Tensor, index: int) -> int:
-        """The token at sequence ``index`` from the logits before it."""
+    def next_token(self, out: RowOut, index: int) -> int:
+        """The token at sequence ``index`` from the pass's output for the position before
+        it (the row's last)."""
+        if out.picks is not None:
+            return out.picks[-1]
         if self.sampling.greedy:
-            return argmax_rows(logits[None])[0]
-        return sample_at(target_probs(logits.float().cpu(), self.sampling), self.seed, index)
+            return argmax_rows(out.logits[-1:])[0]
+        return sample_at(target_probs(out.logits[-1].float().cpu(), self.sampling), self.seed,
+                         index)
 
     def prefill(self, prompt: list[int]) -> tuple[int, torch.Tensor | None]:
         """Process the prompt in one pass; return the first generated token and the prompt's
@@ -157,14 +163,15 @@ class TargetModel:
             done = begin + len(part) == len(prompt)
             (out,) = yield from self.runner.layer_by_layer([Row(
                 self.kv, part, logits=ALL if self.echo else LAST if done else NONE,
-                features=self.feature_layers)])
+                picks=self.picks, features=self.feature_layers)])
             self._echo(prompt, begin, out.logits)
             if out.features is not None:
                 feats.append(out.features)
             if not done:
                 yield begin + len(part)
-        self.last = self.next_token(out.logits[-1], len(prompt))
-        self._first_logprob(out.logits[-1:])
+        self.last = self.next_token(out, len(prompt))
+        if out.logits is not None:
+            self._first_logprob(out.logits[-1:])
         return self.last, None if not feats else feats[0] if len(feats) == 1 else \
             torch.cat(feats)
 
@@ -172,16 +179,21 @@ class TargetModel:
         """One plain autoregressive step, for decoding without a hub."""
         self.compact()
         index = self.kv.length + 1
-        out = self._run(Row(self.kv, [self.last], features=self.feature_layers))
+        out = self._run(Row(self.kv, [self.last], picks=self.picks,
+                            features=self.feature_layers))
         self.step_features = out.features
-        self.last = self.next_token(out.logits[-1], index)
+        self.last = self.next_token(out, index)
         return self.last
 
-    def accept(self, tree: DraftTree, logits: torch.Tensor, cached: int) -> tuple[list[int], int]:
-        """The accepted path and the bonus token, from the logits of the root and nodes;
-        ``cached`` entries precede the root, so the root's child is token ``cached + 1``."""
+    def accept(self, tree: DraftTree, out: RowOut, cached: int) -> tuple[list[int], int]:
+        """The accepted path and the bonus token, from the pass's output for the root and
+        nodes; ``cached`` entries precede the root, so the root's child is token ``cached +
+        1``."""
+        if out.picks is not None:
+            return accept_greedy(tree, out.picks)
+        logits = out.logits.float().cpu()
         if self.sampling.greedy:
-            return accept_greedy(tree, logits)
+            return accept_greedy(tree, argmax_rows(logits))
         return accept_sampled(tree, logits, self.sampling, self.seed, cached + 1)
 
     def tree_row(self, tree: DraftTree) -> Row:
@@ -192,14 +204,13 @@ class TargetModel:
         positions = cached + torch.cat([torch.zeros(1, dtype=torch.long),
                                         torch.from_numpy(depths(tree.parents))])
         return Row(self.kv, [self.last, *tree.tokens.tolist()], positions,
-                   ancestor_mask(tree.parents), features=self.feature_layers)
+                   ancestor_mask(tree.parents), picks=self.picks, features=self.feature_layers)
 
     def verdict(self, tree: DraftTree, out: RowOut) -> Verdict:
         """What the pass of ``tree_row(tree)`` decided; the rejected nodes stay in the cache
         until ``compact``."""
         cached = self.kv.length - len(tree) - 1
-        logits = out.logits.float().cpu()
-        path, bonus = self.accept(tree, logits, cached)
+        path, bonus = self.accept(tree, out, cached)
         keep = [0] + [i + 1 for i in path]
         self._keep = (cached, keep)
         self.last = bonus
@@ -207,7 +218,7 @@ class TargetModel:
         return Verdict(path=path, tokens=tokens,
                        features=out.features[keep] if out.features is not None else None,
                        logprobs=None if self.logprobs is None else
-                       token_logprobs(logits[keep], tokens, self.logprobs))
+                       token_logprobs(out.logits[keep], tokens, self.logprobs))
 
     def verify(self, tree: DraftTree) -> Verdict:
         return self.verdict(tree, self._run(self.tree_row(tree)))

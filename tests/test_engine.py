@@ -107,16 +107,21 @@ def test_batched_features_match_single_session_features(tiny_model):
     assert engine.cached(1) == len(PROMPTS[1]) + len(alone.tokens)
 
 
-def test_a_prefill_computes_the_logits_of_its_last_token_only(tiny_model):
+def test_a_prefill_computes_the_logits_of_its_last_token_only(tiny_model, monkeypatch):
     """The chunks before a long prompt's last need no logits and its end needs one row: the
-    LM head never multiplies a whole chunk (at 1,024 tokens, 200 MB of float32 logits for a
-    49,152-token vocabulary), and the first token is still ``generate()``'s."""
+    LM head (or the greedy head that stands for it) never multiplies a whole chunk (at 1,024
+    tokens, 200 MB of float32 logits for a 49,152-token vocabulary), and the first token is
+    still ``generate()``'s."""
     model, _ = tiny_model
     rows = []
     hook = model.lm_head.register_forward_pre_hook(lambda _, args: rows.append(
         args[0].shape[-2]))
-    prompt = [(11 * i) % 900 + 3 for i in range(300)]
     engine = VerifyEngine(model)
+    greedy = engine.runner.greedy_head
+    if greedy is not None:
+        picks = greedy.picks
+        monkeypatch.setattr(greedy, "picks", lambda x: rows.append(len(x)) or picks(x))
+    prompt = [(11 * i) % 900 + 3 for i in range(300)]
     try:
         chunks = engine.open_chunks(0, prompt, 64)
         while chunks.run() is None:
