@@ -10,9 +10,10 @@ tokens the bound cannot rule out get their float32 logits (a handful of weight r
 The bound. With ``x`` the normed hidden row, ``w`` a vocabulary row and ``u = 2**-8``
 bfloat16's unit roundoff, rounding both to bfloat16 moves each product ``x_i w_i`` by at
 most ``(2u + u**2)|x_i w_i|``; accumulating ``d`` products in float32 (here and in the
-float32 logit it stands for) adds at most ``d * 2**-24 * sum|x_i w_i|`` each. So the two
-logits differ by at most ``EPS * sum|x_i w_i| <= EPS * |x| |w|`` (Cauchy-Schwarz), ``EPS``
-rounded up generously. Every token whose approximate logit is within ``EPS * |x| (|w_best|
+float32 logit it stands for) adds at most ``d * 2**-24 * sum|x_i w_i|`` each, and the
+product's bfloat16 output rounds the sum by at most ``u`` of itself. So the two logits
+differ by at most ``EPS * sum|x_i w_i| <= EPS * |x| |w|`` (Cauchy-Schwarz), ``EPS``
+rounded up. Every token whose approximate logit is within ``EPS * |x| (|w_best|
 + max |w|)`` of the best approximate one is a candidate, and no token outside can hold the
 float32 argmax; the row's token is the candidates' float32 argmax, the first on a tie, as
 ``argmax_rows`` takes it. The output is the float32 head's argmax, not an approximation
@@ -26,12 +27,18 @@ import torch
 
 from starhub.models.loading import OneDNNLinear, native_bf16_cpu
 
-EPS = 2.0 ** -7 + 2.0 ** -10
-"""Bounds ``|logit - approximate logit| / sum|x_i w_i|``: ``2u + u**2`` with ``u = 2**-8``,
-plus two float32 sums of up to 4,096 products (``2 * 4096 * 2**-24 = 2**-11``), rounded up."""
+EPS = 2.0 ** -7 + 2.0 ** -8 + 2.0 ** -10
+"""Bounds ``|logit - approximate logit| / sum|x_i w_i|``: ``2u + u**2`` for the operands
+(``u = 2**-8``), ``u (1 + 2u + u**2)`` for the output, and two float32 sums of up to 4,096
+products (``2 * 4096 * 2**-24 = 2**-11``), rounded up."""
 
 MAX_WIDTH = 4096
 """Hidden widths the bound ``EPS`` covers."""
+
+UNION_SHARE = 8
+"""Where the rows' candidates together pass this share of the vocabulary (a flat
+distribution), gathering their float32 rows would cost about what the float32 head does,
+which runs instead."""
 
 PACK_ROWS = 16
 """The row count oneDNN lays the bfloat16 weight out for (as ``OneDNNLinear``)."""
@@ -58,11 +65,10 @@ class GreedyHead:
     """Argmax rows of ``x @ weight.T`` for a float32 ``[vocab, width]`` LM head weight."""
 
     def __init__(self, weight: torch.Tensor):
-        self.weight = weight.detach().numpy()
+        self.weight = weight.detach()
         """The float32 weight itself (shared, not copied): the candidates' rows."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().bfloat16(),
-                                                              PACK_ROWS)
-        norms = np.linalg.norm(self.weight.astype(np.float64), axis=1)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.bfloat16(), PACK_ROWS)
+        norms = np.linalg.norm(self.weight.numpy().astype(np.float64), axis=1)
         self.norms = norms * (1 + 1e-6)
         """Each vocabulary row's length, rounded up."""
         self.longest = float(self.norms.max())
@@ -82,22 +88,31 @@ class GreedyHead:
             return None
 
     def picks(self, x: torch.Tensor | np.ndarray) -> list[int]:
-        """Each ``[width]`` row of ``x``'s float32 argmax over the vocabulary."""
-        rows = np.ascontiguousarray(np.asarray(x, dtype=np.float32).reshape(-1,
-                                                                            self.weight.shape[1]))
-        if not np.isfinite(rows).all():  # no bound holds: the float32 head, whole
-            return (rows @ self.weight.T).argmax(-1).tolist()
+        """Each ``[width]`` row of ``x``'s float32 argmax over the vocabulary. Its products
+        run on PyTorch's threads, as the pass around it does (numpy's BLAS pool beside them
+        would fight them for the cores)."""
+        rows = torch.as_tensor(x, dtype=torch.float32).reshape(-1, self.weight.shape[1])
+        if not bool(rows.isfinite().all()):  # no bound holds: the float32 head, whole
+            return self._whole(rows)
         approx = torch.ops.mkldnn._linear_pointwise(
-            torch.from_numpy(rows).bfloat16(), self.packed, None, "none", [], "").float().numpy()
+            rows.bfloat16(), self.packed, None, "none", [], "").float().numpy()
         best = approx.argmax(-1)
-        top = approx[np.arange(len(rows)), best]
-        reach = EPS * np.linalg.norm(rows.astype(np.float64), axis=1) * (self.norms[best]
-                                                                          + self.longest)
-        out = []
-        for row, scores, floor in zip(rows, approx, top - reach, strict=True):
-            candidates = np.flatnonzero(scores >= floor)
-            if len(candidates) == 1:
-                out.append(int(candidates[0]))
-            else:
-                out.append(int(candidates[(self.weight[candidates] @ row).argmax()]))
-        return out
+        top = approx[np.arange(len(rows)), best].astype(np.float64)
+        size = EPS * np.linalg.norm(rows.numpy().astype(np.float64), axis=1)
+        # within reach of the best with the longest vocabulary row (the floor rounded down to
+        # float32 keeps every such token), then with each one's own
+        floor = (top - size * (self.norms[best] + self.longest)).astype(np.float32)
+        floor = np.nextafter(floor, np.float32(-np.inf))
+        at, token = np.divmod(np.flatnonzero(approx >= floor[:, None]), approx.shape[1])
+        near = approx[at, token] >= top[at] - size[at] * (self.norms[best[at]] + self.norms[token])
+        at, token = at[near], token[near]
+        union, column = np.unique(token, return_inverse=True)
+        if len(union) * UNION_SHARE > len(self.weight):  # as dear as the float32 head
+            return self._whole(rows)
+        exact = np.full((len(rows), len(union)), -np.inf, np.float32)
+        exact[at, column] = (rows @ self.weight[torch.from_numpy(union)].T).numpy()[at, column]
+        return union[exact.argmax(-1)].tolist()
+
+    def _whole(self, rows: torch.Tensor) -> list[int]:
+        """The argmax of the float32 head's every logit."""
+        return (rows @ self.weight.T).numpy().argmax(-1).tolist()
