@@ -69,7 +69,7 @@ class GreedyHead:
         self.weight = weight.detach()
         """The float32 weight itself (shared, not copied): the candidates' rows."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.bfloat16(), PACK_ROWS)
-        norms = np.linalg.norm(self.weight.numpy().astype(np.float64), axis=1)
+        norms = torch.linalg.vector_norm(self.weight, dim=1, dtype=torch.float64).numpy()
         self.norms = norms * (1 + 1e-6)
         """Each vocabulary row's length, rounded up."""
         self.longest = float(self.norms.max())
