@@ -214,24 +214,30 @@ class DecoderPass:
             given.append(NumpyRow(row.kv, row.ids, positions, mask))
         top = len(self.layers) + 1
         wanted = {i % top for row in rows for i in row.features}
-        positions = [slice(None) if row.logits == ALL else slice(-1, None)
-                     if row.logits == LAST else None for row in rows]
+        asked = [slice(None) if row.logits == ALL else slice(-1, None)
+                 if row.logits == LAST else None for row in rows]
         picked = [self.picked(row) for row in rows]
         if any(picked):
             wanted.add(len(self.layers))  # the last layer's output, normed: the head's input
         logits, hidden = self.numpy_pass(
-            given, [None if p else at for p, at in zip(picked, positions, strict=True)], wanted)
-        outs, at = [], 0
-        for row, out, p, where in zip(rows, logits, picked, positions, strict=True):
+            given, [None if p else where for p, where in zip(picked, asked, strict=True)], wanted)
+        # every picked row's positions in one call, so the head is read once a pass
+        starts = np.cumsum([0, *[len(row.ids) for row in rows[:-1]]])
+        chosen = [np.arange(s, s + len(row.ids))[where] if p else np.arange(0)
+                  for row, s, p, where in zip(rows, starts, picked, asked, strict=True)]
+        picks = self.greedy_head.picks(hidden[len(self.layers)][np.concatenate(chosen)]) \
+            if any(picked) else []
+        outs, at, at_picks = [], 0, 0
+        for row, out, p, taken in zip(rows, logits, picked, chosen, strict=True):
             n = len(row.ids)
             feats = None
             if row.features:
                 feats = torch.from_numpy(np.concatenate(
                     [hidden[i % top][at:at + n] for i in row.features], -1))
-            picks = self.greedy_head.picks(hidden[len(self.layers)][at:at + n][where]) \
-                if p else None
-            outs.append(RowOut(None if out is None else torch.from_numpy(out), feats, picks))
+            mine = picks[at_picks:at_picks + len(taken)] if p else None
+            outs.append(RowOut(None if out is None else torch.from_numpy(out), feats, mine))
             at += n
+            at_picks += len(taken)
         return outs
 
     @torch.inference_mode()  # around each resumption of the generator
