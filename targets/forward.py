@@ -9,7 +9,8 @@ attend to the front of that slot under the row's own mask, so no cache is padded
 or copied. Rows whose sessions share a shelf are attended to by one call over the shelf's
 slots (``ShelfCall``), every other row by a call of its own. A greedy row may ask for its
 positions' argmax instead of their logits (``Row.picks``), which ``targets.greedy_head``
-finds without reading the float32 LM head whole.
+finds without reading the float32 LM head whole (except in a pass that runs its products on
+numpy's whole BLAS pool, ``NumpyPass.keeps_blas_pool``: the greedy head runs on PyTorch).
 
 A fresh prompt makes the very attention call transformers' ``sdpa`` makes for it. A pass
 of a few tokens (a plain step, one session's tree, plain steps of several sessions) runs
@@ -216,7 +217,10 @@ class DecoderPass:
         wanted = {i % top for row in rows for i in row.features}
         asked = [slice(None) if row.logits == ALL else slice(-1, None)
                  if row.logits == LAST else None for row in rows]
-        picked = [self.picked(row) for row in rows]
+        # the greedy head's products run on PyTorch's threads, which a pass on the whole
+        # BLAS pool must leave idle: such a pass gives logits
+        alone = self.numpy_pass.keeps_blas_pool(sum(len(row.ids) for row in rows))
+        picked = [self.picked(row) and not alone for row in rows]
         if any(picked):
             wanted.add(len(self.layers))  # the last layer's output, normed: the head's input
         logits, hidden = self.numpy_pass(

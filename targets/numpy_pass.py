@@ -144,6 +144,15 @@ class NumpyPass:
         self.layers = [_Layer(layer) for layer in inner.layers]
         self.final_norm = _Norm(inner.norm)
         self.head = _product(model.lm_head)
+        self._first = inner.layers[0].self_attn.qkv_proj.joint
+
+    def keeps_blas_pool(self, tokens: int) -> bool:
+        """Whether a pass of ``tokens`` tokens runs its products on numpy's whole BLAS pool
+        of several threads: one token, on layers whose single rows run there. Nothing of
+        such a pass may run on PyTorch's threads: those spin a while after each parallel
+        op, on the cores the BLAS's threads need."""
+        return (tokens == 1 and torch.get_num_threads() > 1
+                and isinstance(self._first, OneDNNLinear) and self._first.on_blas(1))
 
     def _rotary(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The model's own ``[n, 1, head_dim]`` cosines and sines at ``positions`` (whatever

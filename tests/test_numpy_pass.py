@@ -240,3 +240,37 @@ def test_a_numpy_pass_of_several_tokens_keeps_numpys_products_to_one_blas_thread
         layer.o = attention_out
         set_threads(before)
     assert seen == [{1}, {2}], "a tree's row on one BLAS thread, a plain step on the pool"
+
+
+def test_a_greedy_plain_step_on_the_whole_blas_pool_leaves_pytorchs_threads_idle(tiny_dir):
+    """A plain step whose products run on numpy's BLAS pool of several threads takes its
+    token from the float32 head's logits there: the greedy head's products run on PyTorch's
+    threads, which then spin on the cores the BLAS's threads need (a 2-thread plain step of
+    the embedded model took 53-55 ms with them, 38 without). On one thread, or with its
+    single rows on PyTorch, the step gets the greedy head's picks. The token is the same."""
+    model = _prepared(tiny_dir, GEMV_ROW)
+    runner = DecoderPass(model)
+    if runner.greedy_head is None:
+        pytest.skip("no greedy head here (no native bfloat16)")
+    before = torch.get_num_threads()
+    try:
+        for threads, on_logits in ((2, True), (1, False)):
+            set_threads(threads)
+            kv = runner.new_cache(64)
+            with torch.inference_mode():
+                runner([Row(kv, PROMPT)])
+                (out,) = runner([Row(kv, [11], picks=True, logits=LAST)])
+                (want,) = run_through(runner.layer_by_layer([Row(runner.new_cache(64),
+                                                                 [*PROMPT, 11], logits=LAST)]))
+            assert (out.picks is None) == on_logits, f"{threads} threads"
+            token = int(out.logits[-1].argmax()) if on_logits else out.picks[-1]
+            assert token == int(want.logits[-1].argmax())
+        set_threads(2)
+        torch_rows = DecoderPass(_prepared(tiny_dir, TORCH_ROW))
+        kv = torch_rows.new_cache(64)
+        with torch.inference_mode():
+            torch_rows([Row(kv, PROMPT)])
+            (out,) = torch_rows([Row(kv, [11], picks=True, logits=LAST)])
+        assert out.picks is not None, "single rows on PyTorch keep the greedy head"
+    finally:
+        set_threads(before)
