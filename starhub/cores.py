@@ -11,6 +11,9 @@ the hub's compute charged to it, against plain decoding as it would run without 
 Sharing is read from the cards: the hub's DRAFTER_CARD names its host (boot id and host
 name) and the CPUs it may run on; a target on the same host whose CPUs overlap shares them.
 ``--shared-cores yes|no`` overrides that (containers can hide a shared host).
+
+A target whose cores are its own loads its model on a thread that ends (``on_passing_thread``),
+so that its engine thread's OpenMP workers are the process's only ones.
 """
 
 from __future__ import annotations
@@ -18,12 +21,17 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import TypeVar
 
 from starhub.options import AUTO
+
+T = TypeVar("T")
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
@@ -53,6 +61,42 @@ def shares_cores(host: str, cpus: list[int], setting: str = AUTO) -> bool:
     if setting != AUTO:
         return setting == "yes"
     return bool(host) and host == host_id() and bool(set(cpus) & set(cpu_ids()))
+
+
+def on_passing_thread(work: Callable[[], T]) -> T:
+    """``work()``, run on a thread that ends with it (its exception raised here).
+
+    PyTorch's OpenMP runtime (libgomp) keeps a pool of worker threads for each thread that
+    has started a parallel region, for as long as that thread lives, and where a process's
+    pools hold more threads than it has cores, every pool's workers sleep between regions
+    instead of spinning, so each of a pass's few hundred products waits for its workers to
+    wake. Loading and timing a model runs such regions; done on the main thread, they leave
+    a second pool beside the engine thread's, which then runs every pass that way (figures
+    in docs/benchmarks.md). A pool whose workers spin takes its cores from other processes
+    between passes, so a target that shares its cores with a hub keeps the sleeping pools
+    (``own_cores``)."""
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(work())
+        except BaseException as exc:  # re-raised on the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="load")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
+def own_cores(hub: object, setting: str = AUTO) -> bool:
+    """Whether a target with this hub setting (None or empty: no hub) and ``--shared-cores``
+    has its cores to itself when it loads: with no hub, or where told its hub computes
+    elsewhere (a hub given and ``auto``: its card, which says, comes after loading)."""
+    return not hub or setting == "no"
 
 
 @dataclass

@@ -61,6 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # deferred: torch, transformers and the HTTP stack load only when this runs
     import uvicorn
 
+    from starhub.cores import on_passing_thread, own_cores
     from starhub.models.loading import load_model, set_threads
     from starhub.options import resolve_threads
     from targets.batcher import Batcher
@@ -72,10 +73,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         secure.keys()  # a keystore that cannot be used fails here, not while serving
     security.use_client_security(secure)
     threads = set_threads(resolve_threads(args.threads))
-    model, tokenizer = load_model(**weight_args(args.settings))
-    batcher = Batcher(model, tokenizer, args.hub, name=args.name, timeout_s=args.hub_timeout,
-                      prefill_chunk=args.prefill_chunk, speculate=str(args.speculate),
-                      shared_cores=str(args.shared_cores))
+
+    def load() -> tuple:
+        model, tokenizer = load_model(**weight_args(args.settings))
+        return model, tokenizer, Batcher(
+            model, tokenizer, args.hub, name=args.name, timeout_s=args.hub_timeout,
+            prefill_chunk=args.prefill_chunk, speculate=str(args.speculate),
+            shared_cores=str(args.shared_cores))
+    model, tokenizer, batcher = on_passing_thread(load) \
+        if own_cores(args.hub, str(args.shared_cores)) else load()
     name = args.served_model_name or served_name(args.model)
     context = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
     server = OpenAIServer(batcher, tokenizer, name, args.max_concurrency, context,
