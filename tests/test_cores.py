@@ -3,6 +3,7 @@ the hub's drafting is charged to trees and never makes plain decoding look slow.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 
 from starhub.cores import CoreClock, cpu_ids, host_id, on_passing_thread, own_cores, shares_cores
 from starhub.launch.status import query_stats
-from targets import attach
+from targets import attach, runner
 from tests.conftest import HubThread
 
 
@@ -95,10 +96,6 @@ def test_a_target_with_no_hub_loads_and_starts_its_core_on_a_passing_thread(tiny
                                                                             monkeypatch):
     """``starhub target`` without a hub: everything before its engine thread's passes runs on
     a thread that ends, so no OpenMP pool stays beside the engine thread's."""
-    import json
-
-    import targets.runner as runner
-
     loaded_on: list[str] = []
     real_load = runner.load_model
     monkeypatch.setattr(runner, "load_model", lambda **kw: loaded_on.append(
