@@ -99,6 +99,12 @@ def own_cores(hub: object, setting: str = AUTO) -> bool:
     return not hub or setting == "no"
 
 
+def load_target(work: Callable[[], T], hub: object, setting: str = AUTO) -> T:
+    """``work()`` (a target's loading and the building of its core), on a passing thread
+    where the target has its cores to itself (``own_cores``), else on this one."""
+    return on_passing_thread(work) if own_cores(hub, setting) else work()
+
+
 @dataclass
 class CoreClock:
     """Times the compute of this thread. ``shared`` (cores shared with a hub, on a CPU

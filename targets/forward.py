@@ -231,16 +231,14 @@ class DecoderPass:
                   for row, s, p, where in zip(rows, starts, picked, asked, strict=True)]
         picks = self.greedy_head.picks(hidden[len(self.layers)][np.concatenate(chosen)]) \
             if any(picked) else []
-        outs, at, at_picks = [], 0, 0
-        for row, out, p, taken in zip(rows, logits, picked, chosen, strict=True):
-            n = len(row.ids)
+        outs, at_picks = [], 0
+        for row, s, out, p, taken in zip(rows, starts, logits, picked, chosen, strict=True):
             feats = None
             if row.features:
                 feats = torch.from_numpy(np.concatenate(
-                    [hidden[i % top][at:at + n] for i in row.features], -1))
+                    [hidden[i % top][s:s + len(row.ids)] for i in row.features], -1))
             mine = picks[at_picks:at_picks + len(taken)] if p else None
             outs.append(RowOut(None if out is None else torch.from_numpy(out), feats, mine))
-            at += n
             at_picks += len(taken)
         return outs
 

@@ -8,7 +8,7 @@ import sys
 
 from tqdm import tqdm
 
-from starhub.cores import on_passing_thread, own_cores
+from starhub.cores import load_target
 from starhub.models.devices import model_device
 from starhub.models.loading import linear_in_use, load_model, set_threads
 from starhub.models.prompts import encode_prompt, read_prompts  # noqa: F401  (re-exported)
@@ -32,8 +32,7 @@ def run(hub: str | None, weights: dict, prompts: str, out: str, max_new_tokens: 
         return model, tokenizer, SpeculativeGenerator(
             model, tokenizer, hub, name=name, timeout_s=hub_timeout_s,
             shared_cores=shared_cores)
-    model, tokenizer, gen = on_passing_thread(start) if own_cores(hub, shared_cores) \
-        else start()
+    model, tokenizer, gen = load_target(start, hub, shared_cores)
     where = model_device(model)
     log.info("%s: %d prompts, %s weights on %s, %s linear%s, torch threads=%d, hub=%s", name,
              len(items), model.dtype, where,

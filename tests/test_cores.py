@@ -12,7 +12,15 @@ import time
 
 import pytest
 
-from starhub.cores import CoreClock, cpu_ids, host_id, on_passing_thread, own_cores, shares_cores
+from starhub.cores import (
+    CoreClock,
+    cpu_ids,
+    host_id,
+    load_target,
+    on_passing_thread,
+    own_cores,
+    shares_cores,
+)
 from starhub.launch.status import query_stats
 from targets import attach, runner
 from tests.conftest import HubThread
@@ -90,6 +98,9 @@ def test_a_passing_thread_gives_back_its_result_or_its_exception_and_only_own_co
         on_passing_thread(lambda: (_ for _ in ()).throw(ValueError("bad config")))
     assert own_cores(None) and own_cores("") and own_cores("tcp://h:5555", "no")
     assert not own_cores("tcp://h:5555") and not own_cores(["tcp://h:5555"], "yes")
+    here = threading.current_thread().name
+    assert load_target(lambda: threading.current_thread().name, None) != here
+    assert load_target(lambda: threading.current_thread().name, "tcp://h:5555") == here
 
 
 def test_a_target_with_no_hub_loads_and_starts_its_core_on_a_passing_thread(tiny_dir, tmp_path,

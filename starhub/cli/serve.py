@@ -61,7 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # deferred: torch, transformers and the HTTP stack load only when this runs
     import uvicorn
 
-    from starhub.cores import on_passing_thread, own_cores
+    from starhub.cores import load_target
     from starhub.models.loading import load_model, set_threads
     from starhub.options import resolve_threads
     from targets.batcher import Batcher
@@ -80,8 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             model, tokenizer, args.hub, name=args.name, timeout_s=args.hub_timeout,
             prefill_chunk=args.prefill_chunk, speculate=str(args.speculate),
             shared_cores=str(args.shared_cores))
-    model, tokenizer, batcher = on_passing_thread(load) \
-        if own_cores(args.hub, str(args.shared_cores)) else load()
+    model, tokenizer, batcher = load_target(load, args.hub, str(args.shared_cores))
     name = args.served_model_name or served_name(args.model)
     context = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
     server = OpenAIServer(batcher, tokenizer, name, args.max_concurrency, context,
