@@ -484,6 +484,42 @@ def test_many_row_products_run_on_the_plain_weights_only_at_the_counts_timed_fas
     assert not layer.plain_rows and not layer.runs_plain(64)
 
 
+def test_few_row_products_run_on_the_plain_weights_up_to_the_count_timed_faster(tiny_dir):
+    """``few_rows_on_plain`` leaves every layer taking the same number of rows on the plain
+    weights, and the model's logits stay the plain model's; a layer sends products of up to
+    that many rows there and reads the prepacked weight for more (short of ``MANY_ROWS``),
+    and a new one-row kernel drops the count."""
+    import torch
+
+    from starhub.models import loading
+
+    plain, both = _plain_twice(tiny_dir)
+    loading.prepack_linears(both, loading.TORCH_ROW)
+    most = loading.few_rows_on_plain(both, rounds=1)
+    assert 1 <= most <= loading.FEW_ROWS
+    assert {m.plain_few for m in loading.onednn_linears(both)} == {most}
+    assert loading.linear_in_use(both) == (
+        "onednn (torch for one row)" if most == 1 else f"onednn (torch for up to {most} rows)")
+    ids = torch.randint(3, 40000, (1, 3), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(both(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+    linear = torch.nn.Linear(48, 40)
+    layer = loading.OneDNNLinear(linear, loading.TORCH_ROW)
+    layer.plain_few = 3
+    doubled = torch.nn.Linear(48, 40)  # the plain copy made to differ, to tell which ran
+    with torch.no_grad():
+        doubled.weight.copy_(2 * linear.weight)
+        doubled.bias.copy_(linear.bias)
+    layer.one_row = doubled.weight.detach()
+    x = torch.randn(6, 48)
+    with torch.inference_mode():
+        for rows in range(1, 7):
+            want = (doubled if rows <= 3 else linear)(x[:rows])
+            torch.testing.assert_close(layer(x[:rows]), want, rtol=1e-5, atol=1e-5)
+    layer.keep_one_row(None)
+    assert layer.plain_few == 1 and not layer.runs_plain(2)
+
+
 def test_single_rows_over_the_whole_transpose_take_one_row_and_leave_more_to_onednn(tiny_dir):
     """``GEMV_ROW`` holds each weight's ``[in, out]`` transpose as one block: one row's
     product runs there and equals the plain layer's, two rows go to the prepacked weight,

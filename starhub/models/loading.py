@@ -284,6 +284,8 @@ def load_model(spec: str = "default", dtype: torch.dtype | str = "auto", device:
         if linear == "auto":
             fastest_one_row(model, whole=one_row_only)
             rows_on_blas(model)
+            if not one_row_only:  # a few rows: a tree's pass, plain steps of a few sessions
+                few_rows_on_plain(model)
             many_rows_on_plain(model)
         two_rows_as_three(model)
         release_weights_file(model)
@@ -407,6 +409,9 @@ class OneDNNLinear(torch.nn.Module):
         """Run a product of two rows as one of three (the third a copy of the first,
         dropped after): where oneDNN's kernel for two rows is slower than for three
         (``two_rows_as_three``)."""
+        self.plain_few = 1
+        """On ``TORCH_ROW``, the most rows whose products run on the plain weight, every
+        count up to it timed faster there than prepacked (``few_rows_on_plain``)."""
         self.plain_rows: frozenset[int] = frozenset()
         """On ``TORCH_ROW``, the counts of ``MANY_ROWS`` whose products run on the plain
         weight too, where PyTorch's own kernel took them faster (``many_rows_on_plain``;
@@ -418,7 +423,7 @@ class OneDNNLinear(torch.nn.Module):
         weight, or for ``BLAS_ROW`` and ``GEMV_ROW`` one already in ``blas_blocks``), or on
         the prepacked weight (None, dropping any plain copy)."""
         self.blocks, self._bias, self.blas_max, self.blas_pad = None, None, 1, {}
-        self.plain_rows = frozenset()
+        self.plain_few, self.plain_rows = 1, frozenset()
         if kernel is None:
             self.one_row = self.one_row_kernel = None
         elif weight is None:
@@ -435,9 +440,9 @@ class OneDNNLinear(torch.nn.Module):
 
     def runs_plain(self, rows: int) -> bool:
         """Whether a product of ``rows`` rows runs on the plain weight (on ``TORCH_ROW``):
-        one row, and from ``MANY_ROWS[0]`` rows on, as the first timed count at or above
-        them (the last beyond them) was decided."""
-        if rows == 1:
+        up to ``plain_few`` rows (one at least), and from ``MANY_ROWS[0]`` rows on, as the
+        first timed count at or above them (the last beyond them) was decided."""
+        if rows <= self.plain_few:
             return True
         if rows < MANY_ROWS[0] or not self.plain_rows:
             return False
@@ -664,6 +669,44 @@ def rows_on_blas(model: torch.nn.Module, rounds: int = 2) -> int:
 
 
 @torch.inference_mode()
+def few_rows_on_plain(model: torch.nn.Module, rounds: int = 3) -> int:
+    """Where layers keep their plain weights for single rows (``TORCH_ROW``), the most rows
+    (up to ``FEW_ROWS``; 1: none more) whose products run at least 5% faster on PyTorch's
+    own kernel over those weights than on the prepacked ones, at every count up to it; the
+    layers are left taking that many there (``OneDNNLinear.plain_few``). A few rows stream
+    the weights as one row does, and on an Intel Xeon the plain kernel streamed them faster
+    for two and three rows (two threads: 28.4 and 30.5 ms for the embedded model's
+    products against 36.9 and 36.4 prepacked) but not for four (48.1 against 36.8); under
+    AVX2 it lost at two already (52.8 against 43.7). Each count timed over the whole model
+    both ways in turn as ``fastest_one_row`` times one row, from two rows up to the first
+    that the plain kernel does not win: about 1 s on the embedded model."""
+    linears = [m for m in onednn_linears(model) if m.one_row_kernel == TORCH_ROW]
+    if not linears:
+        return 1
+    dtype = linears[0].packed.dtype
+    most, times = 1, []
+    for rows in range(2, FEW_ROWS + 1):
+        x = {n: torch.ones(rows, n, dtype=dtype) for n in {m.in_features for m in linears}}
+
+        def run(kernel: str, x=x) -> Callable[[], None]:
+            if kernel == TORCH_ROW:
+                return lambda: [torch.nn.functional.linear(x[m.in_features], m.one_row, m.bias)
+                                for m in linears]
+            return lambda: [m.prepacked(x[m.in_features]) for m in linears]
+
+        best = _best_seconds([TORCH_ROW, "prepacked"], run, rounds)
+        times.append(f"{rows}: {1e3 * best[TORCH_ROW]:.1f}/{1e3 * best['prepacked']:.1f}")
+        if best[TORCH_ROW] >= KERNEL_GAIN * best["prepacked"]:
+            break
+        most = rows
+    for m in linears:
+        m.plain_few = most
+    log.debug("products of a few rows, ms plain / prepacked: %s; %s on the plain weights",
+              ", ".join(times), "one row" if most == 1 else f"up to {most} rows")
+    return most
+
+
+@torch.inference_mode()
 def two_rows_as_three(model: torch.nn.Module, rounds: int = 3) -> bool:
     """Whether the prepacked products of three rows run at least 5% faster than those of
     two here (then two-row products run as three: ``OneDNNLinear.pad_two_rows``). On an AMD
@@ -741,7 +784,8 @@ def linear_in_use(model: torch.nn.Module) -> str:
     linears = onednn_linears(model)
     if not linears:
         return "torch"
-    kernel, rows = linears[0].one_row_kernel, linears[0].blas_max
+    kernel = linears[0].one_row_kernel
+    rows = linears[0].plain_few if kernel == TORCH_ROW else linears[0].blas_max
     if not kernel:
         return "onednn"
     many = [min(m.plain_rows) for m in linears if m.plain_rows]
