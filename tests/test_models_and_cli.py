@@ -181,6 +181,41 @@ def _plain_twice(tiny_dir):
             load_model(str(tiny_dir), linear="torch")[0])
 
 
+def _all_layers_take(packed, plain, most: int, attr: str, kernel: str, tokens: int) -> None:
+    """A timing at load left every layer of ``packed`` taking ``most`` rows (``attr``) on
+    its one-row ``kernel``, as its start-up line says, and the model's logits over
+    ``tokens`` tokens stay the plain model's."""
+    import torch
+
+    from starhub.models.loading import FEW_ROWS, linear_in_use, onednn_linears
+
+    assert 1 <= most <= FEW_ROWS
+    assert {getattr(m, attr) for m in onednn_linears(packed)} == {most}
+    assert linear_in_use(packed) == (f"onednn ({kernel} for one row)" if most == 1
+                                     else f"onednn ({kernel} for up to {most} rows)")
+    ids = torch.randint(3, 40000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def _telling_layer():
+    """``(layer, prepacked, plain)``: a ``TORCH_ROW`` layer whose plain copy is made to
+    differ from its prepacked weight (doubled), and the two as linear layers, to tell which
+    of them a product ran on."""
+    import torch
+
+    from starhub.models.loading import TORCH_ROW, OneDNNLinear
+
+    linear = torch.nn.Linear(48, 40)
+    layer = OneDNNLinear(linear, TORCH_ROW)
+    doubled = torch.nn.Linear(48, 40)
+    with torch.no_grad():
+        doubled.weight.copy_(2 * linear.weight)
+        doubled.bias.copy_(linear.bias)
+    layer.one_row = doubled.weight.detach()
+    return layer, linear, doubled
+
+
 @pytest.mark.parametrize("kernel", ["torch", "blas", "gemv"])
 def test_prepacked_linears_keep_plain_weights_for_single_rows_only_where_asked(tiny_dir, kernel):
     """``--linear auto`` may keep each layer's plain weight for one-row products (a plain
@@ -423,14 +458,8 @@ def test_products_of_a_few_rows_on_the_blas_give_the_prepacked_products_padded_o
 
     plain, packed = _plain_twice(tiny_dir)
     loading.prepack_linears(packed, loading.BLAS_ROW)
-    most = loading.rows_on_blas(packed, rounds=1)
-    assert 1 <= most <= loading.FEW_ROWS
-    assert {m.blas_max for m in loading.onednn_linears(packed)} == {most}
-    assert loading.linear_in_use(packed) == (
-        "onednn (blas for one row)" if most == 1 else f"onednn (blas for up to {most} rows)")
-    ids = torch.randint(3, 40000, (1, 6), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        torch.testing.assert_close(packed(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+    _all_layers_take(packed, plain, loading.rows_on_blas(packed, rounds=1), "blas_max",
+                     "blas", tokens=6)
     for out in (64, 40):  # two blocks of columns; one
         linear = torch.nn.Linear(48, out)
         layer = loading.OneDNNLinear(linear, loading.BLAS_ROW)
@@ -463,14 +492,8 @@ def test_many_row_products_run_on_the_plain_weights_only_at_the_counts_timed_fas
     ids = torch.randint(3, 40000, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         torch.testing.assert_close(both(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
-    linear = torch.nn.Linear(48, 40)
-    layer = loading.OneDNNLinear(linear, loading.TORCH_ROW)
+    layer, linear, doubled = _telling_layer()
     layer.plain_rows = frozenset({48})
-    doubled = torch.nn.Linear(48, 40)  # the plain copy made to differ, to tell which ran
-    with torch.no_grad():
-        doubled.weight.copy_(2 * linear.weight)
-        doubled.bias.copy_(linear.bias)
-    layer.one_row = doubled.weight.detach()
     x = torch.randn(80, 48)
     with torch.inference_mode():
         for rows, on_plain in [(1, True), (2, False), (15, False), (32, False), (33, True),
@@ -495,22 +518,10 @@ def test_few_row_products_run_on_the_plain_weights_up_to_the_count_timed_faster(
 
     plain, both = _plain_twice(tiny_dir)
     loading.prepack_linears(both, loading.TORCH_ROW)
-    most = loading.few_rows_on_plain(both, rounds=1)
-    assert 1 <= most <= loading.FEW_ROWS
-    assert {m.plain_few for m in loading.onednn_linears(both)} == {most}
-    assert loading.linear_in_use(both) == (
-        "onednn (torch for one row)" if most == 1 else f"onednn (torch for up to {most} rows)")
-    ids = torch.randint(3, 40000, (1, 3), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        torch.testing.assert_close(both(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
-    linear = torch.nn.Linear(48, 40)
-    layer = loading.OneDNNLinear(linear, loading.TORCH_ROW)
+    _all_layers_take(both, plain, loading.few_rows_on_plain(both, rounds=1), "plain_few",
+                     "torch", tokens=3)
+    layer, linear, doubled = _telling_layer()
     layer.plain_few = 3
-    doubled = torch.nn.Linear(48, 40)  # the plain copy made to differ, to tell which ran
-    with torch.no_grad():
-        doubled.weight.copy_(2 * linear.weight)
-        doubled.bias.copy_(linear.bias)
-    layer.one_row = doubled.weight.detach()
     x = torch.randn(6, 48)
     with torch.inference_mode():
         for rows in range(1, 7):
