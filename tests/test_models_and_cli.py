@@ -507,11 +507,13 @@ def test_many_row_products_run_on_the_plain_weights_only_at_the_counts_timed_fas
     assert not layer.plain_rows and not layer.runs_plain(64)
 
 
-def test_few_row_products_run_on_the_plain_weights_up_to_the_count_timed_faster(tiny_dir):
+def test_few_row_products_run_on_the_plain_weights_up_to_the_count_timed_faster(tiny_dir,
+                                                                              monkeypatch):
     """``few_rows_on_plain`` leaves every layer taking the same number of rows on the plain
     weights, and the model's logits stay the plain model's; a layer sends products of up to
     that many rows there and reads the prepacked weight for more (short of ``MANY_ROWS``),
-    and a new one-row kernel drops the count."""
+    ``two_rows_as_three`` times none of them where two rows go there, and a new one-row
+    kernel drops the count."""
     import torch
 
     from starhub.models import loading
@@ -520,6 +522,13 @@ def test_few_row_products_run_on_the_plain_weights_up_to_the_count_timed_faster(
     loading.prepack_linears(both, loading.TORCH_ROW)
     _all_layers_take(both, plain, loading.few_rows_on_plain(both, rounds=1), "plain_few",
                      "torch", tokens=3)
+    for m in loading.onednn_linears(both):  # two rows on the plain weights: nothing to time
+        m.plain_few = 2
+
+    def timed(*_):
+        raise AssertionError("two_rows_as_three timed layers that run two rows plain")
+    monkeypatch.setattr(loading, "_best_seconds", timed)
+    assert not loading.two_rows_as_three(both, rounds=1)
     layer, linear, doubled = _telling_layer()
     layer.plain_few = 3
     x = torch.randn(6, 48)
